@@ -1,0 +1,47 @@
+"""Architecture adapters: a registry keyed by model type.
+
+``adapter_for(model)`` returns the :class:`ModelAdapter` registered for the model's class (or a
+base class). Block-level unit descriptions live in a second table keyed by block type
+(:data:`elastic_export.adapters.base.BLOCK_DESCRIBERS`). Importing this package registers all
+built-in adapters.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from elastic_export.adapters.base import (  # noqa: F401
+    HEADS,
+    NEURONS,
+    BlockUnits,
+    InputSpec,
+    LinearRole,
+    UnitGroup,
+    find_blocks,
+)
+from elastic_export.adapters.registry import ADAPTERS, ModelAdapter, register_adapter  # noqa: F401
+from elastic_export.errors import UserError
+
+# Registration side effects: each module adds its adapters and block describers.
+from elastic_export.adapters import timm_vit  # noqa: E402,F401
+from elastic_export.adapters import hf_bert  # noqa: E402,F401
+from elastic_export.adapters import hf_vision  # noqa: E402,F401
+
+
+def supported() -> list[str]:
+    """Human-readable names of every supported architecture."""
+    return sorted({a.label for a in ADAPTERS.values()})
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """The adapter registered for ``type(model)`` or its nearest registered base class.
+
+    Raises:
+        UserError: the model type is not supported; the message lists what is.
+    """
+    for cls in type(model).__mro__:
+        if cls in ADAPTERS:
+            return ADAPTERS[cls]
+    raise UserError(
+        f"unsupported architecture {type(model).__name__}; supported: {', '.join(supported())}"
+    )

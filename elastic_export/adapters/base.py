@@ -1,0 +1,138 @@
+"""What every adapter returns: the prunable units of each block and how they sit in the weights.
+
+An adapter never changes a model. It only *describes* it: which ``nn.Linear`` layers produce a
+block's units (their output features) and which one consumes them (its input features), how many
+units there are and how wide each is. The scoring, masking, slicing and export stages all work
+from this description, so a new architecture only needs a new description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+NEURONS = "neurons"
+HEADS = "heads"
+
+
+@dataclass
+class LinearRole:
+    """How one ``nn.Linear`` relates to a group of units.
+
+    Args:
+        linear: the layer.
+        side: ``"out"`` when units index its output features (fc1, q/k/v), ``"in"`` when they index
+            its input features (fc2, the attention output projection).
+        groups: packed copies of the unit axis along that side (fused qkv: 3, packed GLU fc1: 2).
+        name: dotted parameter prefix of the layer inside the exported module (``...weight``).
+    """
+
+    linear: nn.Linear
+    side: str
+    groups: int = 1
+    name: str = ""
+
+
+@dataclass
+class UnitGroup:
+    """All units of one kind in one block: the MLP neurons or the attention heads.
+
+    Args:
+        kind: ``"neurons"`` or ``"heads"``.
+        count: number of units.
+        width: features per unit (1 for a neuron, head_dim for a head).
+        producers: layers whose output features are the units (side ``"out"``).
+        consumer: the layer whose input features are the units (side ``"in"``); masks multiply its input.
+        module: the sub-module that owns the units (attention or MLP), used by the torch slicer.
+        swiglu: MLP with a gate and an up projection (cost 6·D·N per neuron instead of 4·D·N).
+        resize: called with the new unit count after the torch slicer cut the weights, to update
+            attributes such as ``num_heads`` (and to bypass the sub-block when the count is 0).
+    """
+
+    kind: str
+    count: int
+    width: int
+    producers: list[LinearRole]
+    consumer: LinearRole
+    module: nn.Module
+    swiglu: bool = False
+    resize: Callable[[int], None] | None = None
+
+    @property
+    def roles(self) -> list[LinearRole]:
+        return [*self.producers, self.consumer]
+
+
+@dataclass
+class BlockUnits:
+    """The prunable units of one transformer block."""
+
+    index: int
+    heads: UnitGroup
+    neurons: UnitGroup
+    block: nn.Module
+
+    def group(self, kind: str) -> UnitGroup:
+        return self.heads if kind == HEADS else self.neurons
+
+
+# --- block table: block module type -> function describing its units --------------------------
+BlockDescriber = Callable[[nn.Module], tuple[UnitGroup, UnitGroup]]
+BLOCK_DESCRIBERS: dict[type, BlockDescriber] = {}
+
+
+def register_block(*types: type) -> Callable[[BlockDescriber], BlockDescriber]:
+    """Register a function that returns ``(heads, neurons)`` for blocks of the given types."""
+
+    def deco(fn: BlockDescriber) -> BlockDescriber:
+        for t in types:
+            BLOCK_DESCRIBERS[t] = fn
+        return fn
+
+    return deco
+
+
+def find_blocks(model: nn.Module) -> list[BlockUnits]:
+    """Every registered block inside ``model``, in module order, with parameter names filled in."""
+    names = {m: n for n, m in model.named_modules()}
+    blocks: list[BlockUnits] = []
+    for module in model.modules():
+        fn = BLOCK_DESCRIBERS.get(type(module))
+        if fn is None:
+            continue
+        heads, neurons = fn(module)
+        for group in (heads, neurons):
+            for role in group.roles:
+                role.name = names[role.linear]
+        blocks.append(BlockUnits(len(blocks), heads, neurons, module))
+    return blocks
+
+
+def unsupported_option(what: str, model_name: str) -> None:
+    from elastic_export.errors import UserError
+
+    raise UserError(f"{model_name}: {what} is not supported (its units cannot be sliced one by one)")
+
+
+@dataclass
+class InputSpec:
+    """One model input: name, dtype (numpy name) and shape with symbolic dims as strings."""
+
+    name: str
+    dtype: str
+    shape: list = field(default_factory=list)
+
+
+def linear_in(module: nn.Module) -> int:
+    return module.in_features
+
+
+def check_identity(module: nn.Module | None) -> bool:
+    return module is None or isinstance(module, nn.Identity)
+
+
+def zeros_like_tokens(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x.new_zeros(*x.shape[:-1], width)

@@ -1,0 +1,116 @@
+"""Hugging Face vision encoders: ``ViTModel`` and ``Dinov2Model`` (plain MLP or SwiGLU, layer scale)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Dinov2Model, ViTModel
+from transformers.models.dinov2.modeling_dinov2 import Dinov2Layer, Dinov2SwiGLUFFN
+from transformers.models.vit.modeling_vit import ViTLayer
+
+from elastic_export.adapters.base import HEADS, NEURONS, InputSpec, LinearRole, UnitGroup, register_block
+from elastic_export.adapters.registry import ModelAdapter, register_adapter
+
+
+def _no_heads_forward(attn: nn.Module):
+    """Forward of an attention that kept 0 heads: the output projection's bias at every token."""
+
+    def forward(hidden_states, *args, **kwargs):
+        out = attn.o_proj.bias.expand(*hidden_states.shape[:-1], -1) if attn.o_proj.bias is not None else (
+            hidden_states.new_zeros(*hidden_states.shape[:-1], attn.o_proj.out_features))
+        return out, None
+
+    return forward
+
+
+def _hf_heads(attn: nn.Module) -> UnitGroup:
+    def resize(n: int) -> None:
+        attn.num_attention_heads = n
+        if n == 0:
+            attn.forward = _no_heads_forward(attn)
+
+    return UnitGroup(
+        kind=HEADS,
+        count=attn.num_attention_heads,
+        width=attn.head_dim,
+        producers=[LinearRole(attn.q_proj, "out"), LinearRole(attn.k_proj, "out"), LinearRole(attn.v_proj, "out")],
+        consumer=LinearRole(attn.o_proj, "in"),
+        module=attn,
+        resize=resize,
+    )
+
+
+def _hf_neurons(mlp: nn.Module) -> UnitGroup:
+    if isinstance(mlp, Dinov2SwiGLUFFN):
+        return UnitGroup(
+            kind=NEURONS,
+            count=mlp.down_proj.in_features,
+            width=1,
+            producers=[LinearRole(mlp.gate_proj, "out"), LinearRole(mlp.up_proj, "out")],
+            consumer=LinearRole(mlp.down_proj, "in"),
+            module=mlp,
+            swiglu=True,
+        )
+    return UnitGroup(
+        kind=NEURONS,
+        count=mlp.fc2.in_features,
+        width=1,
+        producers=[LinearRole(mlp.fc1, "out")],
+        consumer=LinearRole(mlp.fc2, "in"),
+        module=mlp,
+    )
+
+
+@register_block(ViTLayer, Dinov2Layer)
+def describe_hf_vision_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
+    return _hf_heads(layer.attention), _hf_neurons(layer.mlp)
+
+
+class _VisionExport(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor):
+        out = self.model(pixel_values=pixel_values)
+        if getattr(out, "pooler_output", None) is None:
+            return (out.last_hidden_state,)
+        return out.last_hidden_state, out.pooler_output
+
+
+@register_adapter(ViTModel, Dinov2Model)
+class HFVisionAdapter(ModelAdapter):
+    """Hugging Face ``ViTModel`` and ``Dinov2Model``."""
+
+    label = "Hugging Face ViTModel / Dinov2Model"
+    modality = "image"
+
+    def width(self, model: nn.Module) -> int:
+        return model.config.hidden_size
+
+    def image_size(self, model: nn.Module) -> tuple[int, int]:
+        s = model.config.image_size
+        return (s, s) if isinstance(s, int) else tuple(s)
+
+    def tokens(self, model: nn.Module, seq_len: int) -> int:
+        h, w = self.image_size(model)
+        p = model.config.patch_size
+        p = (p, p) if isinstance(p, int) else p
+        return (h // p[0]) * (w // p[1]) + 1
+
+    def input_specs(self, model: nn.Module) -> list[InputSpec]:
+        h, w = self.image_size(model)
+        return [InputSpec("pixel_values", "float32", ["batch", model.config.num_channels, h, w])]
+
+    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
+        pooled = isinstance(model, Dinov2Model) or getattr(model, "pooler", None) is not None
+        return ["last_hidden_state"] + (["pooler_output"] if pooled else [])
+
+    def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
+        return _VisionExport(model)
+
+    def sample_inputs(self, model: nn.Module, batch: int, seq_len: int, generator: torch.Generator) -> dict:
+        (h, w), c = self.image_size(model), model.config.num_channels
+        return {"pixel_values": torch.randn(batch, c, h, w, generator=generator)}

@@ -1,0 +1,55 @@
+"""The model-level adapter interface and its registry (keyed by model class)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from elastic_export.adapters.base import InputSpec
+
+ADAPTERS: dict[type, "ModelAdapter"] = {}
+
+
+class ModelAdapter:
+    """How to drive one family of encoders: inputs, outputs, token count.
+
+    Subclasses set ``label`` and ``modality`` and implement the methods below.
+    """
+
+    label: str = ""
+    modality: str = ""  # "text" or "image"
+
+    def width(self, model: nn.Module) -> int:
+        """Model width D."""
+        raise NotImplementedError
+
+    def tokens(self, model: nn.Module, seq_len: int) -> int:
+        """Nominal token count N used for FLOP accounting."""
+        raise NotImplementedError
+
+    def input_specs(self, model: nn.Module) -> list[InputSpec]:
+        raise NotImplementedError
+
+    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
+        """A module whose ``forward(*inputs)`` (in :meth:`input_specs` order) returns a tuple of
+        outputs (in :meth:`output_names` order)."""
+        raise NotImplementedError
+
+    def sample_inputs(self, model: nn.Module, batch: int, seq_len: int, generator: torch.Generator) -> dict:
+        """Random but valid inputs (text rows get varied padding)."""
+        raise NotImplementedError
+
+
+def register_adapter(*types: type) -> Callable[[type[ModelAdapter]], type[ModelAdapter]]:
+    def deco(cls: type[ModelAdapter]) -> type[ModelAdapter]:
+        inst = cls()
+        for t in types:
+            ADAPTERS[t] = inst
+        return cls
+
+    return deco

@@ -1,0 +1,133 @@
+"""timm ``VisionTransformer``: fused qkv, class / register tokens, Mlp / SwiGLU / GluMlp, layer scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_export.adapters.base import (
+    HEADS,
+    NEURONS,
+    InputSpec,
+    LinearRole,
+    UnitGroup,
+    check_identity,
+    register_block,
+    unsupported_option,
+)
+from elastic_export.adapters.registry import ModelAdapter, register_adapter
+
+try:  # timm is a hard dependency, but keep the import error readable
+    from timm.layers import Attention as TimmAttention
+    from timm.layers import GluMlp, Mlp, SwiGLU
+    from timm.models.vision_transformer import Block as TimmBlock
+    from timm.models.vision_transformer import VisionTransformer
+except ImportError:  # pragma: no cover
+    raise
+
+
+def _timm_heads(attn: nn.Module) -> UnitGroup:
+    if not isinstance(attn, TimmAttention):
+        unsupported_option(f"attention type {type(attn).__name__}", "timm ViT")
+    if not check_identity(attn.norm):
+        unsupported_option("attention scale_norm", "timm ViT")
+    if getattr(attn, "gate", None) is not None:
+        unsupported_option("gated attention", "timm ViT")
+
+    def resize(n: int) -> None:
+        attn.num_heads = n
+        attn.attn_dim = n * attn.head_dim
+
+    return UnitGroup(
+        kind=HEADS,
+        count=attn.num_heads,
+        width=attn.head_dim,
+        producers=[LinearRole(attn.qkv, "out", groups=3)],
+        consumer=LinearRole(attn.proj, "in"),
+        module=attn,
+        resize=resize,
+    )
+
+
+def _timm_neurons(mlp: nn.Module) -> UnitGroup:
+    if not check_identity(getattr(mlp, "norm", None)):
+        unsupported_option("an MLP hidden norm", "timm ViT")
+    if isinstance(mlp, SwiGLU):
+        producers = [LinearRole(mlp.fc1_g, "out"), LinearRole(mlp.fc1_x, "out")]
+        count, swiglu = mlp.fc2.in_features, True
+    elif isinstance(mlp, GluMlp):
+        producers = [LinearRole(mlp.fc1, "out", groups=2)]
+        count, swiglu = mlp.fc2.in_features, True
+    elif isinstance(mlp, Mlp):
+        producers = [LinearRole(mlp.fc1, "out")]
+        count, swiglu = mlp.fc2.in_features, False
+    else:
+        unsupported_option(f"MLP type {type(mlp).__name__}", "timm ViT")
+    for role in producers:
+        if not isinstance(role.linear, nn.Linear):
+            unsupported_option("a convolutional MLP", "timm ViT")
+    return UnitGroup(
+        kind=NEURONS,
+        count=count,
+        width=1,
+        producers=producers,
+        consumer=LinearRole(mlp.fc2, "in"),
+        module=mlp,
+        swiglu=swiglu,
+    )
+
+
+@register_block(TimmBlock)
+def describe_timm_block(block: nn.Module) -> tuple[UnitGroup, UnitGroup]:
+    return _timm_heads(block.attn), _timm_neurons(block.mlp)
+
+
+class _TimmExport(nn.Module):
+    def __init__(self, model: nn.Module, with_logits: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.with_logits = with_logits
+
+    def forward(self, pixel_values: torch.Tensor):
+        tokens = self.model.forward_features(pixel_values)
+        pooled = self.model.forward_head(tokens, pre_logits=True)
+        if self.with_logits:
+            return tokens, pooled, self.model.get_classifier()(pooled)
+        return tokens, pooled
+
+
+@register_adapter(VisionTransformer)
+class TimmViTAdapter(ModelAdapter):
+    """timm ``VisionTransformer`` (ViT, DeiT, ViT with registers, SwiGLU ViT, layer-scale ViT)."""
+
+    label = "timm VisionTransformer (vit_*, deit_*, *_reg*, SwiGLU, layer scale)"
+    modality = "image"
+
+    def width(self, model: nn.Module) -> int:
+        return model.embed_dim
+
+    def image_size(self, model: nn.Module) -> tuple[int, int]:
+        return tuple(model.patch_embed.img_size)
+
+    def tokens(self, model: nn.Module, seq_len: int) -> int:
+        return model.patch_embed.num_patches + model.num_prefix_tokens
+
+    def input_specs(self, model: nn.Module) -> list[InputSpec]:
+        h, w = self.image_size(model)
+        return [InputSpec("pixel_values", "float32", ["batch", 3, h, w])]
+
+    def _has_logits(self, model: nn.Module) -> bool:
+        return getattr(model, "num_classes", 0) > 0
+
+    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
+        names = ["last_hidden_state", "pooler_output"]
+        return names + (["logits"] if self._has_logits(model) else [])
+
+    def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
+        return _TimmExport(model, self._has_logits(model))
+
+    def sample_inputs(self, model: nn.Module, batch: int, seq_len: int, generator: torch.Generator) -> dict:
+        h, w = self.image_size(model)
+        return {"pixel_values": torch.randn(batch, 3, h, w, generator=generator)}

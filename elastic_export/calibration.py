@@ -1,0 +1,217 @@
+"""Calibration data: batches of model inputs for the ranking stage.
+
+Sources, by modality:
+
+* text: a ``.txt`` file (one passage per line), a ``.jsonl`` file (``{"text": ...}`` per line, or
+  ``query`` / ``doc`` fields, or bare strings), or by default paragraphs of the Python reference
+  carried by the interpreter (``pydoc_data.topics``), so nothing is downloaded;
+* image: a directory of images (class sub-folders allowed), preprocessed with the model's own
+  mean / std / size; by default deterministic synthetic images (smooth random colour fields).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from elastic_export.encoder import Encoder
+from elastic_export.errors import UserError
+
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+@dataclass
+class Calibration:
+    """Input batches plus a description that goes into the ranking file."""
+
+    batches: list[dict[str, torch.Tensor]]
+    description: dict = field(default_factory=dict)
+
+
+def default_texts() -> list[str]:
+    """Paragraphs of the Python language reference shipped with the interpreter, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in sorted(topics):
+        for para in topics[key].split("\n\n"):
+            text = " ".join(para.split())
+            if len(text) >= 80:
+                out.append(text)
+    return out
+
+
+def _spread(items: list, size: int) -> list:
+    """``size`` items evenly spaced over ``items`` (deterministic)."""
+    if len(items) <= size:
+        return list(items)
+    step = len(items) / size
+    return [items[int(i * step)] for i in range(size)]
+
+
+def _read_text_file(path: Path) -> list[str]:
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"--calib {path}: not UTF-8 text (text models take .txt or .jsonl calibration files)")
+    except OSError as e:
+        raise UserError(f"--calib {path}: unreadable ({e.strerror or e})")
+    texts: list[str] = []
+    if path.suffix.lower() in (".jsonl", ".json"):
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                raise UserError(f"--calib {path}:{n}: not a JSON line")
+            if isinstance(obj, str):
+                texts.append(obj)
+            elif isinstance(obj, dict):
+                texts.extend(str(obj[k]) for k in ("text", "query", "doc") if isinstance(obj.get(k), str))
+    else:
+        texts = [line.strip() for line in raw.splitlines()]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise UserError(f"--calib {path}: no text found (one passage per line, or JSONL with a 'text' field)")
+    return texts
+
+
+def _text_batches(encoder: Encoder, texts: list[str], batch_size: int) -> list[dict[str, torch.Tensor]]:
+    names = [s.name for s in encoder.input_specs()]
+    batches = []
+    for i in range(0, len(texts), batch_size):
+        chunk = texts[i : i + batch_size]
+        if encoder.tokenizer is not None:
+            enc = encoder.tokenizer(
+                chunk, padding="longest", truncation=True, max_length=encoder.seq_len, return_tensors="pt"
+            )
+            feeds = {n: enc[n].long() if n in enc else torch.zeros_like(enc["input_ids"]) for n in names}
+        else:  # no tokenizer in the model directory: hash words into the vocabulary
+            vocab = encoder.module.config.vocab_size
+            rows = [[1 + (hash_word(w) % (vocab - 1)) for w in t.split()][: encoder.seq_len] or [1] for t in chunk]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, row in enumerate(rows):
+                ids[r, : len(row)] = torch.tensor(row)
+                mask[r, : len(row)] = 1
+            feeds = {"input_ids": ids, "attention_mask": mask}
+            if "token_type_ids" in names:
+                feeds["token_type_ids"] = torch.zeros_like(ids)
+        batches.append(feeds)
+    return batches
+
+
+def hash_word(word: str) -> int:
+    """A stable (process-independent) hash of a word."""
+    h = 2166136261
+    for ch in word.encode():
+        h = ((h ^ ch) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def _image_files(path: Path) -> list[Path]:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTS)
+    if not files:
+        raise UserError(f"--calib {path}: no image files found (.jpg, .png, ...)")
+    return files
+
+
+def _preprocess(img, cfg: dict) -> torch.Tensor:
+    _, h, w = cfg["input_size"]
+    crop_pct = cfg.get("crop_pct", 1.0) or 1.0
+    img = img.convert("RGB")
+    scale = int(math.floor(min(h, w) / crop_pct))
+    iw, ih = img.size
+    r = scale / min(iw, ih)
+    img = img.resize((max(1, round(iw * r)), max(1, round(ih * r))))
+    iw, ih = img.size
+    left, top = (iw - w) // 2, (ih - h) // 2
+    img = img.crop((left, top, left + w, top + h))
+    t = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1).float() / 255
+    mean = torch.tensor(cfg["mean"]).view(3, 1, 1)
+    std = torch.tensor(cfg["std"]).view(3, 1, 1)
+    return (t - mean) / std
+
+
+def _image_tensors(path: Path, cfg: dict, size: int) -> tuple[list[torch.Tensor], int]:
+    from PIL import Image
+
+    out, failed = [], 0
+    for f in _spread(_image_files(path), size):
+        try:
+            with Image.open(f) as img:
+                out.append(_preprocess(img, cfg))
+        except Exception:
+            failed += 1
+    if not out:
+        raise UserError(f"--calib {path}: none of the images could be decoded ({failed} failed)")
+    return out, failed
+
+
+def synthetic_images(cfg: dict, size: int, seed: int) -> list[torch.Tensor]:
+    """Deterministic smooth random colour fields, normalised like real inputs."""
+    g = torch.Generator().manual_seed(seed)
+    _, h, w = cfg["input_size"]
+    mean = torch.tensor(cfg["mean"]).view(3, 1, 1)
+    std = torch.tensor(cfg["std"]).view(3, 1, 1)
+    out = []
+    for _ in range(size):
+        coarse = torch.rand(1, 3, 4, 4, generator=g)
+        fine = torch.rand(1, 3, 16, 16, generator=g)
+        img = 0.7 * F.interpolate(coarse, size=(h, w), mode="bilinear") + 0.3 * F.interpolate(
+            fine, size=(h, w), mode="bilinear"
+        )
+        out.append((img[0] - mean) / std)
+    return out
+
+
+def load_calibration(
+    encoder: Encoder, path: str | None = None, size: int = 64, batch_size: int = 16, seed: int = 0
+) -> Calibration:
+    """Calibration batches for ``encoder``.
+
+    Args:
+        encoder: the model (decides modality and preprocessing).
+        path: text / JSONL file or image directory; None for the built-in default.
+        size: number of samples.
+        batch_size: samples per batch.
+        seed: for synthetic data.
+
+    Raises:
+        UserError: missing, empty, unreadable or wrong-modality data.
+    """
+    if size < 1:
+        raise UserError(f"--calib-size must be positive, got {size}")
+    p = Path(path) if path else None
+    if p is not None and not p.exists():
+        raise UserError(f"--calib {path}: no such file or directory")
+    if encoder.modality == "text":
+        if p is None:
+            texts, desc = default_texts(), {"source": "pydoc_data.topics (Python reference)"}
+        elif p.is_dir():
+            raise UserError(f"--calib {path}: a directory; text models take a .txt or .jsonl file")
+        else:
+            texts, desc = _read_text_file(p), {"source": str(p)}
+        texts = _spread(texts, size)
+        desc.update(samples=len(texts), seq_len=encoder.seq_len, tokenizer=encoder.tokenizer is not None)
+        return Calibration(_text_batches(encoder, texts, batch_size), desc)
+    cfg = encoder.data_config
+    if p is None:
+        images, desc = synthetic_images(cfg, size, seed), {"source": "synthetic colour fields", "seed": seed}
+    elif not p.is_dir():
+        raise UserError(f"--calib {path}: image models take a directory of images")
+    else:
+        images, failed = _image_tensors(p, cfg, size)
+        desc = {"source": str(p), "failed_to_decode": failed}
+    desc.update(samples=len(images), input_size=list(cfg["input_size"]))
+    batches = [
+        {"pixel_values": torch.stack(images[i : i + batch_size])} for i in range(0, len(images), batch_size)
+    ]
+    return Calibration(batches, desc)

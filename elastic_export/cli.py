@@ -1,0 +1,204 @@
+"""``elastic-export``: the command line (click).
+
+``elastic-export [OPTIONS]`` runs the whole pipeline; subcommands run single stages.
+Exit codes: 0 success, 2 bad input (one line on stderr, no traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from elastic_export.budgets import parse_budgets
+from elastic_export.errors import UserError
+
+DEFAULT_BUDGETS = "0.1..0.6"
+
+
+def _echo(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+# --- option groups shared by several commands (Polygraphy-style argument groups) ---------------
+def model_options(fn):
+    """--model, --pretrained/--no-pretrained, --seq-len, --image-size, --trust-remote-code."""
+    opts = [
+        click.option("--model", "model", default=None, metavar="PATH_OR_TIMM_NAME",
+                     help="Local Hugging Face model directory or timm model name (default: embedded all-MiniLM-L6-v2)."),
+        click.option("--pretrained/--no-pretrained", default=True, show_default=True,
+                     help="timm names: load pretrained weights (needs a download) or use random initialisation."),
+        click.option("--seq-len", type=int, default=128, show_default=True, help="Text: nominal token count N for FLOPs."),
+        click.option("--image-size", type=int, default=None, help="timm names: input resolution."),
+        click.option("--trust-remote-code", is_flag=True, default=False,
+                     help="Allow model code shipped inside a Hugging Face directory (off by default)."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def ranking_options(fn):
+    """--method, --calib, --calib-size, --seed, --device."""
+    from elastic_export.scoring import METHODS
+
+    opts = [
+        click.option("--method", default="initial", show_default=True,
+                     help=f"Ranking method: {', '.join(sorted(METHODS))}."),
+        click.option("--calib", default=None, metavar="PATH",
+                     help="Calibration data: .txt / .jsonl (text) or an image directory (default: built in)."),
+        click.option("--calib-size", type=int, default=64, show_default=True, help="Calibration samples."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--device", default="cpu", show_default=True, help="Device for ranking: cpu or cuda."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def export_options(fn):
+    """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify."""
+    opts = [
+        click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
+                     help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
+        click.option("--out", default="elastic-out", show_default=True, type=click.Path(), help="Artifact directory."),
+        click.option("--ranking", default=None, metavar="FILE", help="Reuse a ranking file instead of ranking again."),
+        click.option("--align", type=int, default=1, show_default=True,
+                     help="Round per-layer neuron counts to multiples of K."),
+        click.option("--overwrite", is_flag=True, default=False,
+                     help="Replace an --out directory that holds other files."),
+        click.option("--verify/--no-verify", default=True, show_default=True,
+                     help="Check every budget's ONNX against the hard-masked torch model."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _run_main_job(**kw) -> None:
+    from elastic_export.pipeline import Options, run
+
+    budgets = parse_budgets(kw.pop("budgets"))
+    opts = Options(budgets=tuple(budgets), **kw)
+    manifest = run(opts, echo=_echo)
+    _print_budget_table(manifest, Path(opts.out))
+
+
+def _print_budget_table(manifest: dict, out: Path) -> None:
+    rows = [("budget", "achieved", "GFLOPs", "params", "max err", "file")]
+    d = manifest["dense"]
+    rows.append(("dense", "0.0000", f"{d['gflops']:.3f}", f"{d['params'] / 1e6:.2f}M", "-", d["onnx"]))
+    for b in manifest["budgets"]:
+        err = "-" if b.get("max_abs_error") is None else f"{b['max_abs_error']:.1e}"
+        rows.append((f"{b['sparsity']:.2f}", f"{b['achieved_sparsity']:.4f}", f"{b['gflops']:.3f}",
+                     f"{b['params'] / 1e6:.2f}M", err, b["onnx"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    click.echo(f"wrote {out / 'manifest.json'}")
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@model_options
+@ranking_options
+@export_options
+@click.version_option(package_name="elastic-export")
+@click.pass_context
+def cli(ctx, **kw):
+    """Make a transformer encoder elastic: rank every MLP neuron and attention head on one FLOP
+    scale, then write one sliced ONNX model per compute budget.
+
+    Without a subcommand, runs the whole pipeline on --model (default: all-MiniLM-L6-v2).
+    """
+    if ctx.invoked_subcommand is None:
+        _run_main_job(**kw)
+
+
+@cli.command("run")
+@model_options
+@ranking_options
+@export_options
+def run_cmd(**kw):
+    """Run the whole pipeline (same as no subcommand)."""
+    _run_main_job(**kw)
+
+
+@cli.command("export")
+@model_options
+@ranking_options
+@export_options
+def export_cmd(**kw):
+    """Export the dense ONNX and one ONNX per budget (ranks first unless --ranking is given)."""
+    _run_main_job(**kw)
+
+
+@cli.command("inspect")
+@model_options
+def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code):
+    """Print per-layer neurons, heads, unit costs, GFLOPs and parameters."""
+    from elastic_export.inventory import build_inventory
+    from elastic_export.loader import load_encoder
+
+    enc = load_encoder(model, pretrained=pretrained, seq_len=seq_len, image_size=image_size,
+                       trust_remote_code=trust_remote_code)
+    inv = build_inventory(enc)
+    click.echo(f"model: {enc.source}  ({enc.architecture}, {enc.modality})")
+    click.echo(f"tokens N={inv.tokens}  width D={inv.width}")
+    head = ("layer", "heads", "head_dim", "neurons", "MLP", "head FLOPs", "neuron FLOPs", "layer GFLOPs")
+    rows = [head] + [
+        (str(L.index), str(L.heads), str(L.head_dim), str(L.neurons), "SwiGLU" if L.swiglu else "plain",
+         f"{L.head_cost:,}", f"{L.neuron_cost:,}", f"{L.flops / 1e9:.4f}")
+        for L in inv.layers
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        click.echo("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    click.echo(f"prunable GFLOPs: {inv.prunable_flops / 1e9:.4f}")
+    click.echo(f"total GFLOPs:    {inv.total_flops / 1e9:.4f}")
+    click.echo(f"params:          {inv.total_params:,}")
+
+
+@cli.command("rank")
+@model_options
+@ranking_options
+@click.option("--out", default="ranking.safetensors", show_default=True, type=click.Path(), help="Ranking file.")
+def rank_cmd(out, **kw):
+    """Rank every unit and write the ranking file."""
+    from elastic_export.inventory import build_inventory
+    from elastic_export.loader import load_encoder
+    from elastic_export.pipeline import Options, rank_encoder
+    from elastic_export.ranking import save_ranking
+
+    model_kw = {k: kw.pop(k) for k in ("model", "pretrained", "seq_len", "image_size", "trust_remote_code")}
+    enc = load_encoder(model_kw.pop("model"), **model_kw)
+    inv = build_inventory(enc)
+    opts = Options(**kw)
+    ranking = rank_encoder(enc, inv, opts, _echo)
+    save_ranking(ranking, out)
+    click.echo(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: maps bad input to one line and exit code 2."""
+    try:
+        cli.main(args=argv, prog_name="elastic-export", standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.NoArgsIsHelpError as e:  # pragma: no cover - click >= 8.2
+        click.echo(e.ctx.get_help() if e.ctx else str(e))
+        sys.exit(0)
+    except click.UsageError as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(2)
+    sys.exit(0)

@@ -1,0 +1,8 @@
+"""The one exception type that means "the user gave us something we cannot use"."""
+
+
+class UserError(Exception):
+    """Bad input. The CLI prints ``error: <message>`` on one line and exits with code 2.
+
+    The message names the problem and, where there is one, the fix.
+    """

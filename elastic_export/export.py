@@ -1,0 +1,240 @@
+"""Dense export: the rank-permuted dense model to ONNX, once, with a map of its units.
+
+The exported graph computes exactly what the original model computes (units are only reordered).
+Afterwards every prunable weight is renamed to its torch parameter name (found by value, so the
+exporter's own naming does not matter) and the graph carries, in ``metadata_props``
+(``elastic_export.units``), where each layer's units live: weight and bias initializers with the
+unit axis, the MatMul / Add nodes, and the attention Reshape nodes. The passes read only that.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from elastic_export.adapters import HEADS, NEURONS, find_blocks
+from elastic_export.encoder import Encoder
+from elastic_export.errors import UserError
+from elastic_export.ranking import Ranking
+from elastic_export.reference import permute_units
+
+OPSET = 17
+UNITS_KEY = "elastic_export.units"
+PASS_THROUGH = {"Identity", "Cast", "Dropout"}
+
+
+def permuted_module(encoder: Encoder, ranking: Ranking) -> torch.nn.Module:
+    """A copy of the model with every layer's units in rank order."""
+    module = copy.deepcopy(encoder.module)
+    permute_units(find_blocks(module), ranking)
+    return module
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes() + str(a.shape).encode()).hexdigest()
+
+
+class _Graph:
+    """Small index over an ONNX graph for the post-export analysis."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        g = model.graph
+        self.inits = {t.name: t for t in g.initializer}
+        self.producer = {o: n for n in g.node for o in n.output}
+        self.consumers: dict[str, list] = {}
+        for n in g.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+
+    def rename_input(self, node, old: str, new: str) -> None:
+        for k, name in enumerate(node.input):
+            if name == old:
+                node.input[k] = new
+        self.consumers.setdefault(new, []).append(node)
+        self.consumers[old] = [n for n in self.consumers.get(old, []) if n is not node]
+
+    def const(self, name: str) -> np.ndarray | None:
+        """Value of an initializer or Constant output (through Identity chains), else None."""
+        for _ in range(8):
+            n = self.producer.get(name)
+            if n is None or n.op_type != "Identity":
+                break
+            name = n.input[0]
+        if name in self.inits:
+            return numpy_helper.to_array(self.inits[name])
+        n = self.producer.get(name)
+        if n is not None and n.op_type == "Constant":
+            return numpy_helper.to_array(n.attribute[0].t)
+        return None
+
+    def add_init(self, array: np.ndarray, name: str) -> None:
+        t = numpy_helper.from_array(array, name)
+        self.model.graph.initializer.append(t)
+        self.inits[name] = t
+
+
+def _own_weight(g: _Graph, by_digest: dict, W: torch.Tensor, name: str) -> tuple:
+    """Find the initializer holding ``W`` (as W^T for MatMul or W for Gemm), give it ``name``
+    and return (matmul_node, axis_of_output_features)."""
+    w = W.detach().cpu().numpy()
+    for arr, out_axis in ((w.T, 1), (w, 0)):
+        hit = by_digest.get(_digest(arr))
+        if hit is None:
+            continue
+        users = [n for n in g.consumers.get(hit, []) if n.op_type in ("MatMul", "Gemm")]
+        if not users:
+            continue
+        node = users[0]
+        if node.op_type == "Gemm":
+            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            if (out_axis == 0) != bool(trans_b):
+                continue
+        g.add_init(arr.copy(), name)
+        g.rename_input(node, hit, name)
+        return node, out_axis
+    raise UserError(f"dense export: could not find the weight {name} in the exported graph (unsupported pattern)")
+
+
+def _bias_after(g: _Graph, node, bias: torch.Tensor | None, name: str) -> tuple[str | None, str]:
+    """The Add that applies ``bias`` after ``node``: (add node name or None, output tensor name)."""
+    out = node.output[0]
+    if node.op_type == "Gemm" or bias is None:
+        if node.op_type == "Gemm" and len(node.input) > 2:
+            g.add_init(g.const(node.input[2]).copy(), name)
+            g.rename_input(node, node.input[2], name)
+        return None, out
+    b = bias.detach().cpu().numpy()
+    for add in g.consumers.get(out, []):
+        if add.op_type != "Add":
+            continue
+        other = [i for i in add.input if i != out][0]
+        value = g.const(other)
+        if value is not None and value.shape == b.shape and np.array_equal(value, b):
+            g.add_init(value.copy(), name)
+            g.rename_input(add, other, name)
+            return add.name, add.output[0]
+    raise UserError(f"dense export: could not find the bias {name} after {node.name} (unsupported pattern)")
+
+
+def _next_reshape(g: _Graph, tensor: str) -> str:
+    for _ in range(4):
+        users = g.consumers.get(tensor, [])
+        for n in users:
+            if n.op_type == "Reshape":
+                return n.name
+        through = [n for n in users if n.op_type in PASS_THROUGH]
+        if not through:
+            break
+        tensor = through[0].output[0]
+    raise UserError(f"dense export: no head-split Reshape after {tensor} (unsupported attention pattern)")
+
+
+def _prev_reshape(g: _Graph, tensor: str) -> str:
+    for _ in range(4):
+        n = g.producer.get(tensor)
+        if n is None:
+            break
+        if n.op_type == "Reshape":
+            return n.name
+        if n.op_type not in PASS_THROUGH:
+            break
+        tensor = n.input[0]
+    raise UserError(f"dense export: no head-merge Reshape before {tensor} (unsupported attention pattern)")
+
+
+def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
+    g = _Graph(model)
+    by_digest: dict[str, str] = {}
+    for t in model.graph.initializer:
+        arr = numpy_helper.to_array(t)
+        if arr.ndim == 2:
+            by_digest.setdefault(_digest(arr), t.name)
+    layers = []
+    for b in find_blocks(module):
+        entry = {}
+        for kind in (HEADS, NEURONS):
+            grp = b.group(kind)
+            producers = []
+            for role in grp.producers:
+                mm, out_axis = _own_weight(g, by_digest, role.linear.weight, f"{role.name}.weight")
+                add, out = _bias_after(g, mm, role.linear.bias, f"{role.name}.bias")
+                p = {"weight": f"{role.name}.weight", "axis": out_axis, "groups": role.groups,
+                     "bias": f"{role.name}.bias" if role.linear.bias is not None else None, "matmul": mm.name}
+                if kind == HEADS:
+                    p["reshape"] = _next_reshape(g, out)
+                producers.append(p)
+            c = grp.consumer
+            mm, out_axis = _own_weight(g, by_digest, c.linear.weight, f"{c.name}.weight")
+            add, out = _bias_after(g, mm, c.linear.bias, f"{c.name}.bias")
+            consumer = {"weight": f"{c.name}.weight", "axis": 1 - out_axis, "matmul": mm.name,
+                        "bias": f"{c.name}.bias" if c.linear.bias is not None else None, "add": add,
+                        "output": out, "out_features": c.linear.out_features}
+            if kind == HEADS:
+                consumer["reshape"] = _prev_reshape(g, mm.input[0])
+            entry[kind] = {"count": grp.count, "width": grp.width, "producers": producers, "consumer": consumer}
+        layers.append(entry)
+    used = {i for n in model.graph.node for i in n.input}
+    keep = [t for t in model.graph.initializer if t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    return layers
+
+
+def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path) -> onnx.ModelProto:
+    """Export the rank-permuted dense model to ``path`` (opset 17, dynamic batch / sequence).
+
+    Returns:
+        The saved ONNX model (with the unit map in its metadata).
+    """
+    module = permuted_module(encoder, ranking)
+    wrapper = encoder.export_module(module)
+    specs = encoder.input_specs()
+    feeds = encoder.sample_inputs(batch=2, seq_len=min(encoder.seq_len, 16) if encoder.seq_len else None)
+    dynamic = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in specs}
+    outputs = encoder.output_names()
+    for o in outputs:
+        dynamic[o] = {0: "batch", 1: "sequence"} if (encoder.modality == "text" and o == "last_hidden_state") else {0: "batch"}
+    path = Path(path)
+    tmp = path.with_suffix(".export.tmp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            torch.onnx.export(
+                wrapper, tuple(feeds[s.name] for s in specs), str(tmp),
+                input_names=[s.name for s in specs], output_names=outputs, dynamic_axes=dynamic,
+                opset_version=OPSET, do_constant_folding=True, dynamo=False,
+            )
+    try:
+        model = onnx.load(str(tmp))
+    finally:
+        tmp.unlink(missing_ok=True)
+    layers = _unit_map(model, module)
+    del model.graph.value_info[:]
+    set_units(model, layers)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return model
+
+
+def get_units(model: onnx.ModelProto) -> list[dict]:
+    for p in model.metadata_props:
+        if p.key == UNITS_KEY:
+            return json.loads(p.value)
+    raise UserError("this ONNX model has no elastic-export unit map; export it with elastic-export first")
+
+
+def set_units(model: onnx.ModelProto, layers: list[dict]) -> None:
+    keep = [p for p in model.metadata_props if p.key != UNITS_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = UNITS_KEY, json.dumps(layers, sort_keys=True)

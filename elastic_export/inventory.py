@@ -1,0 +1,175 @@
+"""Unit inventory and FLOP accounting (DESIGN.md §1).
+
+Per unit, at nominal token count N, model width D and head width d_h:
+
+* MLP neuron: ``4·D·N`` FLOPs (SwiGLU: ``6·D·N``);
+* attention head: ``8·D·d_h·N + 4·d_h·N² + 3·N²``.
+
+The model total adds the FLOPs of every layer that is not prunable (embeddings' patch projection,
+pooler, classifier ...) counted as 2·MACs of each ``nn.Linear`` / ``nn.Conv2d`` in one forward pass
+at N tokens. Sparsity is the fraction of *prunable* FLOPs removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from elastic_export.adapters import HEADS, NEURONS, UnitGroup
+from elastic_export.encoder import Encoder
+
+
+def neuron_flops(width: int, tokens: int, swiglu: bool = False) -> int:
+    """FLOPs of one MLP neuron: ``4·D·N`` (``6·D·N`` for SwiGLU)."""
+    return (6 if swiglu else 4) * width * tokens
+
+
+def head_flops(width: int, head_dim: int, tokens: int) -> int:
+    """FLOPs of one attention head: ``8·D·d_h·N + 4·d_h·N² + 3·N²``."""
+    return 8 * width * head_dim * tokens + 4 * head_dim * tokens**2 + 3 * tokens**2
+
+
+def unit_params(group: UnitGroup) -> int:
+    """Parameters that one unit of ``group`` owns (its rows, columns and bias entries)."""
+    total = 0
+    for role in group.roles:
+        lin = role.linear
+        if role.side == "out":
+            total += role.groups * group.width * (lin.in_features + (1 if lin.bias is not None else 0))
+        else:
+            total += group.width * lin.out_features
+    return total
+
+
+@dataclass
+class LayerInventory:
+    """Units of one block and what each costs."""
+
+    index: int
+    heads: int
+    head_dim: int
+    neurons: int
+    swiglu: bool
+    head_cost: int
+    neuron_cost: int
+    head_params: int
+    neuron_params: int
+
+    @property
+    def flops(self) -> int:
+        return self.heads * self.head_cost + self.neurons * self.neuron_cost
+
+    def cost(self, kind: str) -> int:
+        return self.head_cost if kind == HEADS else self.neuron_cost
+
+    def count(self, kind: str) -> int:
+        return self.heads if kind == HEADS else self.neurons
+
+
+@dataclass
+class Inventory:
+    """Every prunable unit of a model, with FLOPs and parameter counts."""
+
+    layers: list[LayerInventory]
+    tokens: int
+    width: int
+    fixed_flops: int
+    total_params: int
+
+    @property
+    def prunable_flops(self) -> int:
+        return sum(layer.flops for layer in self.layers)
+
+    @property
+    def total_flops(self) -> int:
+        return self.prunable_flops + self.fixed_flops
+
+    def kept_flops(self, heads: list[int], neurons: list[int]) -> int:
+        return sum(h * L.head_cost + n * L.neuron_cost for L, h, n in zip(self.layers, heads, neurons))
+
+    def kept_params(self, heads: list[int], neurons: list[int]) -> int:
+        removed = sum(
+            (L.heads - h) * L.head_params + (L.neurons - n) * L.neuron_params
+            for L, h, n in zip(self.layers, heads, neurons)
+        )
+        return self.total_params - removed
+
+    def to_json(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "width": self.width,
+            "prunable_flops": self.prunable_flops,
+            "total_flops": self.total_flops,
+            "total_params": self.total_params,
+            "layers": [
+                {k: getattr(L, k) for k in ("heads", "head_dim", "neurons", "swiglu", "head_cost", "neuron_cost")}
+                for L in self.layers
+            ],
+        }
+
+
+def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
+    """2·MACs of every non-prunable Linear / Conv2d in one forward pass at N tokens (batch 1)."""
+    total = 0
+
+    def linear_hook(mod, inp, out):
+        nonlocal total
+        total += 2 * mod.in_features * out.numel()
+
+    def conv_hook(mod, inp, out):
+        nonlocal total
+        k = mod.in_channels // mod.groups
+        for s in mod.kernel_size:
+            k *= s
+        total += 2 * k * out.numel()
+
+    handles = []
+    for m in encoder.module.modules():
+        if m in prunable:
+            continue
+        if isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(linear_hook))
+        elif isinstance(m, nn.Conv2d):
+            handles.append(m.register_forward_hook(conv_hook))
+    try:
+        feeds = encoder.sample_inputs(batch=1, seq_len=encoder.tokens)
+        if "attention_mask" in feeds:
+            feeds["attention_mask"] = torch.ones_like(feeds["attention_mask"])
+        with torch.inference_mode():
+            encoder.export_module()(*feeds.values())
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def build_inventory(encoder: Encoder) -> Inventory:
+    """Count units, unit costs, parameters and the non-prunable FLOPs of ``encoder``."""
+    N, D = encoder.tokens, encoder.width
+    layers, prunable = [], set()
+    for b in encoder.blocks():
+        h, n = b.heads, b.neurons
+        layers.append(
+            LayerInventory(
+                index=b.index,
+                heads=h.count,
+                head_dim=h.width,
+                neurons=n.count,
+                swiglu=n.swiglu,
+                head_cost=head_flops(D, h.width, N),
+                neuron_cost=neuron_flops(D, N, n.swiglu),
+                head_params=unit_params(h),
+                neuron_params=unit_params(n),
+            )
+        )
+        prunable.update(r.linear for r in (*h.roles, *n.roles))
+    if not layers:
+        raise RuntimeError(f"{encoder.architecture}: the adapter found no transformer blocks")
+    params = sum(p.numel() for p in encoder.module.parameters())
+    return Inventory(layers, N, D, _fixed_flops(encoder, prunable), params)
+
+
+def kinds() -> tuple[str, str]:
+    return (HEADS, NEURONS)

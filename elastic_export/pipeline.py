@@ -1,0 +1,210 @@
+"""The main job: model -> inventory -> ranking -> plans -> dense ONNX -> passes -> manifest.
+
+Everything is written to a temporary directory next to ``--out`` and moved into place only when
+complete, so an interrupted run never leaves a half-written artifact directory and never damages
+the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import torch
+from tqdm.auto import tqdm
+
+from elastic_export import __version__
+from elastic_export.budgets import budget_tag
+from elastic_export.calibration import load_calibration
+from elastic_export.encoder import Encoder
+from elastic_export.errors import UserError
+from elastic_export.export import export_dense
+from elastic_export.inventory import Inventory, build_inventory
+from elastic_export.loader import load_encoder
+from elastic_export.manifest import FORMAT, MANIFEST, io_specs, write_manifest
+from elastic_export.passes import slice_model
+from elastic_export.plans import BudgetPlan, make_plans
+from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
+from elastic_export.reference import hard_mask, ranked_keep
+from elastic_export.scoring import METHODS, NEEDS_DATA
+
+RANKING_FILE = "ranking.safetensors"
+
+
+@dataclass
+class Options:
+    """Everything the main job needs (the CLI's options)."""
+
+    model: str | None = None
+    budgets: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+    out: str = "elastic-out"
+    method: str = "initial"
+    calib: str | None = None
+    calib_size: int = 64
+    ranking: str | None = None
+    align: int = 1
+    seq_len: int = 128
+    image_size: int | None = None
+    pretrained: bool = True
+    device: str = "cpu"
+    overwrite: bool = False
+    seed: int = 0
+    verify: bool = True
+    trust_remote_code: bool = False
+
+
+def check_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device}: not a device (use cpu or cuda)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {device}: only cpu and cuda are supported")
+    return dev
+
+
+def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Callable[[str], None]) -> Ranking:
+    """Score every unit with ``opts.method`` and wrap the scores with their metadata."""
+    if opts.method not in METHODS:
+        raise UserError(f"--method {opts.method}: unknown; choose from {', '.join(sorted(METHODS))}")
+    calib, desc = None, {"source": None}
+    if opts.method in NEEDS_DATA:
+        calib = load_calibration(encoder, opts.calib, size=opts.calib_size, seed=opts.seed)
+        desc = calib.description
+        echo(f"calibration: {desc.get('samples')} samples from {desc.get('source')}")
+    dev = check_device(opts.device)
+    t0 = time.time()
+    encoder.module.to(dev)
+    try:
+        heads, neurons = METHODS[opts.method](encoder, inventory, calib, seed=opts.seed)
+    finally:
+        encoder.module.to("cpu")
+    hyper = {"seed": opts.seed, "calib_size": opts.calib_size} if opts.method in NEEDS_DATA else {"seed": opts.seed}
+    meta = make_meta(inventory, encoder.fingerprint(), opts.method, hyper, desc)
+    echo(f"ranked {sum(L.heads + L.neurons for L in inventory.layers)} units with {opts.method!r} "
+         f"in {time.time() - t0:.1f}s")
+    return Ranking(heads, neurons, meta)
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """Refuse an output directory that holds something other than a previous artifact set."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not overwrite:
+        raise UserError(f"--out {out}: exists and holds other files; pass --overwrite to replace it")
+    parent = out.parent if str(out.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out}: {parent} is not writable")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def commit_out(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` directory to ``out``, replacing a previous one only now."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def max_error(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, path: Path, feeds: dict) -> float:
+    """Max abs difference between the ONNX file (onnxruntime) and the hard-masked torch model."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+    with torch.no_grad(), hard_mask(encoder.blocks(), ranked_keep(plan, ranking)):
+        want = encoder.export_module()(*feeds.values())
+    return max(float(np.abs(a - b.numpy()).max()) for a, b in zip(got, want))
+
+
+def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
+    """Run the whole pipeline; returns the manifest written to ``opts.out``."""
+    if not opts.budgets:
+        raise UserError("no budgets given")
+    out = Path(opts.out)
+    prepare_out(out, opts.overwrite)
+    check_device(opts.device)
+    echo(f"loading {opts.model or 'all-MiniLM-L6-v2 (embedded default)'}")
+    encoder = load_encoder(opts.model, pretrained=opts.pretrained, seq_len=opts.seq_len,
+                           image_size=opts.image_size, trust_remote_code=opts.trust_remote_code)
+    inventory = build_inventory(encoder)
+    echo(f"{encoder.architecture}: {len(inventory.layers)} blocks, N={inventory.tokens} tokens, "
+         f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
+         f"{inventory.total_params / 1e6:.2f}M params")
+    if opts.ranking:
+        ranking = load_ranking(opts.ranking)
+        ranking.check_matches(inventory, encoder.fingerprint(), f"--ranking {opts.ranking}")
+        echo(f"reusing ranking {opts.ranking} (method {ranking.meta.get('method')!r})")
+    else:
+        ranking = rank_encoder(encoder, inventory, opts, echo)
+    plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        save_ranking(ranking, tmp / RANKING_FILE)
+        t0 = time.time()
+        dense = export_dense(encoder, ranking, tmp / "dense.onnx")
+        echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
+        feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
+        rows = []
+        for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
+            name = f"budget_{budget_tag(plan.sparsity)}.onnx"
+            model = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer)
+            onnx.save(model, str(tmp / name))
+            err = max_error(encoder, plan, ranking, tmp / name, feeds) if opts.verify else None
+            if err is not None and err > 1e-4:
+                raise RuntimeError(f"budget {plan.sparsity}: ONNX differs from the masked model by {err:.2e}")
+            rows.append((plan, name, err))
+        manifest = {
+            "format": FORMAT,
+            "tool": f"elastic-export {__version__}",
+            "model": {"source": encoder.source, "architecture": encoder.architecture,
+                      "fingerprint": encoder.fingerprint(), "modality": encoder.modality},
+            "inputs": io_specs(dense.graph.input),
+            "outputs": io_specs(onnx.shape_inference.infer_shapes(dense).graph.output),
+            "tokens": inventory.tokens,
+            "prunable_gflops": inventory.prunable_flops / 1e9,
+            "align": opts.align,
+            "dense": {"onnx": "dense.onnx", "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
+            "budgets": [
+                {
+                    "sparsity": p.sparsity,
+                    "achieved_sparsity": round(p.achieved_sparsity, 6),
+                    "gflops": p.gflops,
+                    "params": p.params,
+                    "onnx": name,
+                    "engine": None,
+                    "heads_per_layer": p.heads_per_layer,
+                    "neurons_per_layer": p.neurons_per_layer,
+                    "max_abs_error": err,
+                }
+                for p, name, err in rows
+            ],
+            "elastic": None,
+            "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method")},
+        }
+        write_manifest(tmp, manifest)
+        commit_out(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

@@ -1,0 +1,120 @@
+"""The torch reference ("oracle") every ONNX pass is tested against.
+
+* :func:`permute_units` reorders each layer's units into rank order in place (the function the
+  model computes does not change), so that every budget keeps a per-layer *prefix*;
+* :func:`hard_mask` multiplies each unit's output by 0/1 (forward pre-hooks on the consumer layer):
+  the dense model with hard masks, the ground truth of DESIGN.md invariant 2;
+* :func:`slice_units` physically removes units (one slicing rule per layer role, and the adapter's
+  ``resize`` for attributes such as ``num_heads``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from elastic_export.adapters import HEADS, NEURONS, BlockUnits, LinearRole, UnitGroup
+from elastic_export.plans import BudgetPlan
+from elastic_export.ranking import Ranking
+
+Keep = dict[tuple[int, str], np.ndarray]
+
+
+def feature_index(units: np.ndarray, count: int, width: int, groups: int = 1) -> torch.Tensor:
+    """Feature positions of ``units`` along a unit axis laid out as (groups, count, width)."""
+    units = torch.as_tensor(np.asarray(units, dtype=np.int64))
+    per_group = (units[:, None] * width + torch.arange(width)[None, :]).reshape(-1)
+    return torch.cat([g * count * width + per_group for g in range(groups)])
+
+
+def _select(role: LinearRole, idx: torch.Tensor) -> None:
+    """Keep features ``idx`` of ``role.linear`` on the unit side, in that order (in place)."""
+    lin = role.linear
+    with torch.no_grad():
+        if role.side == "out":
+            lin.weight = nn.Parameter(lin.weight.data[idx].clone())
+            if lin.bias is not None:
+                lin.bias = nn.Parameter(lin.bias.data[idx].clone())
+            lin.out_features = len(idx)
+        else:
+            lin.weight = nn.Parameter(lin.weight.data[:, idx].clone())
+            lin.in_features = len(idx)
+
+
+def _apply(group: UnitGroup, units: np.ndarray) -> None:
+    for role in group.roles:
+        groups = role.groups if role.side == "out" else 1
+        _select(role, feature_index(units, group.count, group.width, groups))
+
+
+def permute_units(blocks: list[BlockUnits], ranking: Ranking) -> None:
+    """Reorder every layer's units into rank order (best first). Function-preserving, in place."""
+    for b in blocks:
+        for kind in (HEADS, NEURONS):
+            g = b.group(kind)
+            _apply(g, ranking.order(kind, b.index))
+
+
+def slice_units(blocks: list[BlockUnits], keep: Keep) -> None:
+    """Physically keep only ``keep[(layer, kind)]`` units (in place); 0 units bypass the sub-block."""
+    for b in blocks:
+        for kind in (HEADS, NEURONS):
+            g = b.group(kind)
+            units = keep[(b.index, kind)]
+            _apply(g, units)
+            if g.resize is not None:
+                g.resize(len(units))
+
+
+def prefix_keep(plan: BudgetPlan) -> Keep:
+    """Keep sets of a plan on a rank-permuted model: the first k units of each layer."""
+    keep: Keep = {}
+    for i, (h, n) in enumerate(zip(plan.heads_per_layer, plan.neurons_per_layer)):
+        keep[(i, HEADS)] = np.arange(h)
+        keep[(i, NEURONS)] = np.arange(n)
+    return keep
+
+
+def ranked_keep(plan: BudgetPlan, ranking: Ranking) -> Keep:
+    """Keep sets of a plan on the original (unpermuted) model."""
+    keep: Keep = {}
+    for i, (h, n) in enumerate(zip(plan.heads_per_layer, plan.neurons_per_layer)):
+        keep[(i, HEADS)] = ranking.order(HEADS, i)[:h]
+        keep[(i, NEURONS)] = ranking.order(NEURONS, i)[:n]
+    return keep
+
+
+@contextlib.contextmanager
+def hard_mask(blocks: list[BlockUnits], keep: Keep) -> Iterator[None]:
+    """Within the context, every unit not in ``keep`` outputs exactly zero."""
+    handles = []
+
+    def make_hook(mask: torch.Tensor):
+        def hook(mod, args):
+            return (args[0] * mask.to(args[0].dtype),) + tuple(args[1:])
+
+        return hook
+
+    for b in blocks:
+        for kind in (HEADS, NEURONS):
+            g = b.group(kind)
+            mask = torch.zeros(g.count * g.width)
+            mask[feature_index(keep[(b.index, kind)], g.count, g.width)] = 1.0
+            handles.append(g.consumer.linear.register_forward_pre_hook(make_hook(mask)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def sliced_copy(module: nn.Module, find_blocks, keep: Keep) -> nn.Module:
+    """A deep copy of ``module`` with only the kept units."""
+    clone = copy.deepcopy(module)
+    slice_units(find_blocks(clone), keep)
+    return clone

@@ -1,0 +1,1 @@
+"""Deployment targets: sessions and engines built from the artifact directory."""
