@@ -132,6 +132,35 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
     return Encoder(model, adapter, name, f"{type(model).__name__}:{name}", 0, {}, None, data_config)
 
 
+def wrap_module(
+    module: torch.nn.Module,
+    source: str = "<module>",
+    *,
+    seq_len: int = 128,
+    extras: dict | None = None,
+    tokenizer=None,
+    data_config: dict | None = None,
+) -> Encoder:
+    """Bind an already built torch model (timm or transformers) to its adapter.
+
+    Args:
+        module: the model; it is put in eval mode.
+        source: recorded in the manifest.
+        seq_len: nominal text length (text models).
+        extras: e.g. ``{"pooling": "mean", "normalize": True}`` for a sentence embedding output.
+        tokenizer: optional Hugging Face tokenizer for text calibration.
+        data_config: image preprocessing (mean, std, input_size); derived when omitted.
+    """
+    module = module.float().eval()
+    adapter = adapter_for(module)
+    arch = type(module).__name__
+    if adapter.modality == "image" and data_config is None:
+        size = adapter.image_size(module)
+        data_config = {"input_size": (3, *size), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}
+    return Encoder(module, adapter, source, arch, seq_len if adapter.modality == "text" else 0,
+                   dict(extras or {}), tokenizer, data_config)
+
+
 def load_encoder(
     model: str | None = None,
     *,

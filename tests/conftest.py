@@ -1,0 +1,102 @@
+"""Tiny models of every supported architecture, built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from elastic_export.loader import load_encoder, wrap_module  # noqa: E402
+
+
+def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random biases, norms and layer scales, so that no parameter is trivially 0 or 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return module.eval()
+
+
+def _timm(**kw):
+    from timm.models.vision_transformer import VisionTransformer
+
+    base = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, mlp_ratio=2.0, num_classes=10)
+    base.update(kw)
+    return VisionTransformer(**base)
+
+
+def _timm_swiglu():
+    from timm.layers import SwiGLU
+
+    return _timm(mlp_layer=SwiGLU, mlp_ratio=8 / 3)
+
+
+def _timm_glu_packed():
+    from timm.layers import SwiGLUPacked
+
+    return _timm(mlp_layer=SwiGLUPacked, mlp_ratio=2.0 * 2, act_layer=torch.nn.SiLU)
+
+
+def _bert(cls_name: str, cfg_name: str, **kw):
+    import transformers
+
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=72, **kw,
+    )
+    return getattr(transformers, cls_name)(cfg, add_pooling_layer=False)
+
+
+def _hf_vit():
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                    image_size=32, patch_size=8)
+    return ViTModel(cfg)
+
+
+def _dinov2(swiglu: bool):
+    from transformers import Dinov2Config, Dinov2Model
+
+    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, mlp_ratio=2,
+                       image_size=32, patch_size=8, use_swiglu_ffn=swiglu, layerscale_value=0.5)
+    return Dinov2Model(cfg)
+
+
+# name -> (builder, extras)
+TINY = {
+    "timm-vit": (lambda: _timm(), {}),
+    "timm-vit-reg": (lambda: _timm(reg_tokens=4, no_embed_class=True), {}),
+    "timm-vit-layerscale": (lambda: _timm(init_values=0.5), {}),
+    "timm-vit-swiglu": (_timm_swiglu, {}),
+    "timm-vit-glu-packed": (_timm_glu_packed, {}),
+    "timm-vit-gap": (lambda: _timm(class_token=False, global_pool="avg", num_classes=0), {}),
+    "hf-bert": (lambda: _bert("BertModel", "BertConfig"), {"pooling": "mean", "normalize": True}),
+    "hf-roberta": (lambda: _bert("RobertaModel", "RobertaConfig", pad_token_id=1), {}),
+    "hf-xlm-roberta": (lambda: _bert("XLMRobertaModel", "XLMRobertaConfig", pad_token_id=1), {"pooling": "cls"}),
+    "hf-vit": (_hf_vit, {}),
+    "hf-dinov2": (lambda: _dinov2(False), {}),
+    "hf-dinov2-swiglu": (lambda: _dinov2(True), {}),
+}
+
+
+def tiny_encoder(name: str):
+    builder, extras = TINY[name]
+    torch.manual_seed(0)
+    module = _perturb(builder(), seed=1)
+    return wrap_module(module, source=f"tiny:{name}", seq_len=16, extras=extras)
+
+
+@pytest.fixture(params=sorted(TINY))
+def tiny(request):
+    return tiny_encoder(request.param)
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    return load_encoder(None, seq_len=32)

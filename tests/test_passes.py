@@ -1,0 +1,112 @@
+"""Each graph pass on its own, and the verifying pass pipeline."""
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import helper, numpy_helper
+
+from _helpers import masked_torch, max_err, prepared, run_onnx
+from conftest import tiny_encoder
+from elastic_export.errors import UserError
+from elastic_export.export import get_units
+from elastic_export.passes import PASSES, PassContext, run_passes, slice_model
+from elastic_export.passes.base import verify
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    enc = tiny_encoder("hf-bert")
+    inv, rk, dense, plans = prepared(enc, tmp_path_factory.mktemp("passes"))
+    plan = next(p for p in plans if 0 in p.heads_per_layer and 0 < max(p.heads_per_layer) < 4)
+    return enc, rk, dense, plan
+
+
+def _ctx(dense, plan):
+    return PassContext(get_units(dense), plan.heads_per_layer, plan.neurons_per_layer)
+
+
+def test_every_pass_is_documented():
+    for p in PASSES.values():
+        assert p.doc, p.name
+
+
+def test_drop_empty_blocks_removes_the_sub_block(setup):
+    enc, rk, dense, plan = setup
+    units = get_units(dense)
+    out = run_passes(dense, ["drop-empty-blocks", "cleanup"], _ctx(dense, plan))
+    names = {n.name for n in out.graph.node}
+    for i, layer in enumerate(units):
+        q_matmul = layer["heads"]["producers"][0]["matmul"]
+        assert (q_matmul in names) == (plan.heads_per_layer[i] > 0)
+
+
+def test_slice_weights_cuts_initializers(setup):
+    enc, rk, dense, plan = setup
+    units = get_units(dense)
+    out = run_passes(dense, ["drop-empty-blocks", "slice-weights", "cleanup"], _ctx(dense, plan))
+    inits = {t.name: t for t in out.graph.initializer}
+    for i, layer in enumerate(units):
+        n = plan.neurons_per_layer[i]
+        if n:
+            fc1 = layer["neurons"]["producers"][0]
+            assert list(inits[fc1["weight"]].dims)[fc1["axis"]] == n
+            fc2 = layer["neurons"]["consumer"]
+            assert list(inits[fc2["weight"]].dims)[fc2["axis"]] == n
+        h = plan.heads_per_layer[i]
+        if h:
+            q = layer["heads"]["producers"][0]
+            assert list(inits[q["weight"]].dims)[q["axis"]] == h * layer["heads"]["width"]
+
+
+def test_fix_head_reshapes_writes_explicit_counts(setup):
+    enc, rk, dense, plan = setup
+    units = get_units(dense)
+    graph = gs.import_onnx(run_passes(dense, ["drop-empty-blocks", "slice-weights", "fix-head-reshapes"],
+                                      _ctx(dense, plan)))
+    nodes = {n.name: n for n in graph.nodes}
+    for i, layer in enumerate(units):
+        k, d = plan.heads_per_layer[i], layer["heads"]["width"]
+        if not k:
+            continue
+        for p in layer["heads"]["producers"]:
+            shape = nodes[p["reshape"]].inputs[1]
+            assert isinstance(shape, gs.Constant) and shape.values.tolist() == [0, 0, k, d]
+        merge = nodes[layer["heads"]["consumer"]["reshape"]].inputs[1]
+        assert merge.values.tolist() == [0, 0, k * d]
+
+
+def test_cleanup_keeps_graph_inputs(setup):
+    enc, rk, dense, plan = setup
+    everything_empty = PassContext(get_units(dense), [0] * 3, [0] * 3)
+    out = run_passes(dense, ["drop-empty-blocks", "cleanup"], everything_empty)
+    assert [i.name for i in out.graph.input] == [i.name for i in dense.graph.input]
+    assert not any(n.op_type == "MatMul" and "encoder.layer" in "".join(n.input) for n in out.graph.node)
+
+
+def test_full_pipeline_matches_masked_model(setup):
+    enc, rk, dense, plan = setup
+    feeds = enc.sample_inputs(batch=3, seq_len=10)
+    out = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer)
+    assert max_err(run_onnx(out, feeds), masked_torch(enc, plan, rk, feeds)) <= 1e-4
+    assert [(u["heads"]["count"], u["neurons"]["count"]) for u in get_units(out)] == list(
+        zip(plan.heads_per_layer, plan.neurons_per_layer))
+
+
+def test_verify_rejects_zero_sized_tensors():
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 0])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2])
+    w = numpy_helper.from_array(np.zeros((0, 2), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    with pytest.raises(RuntimeError, match="0-sized"):
+        verify(helper.make_model(graph), "test")
+
+
+def test_unknown_pass_and_bad_counts(setup):
+    enc, rk, dense, plan = setup
+    with pytest.raises(KeyError):
+        run_passes(dense, ["no-such-pass"], _ctx(dense, plan))
+    with pytest.raises(UserError):
+        slice_model(dense, [5, 5, 5], plan.neurons_per_layer)
+    with pytest.raises(UserError):
+        slice_model(dense, [1, 1], [1, 1])

@@ -1,0 +1,144 @@
+"""The main job as a user runs it: the default model, the manifest contract, atomic output."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import pytest
+
+from conftest import tiny_encoder
+from elastic_export import pipeline
+from elastic_export.manifest import load_manifest
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "elastic_export", *args], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """README command 1: ``elastic-export --budgets 0.1..0.6`` in a fresh directory."""
+    cwd = tmp_path_factory.mktemp("readme")
+    res = _cli("--budgets", "0.1..0.6", cwd=cwd)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return cwd / "elastic-out", res
+
+
+def test_default_run_manifest(default_run):
+    out, res = default_run
+    m = load_manifest(out)
+    assert m["format"] == "elastic-export/1"
+    assert m["model"]["source"] == "all-MiniLM-L6-v2" and m["model"]["fingerprint"].startswith("sha256:")
+    assert [i["name"] for i in m["inputs"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert m["inputs"][0]["shape"] == ["batch", "sequence"]
+    assert [o["name"] for o in m["outputs"]] == ["last_hidden_state", "sentence_embedding"]
+    assert m["outputs"][0]["shape"] == ["batch", "sequence", 384] and m["outputs"][1]["shape"] == ["batch", 384]
+    assert m["tokens"] == 128
+    assert [b["sparsity"] for b in m["budgets"]] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    for b in m["budgets"]:
+        assert abs(b["achieved_sparsity"] - b["sparsity"]) < 0.01
+        assert len(b["heads_per_layer"]) == 6 and len(b["neurons_per_layer"]) == 6
+        assert b["engine"] is None and b["max_abs_error"] <= 1e-4
+    assert m["elastic"] is None and m["ranking"]["method"] == "initial"
+    assert (out / m["ranking"]["file"]).is_file()
+    # the printed table names every budget file
+    for b in m["budgets"]:
+        assert b["onnx"] in res.stdout
+
+
+def test_default_run_onnx_files(default_run):
+    out, _ = default_run
+    m = load_manifest(out)
+    files = [m["dense"]["onnx"]] + [b["onnx"] for b in m["budgets"]]
+    sizes = [(out / f).stat().st_size for f in files]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    params = [m["dense"]["params"]] + [b["params"] for b in m["budgets"]]
+    assert params == sorted(params, reverse=True)
+    import numpy as np
+
+    ids = np.array([[101, 2023, 2003, 1037, 3231, 102, 0, 0]], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": (ids > 0).astype(np.int64), "token_type_ids": np.zeros_like(ids)}
+    dense_emb = None
+    for f in files:
+        onnx.checker.check_model(str(out / f))
+        sess = ort.InferenceSession(str(out / f), providers=["CPUExecutionProvider"])
+        hidden, emb = sess.run(None, feeds)
+        assert hidden.shape == (1, 8, 384) and emb.shape == (1, 384)
+        if dense_emb is None:
+            dense_emb = emb
+        else:  # a pruned model still points roughly the same way as the dense one
+            assert float((emb * dense_emb).sum()) > 0.3
+
+
+def test_no_temp_dirs_left(default_run):
+    out, _ = default_run
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_ranking_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        res = _cli("rank", "--seq-len", "32", "--calib-size", "8", "--out", str(tmp_path / f"{name}.safetensors"))
+        assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def _tiny_dir(tmp_path: Path) -> Path:
+    enc = tiny_encoder("hf-bert")
+    d = tmp_path / "tiny-bert"
+    enc.module.save_pretrained(d)
+    return d
+
+
+def test_reuse_ranking_and_replace_previous_output(tmp_path):
+    model = _tiny_dir(tmp_path)
+    out = tmp_path / "out"
+    opts = pipeline.Options(model=str(model), budgets=(0.2, 0.5), out=str(out), seq_len=16, calib_size=8)
+    first = pipeline.run(opts, echo=lambda s: None)
+    ranking = out / first["ranking"]["file"]
+    saved = tmp_path / "ranking.safetensors"
+    saved.write_bytes(ranking.read_bytes())
+    opts.ranking, opts.budgets = str(saved), (0.3,)
+    second = pipeline.run(opts, echo=lambda s: None)  # a previous artifact set is replaced
+    assert [b["sparsity"] for b in second["budgets"]] == [0.3]
+    assert sorted(p.name for p in out.iterdir()) == ["budget_s030.onnx", "dense.onnx", "manifest.json",
+                                                     "ranking.safetensors"]
+    assert (out / "ranking.safetensors").read_bytes() == saved.read_bytes()
+
+
+def test_failed_run_keeps_previous_output(tmp_path, monkeypatch):
+    model = _tiny_dir(tmp_path)
+    out = tmp_path / "out"
+    opts = pipeline.Options(model=str(model), budgets=(0.2,), out=str(out), seq_len=16, calib_size=8)
+    pipeline.run(opts, echo=lambda s: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated crash during slicing")
+
+    monkeypatch.setattr(pipeline, "slice_model", boom)
+    opts.budgets = (0.4,)
+    with pytest.raises(RuntimeError, match="simulated"):
+        pipeline.run(opts, echo=lambda s: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_manifest_paths_must_stay_inside(tmp_path):
+    from elastic_export.errors import UserError
+
+    m = {"format": "elastic-export/1", "model": {}, "inputs": [], "outputs": [], "ranking": {"file": "r"},
+         "dense": {"onnx": "../outside.onnx"}, "budgets": []}
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(UserError, match="leaves"):
+        load_manifest(tmp_path)
+    m["dense"]["onnx"] = "/etc/passwd"
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(UserError, match="relative"):
+        load_manifest(tmp_path)
