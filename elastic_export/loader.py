@@ -128,7 +128,8 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
         raise UserError(f"could not build timm model {name!r}: {msg}")
     model = model.float().eval()
     adapter = adapter_for(model)
-    data_config = timm.data.resolve_data_config({}, model=model)
+    data_config = dict(timm.data.resolve_data_config({}, model=model))
+    data_config["input_size"] = (3, *adapter.image_size(model))  # the size the model was built for
     return Encoder(model, adapter, name, f"{type(model).__name__}:{name}", 0, {}, None, data_config)
 
 

@@ -142,3 +142,14 @@ def test_manifest_paths_must_stay_inside(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UserError, match="relative"):
         load_manifest(tmp_path)
+
+
+def test_timm_name_at_custom_resolution(tmp_path):
+    """A timm name built at --image-size is calibrated and exported at that size."""
+    opts = pipeline.Options(model="vit_tiny_patch16_224", pretrained=False, image_size=48, budgets=(0.3,),
+                            out=str(tmp_path / "out"), calib_size=4, align=8)
+    m = pipeline.run(opts, echo=lambda s: None)
+    assert m["inputs"][0]["shape"] == ["batch", 3, 48, 48]
+    assert m["tokens"] == 9 + 1
+    assert all(n % 8 == 0 for n in m["budgets"][0]["neurons_per_layer"])
+    assert m["budgets"][0]["max_abs_error"] <= 1e-4
