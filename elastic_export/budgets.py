@@ -39,12 +39,17 @@ def parse_budgets(spec: str) -> list[float]:
     spec = str(spec).strip()
     m = _RANGE.match(spec)
     if m:
-        lo, hi = float(m.group(1)), float(m.group(2))
-        step = float(m.group(3)) if m.group(3) is not None else 0.1
-        if step <= 0:
-            raise UserError(f"bad --budgets {spec!r}: the step must be positive")
+        lo, hi = _number(m.group(1), spec), _number(m.group(2), spec)
+        step = _number(m.group(3), spec) if m.group(3) is not None else 0.1
+        if step < 1e-3:
+            raise UserError(f"bad --budgets {spec!r}: the step must be at least 0.001")
         if hi < lo:
             raise UserError(f"bad --budgets {spec!r}: the range end {hi} is below its start {lo}")
+        for v in (lo, hi):
+            if not 0.0 <= v < 1.0:
+                raise UserError(
+                    f"bad --budgets {spec!r}: sparsity must be in [0, 1) (fraction of prunable FLOPs removed), got {v}"
+                )
         count = int(math.floor((hi - lo) / step + 1e-9)) + 1
         if count > 1000:
             raise UserError(f"bad --budgets {spec!r}: {count} budgets is too many (at most 1000)")

@@ -171,6 +171,8 @@ def rank_cmd(out, **kw):
     from elastic_export.pipeline import Options, rank_encoder
     from elastic_export.ranking import save_ranking
 
+    if Path(out).is_dir():
+        raise UserError(f"--out {out}: is a directory; give a file name, e.g. {Path(out) / 'ranking.safetensors'}")
     model_kw = {k: kw.pop(k) for k in ("model", "pretrained", "seq_len", "image_size", "trust_remote_code")}
     enc = load_encoder(model_kw.pop("model"), **model_kw)
     inv = build_inventory(enc)

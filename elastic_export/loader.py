@@ -128,6 +128,9 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
         raise UserError(f"could not build timm model {name!r}: {msg}")
     model = model.float().eval()
     adapter = adapter_for(model)
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    if image_size is not None and patch is not None and image_size < max(patch):
+        raise UserError(f"--image-size {image_size} is smaller than the model's {max(patch)}-pixel patches")
     data_config = dict(timm.data.resolve_data_config({}, model=model))
     data_config["input_size"] = (3, *adapter.image_size(model))  # the size the model was built for
     return Encoder(model, adapter, name, f"{type(model).__name__}:{name}", 0, {}, None, data_config)

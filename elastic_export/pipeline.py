@@ -101,10 +101,11 @@ def prepare_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not overwrite:
         raise UserError(f"--out {out}: exists and holds other files; pass --overwrite to replace it")
-    parent = out.parent if str(out.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out}: {parent} is not writable")
+    ancestor = out.parent if str(out.parent) else Path(".")
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent  # parents are created only once the run succeeds this far
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: {ancestor} is not a writable directory")
 
 
 def _umask() -> int:
@@ -157,7 +158,9 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
         ranking = rank_encoder(encoder, inventory, opts, echo)
     plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
+    parent = out.parent if str(out.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         save_ranking(ranking, tmp / RANKING_FILE)

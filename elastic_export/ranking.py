@@ -54,7 +54,7 @@ class Ranking:
             for i, L in enumerate(inventory.layers)
         ):
             raise UserError(f"{where}: unit counts differ from the model's; this ranking is for another model")
-        if int(self.meta.get("tokens", inventory.tokens)) != inventory.tokens:
+        if self.meta.get("tokens", inventory.tokens) != inventory.tokens:
             raise UserError(
                 f"{where}: ranked at N={self.meta.get('tokens')} tokens but the model now has N={inventory.tokens};"
                 " use the same --seq-len / --image-size or rank again"
@@ -88,7 +88,14 @@ def save_ranking(ranking: Ranking, path: str | Path) -> None:
         tensors[f"layers.{i}.heads"] = np.ascontiguousarray(ranking.heads[i], dtype=np.float32)
         tensors[f"layers.{i}.neurons"] = np.ascontiguousarray(ranking.neurons[i], dtype=np.float32)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give a file name for the ranking (e.g. {path / 'ranking.safetensors'})")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{path}: cannot create its directory ({e.strerror or e})")
+    if not os.access(path.parent, os.W_OK):
+        raise UserError(f"{path}: {path.parent} is not writable")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ranking-", suffix=".tmp")
     os.close(fd)
     try:
@@ -126,6 +133,11 @@ def load_ranking(path: str | Path) -> Ranking:
         raise UserError(f"--ranking {path}: corrupt metadata ({e})")
     if meta.get("version") != RANKING_VERSION:
         raise UserError(f"--ranking {path}: ranking file version {meta.get('version')!r} is not supported")
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise UserError(f"--ranking {path}: corrupt metadata (tokens must be a positive integer)")
+    if meta.get("fingerprint") is not None and not isinstance(meta["fingerprint"], str):
+        raise UserError(f"--ranking {path}: corrupt metadata (fingerprint must be a string)")
     n = 0
     while f"layers.{n}.heads" in keys:
         n += 1

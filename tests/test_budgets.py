@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -13,27 +12,6 @@ from elastic_export.budgets import budget_tag, parse_budgets
 from elastic_export.errors import UserError
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-_NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
-_RANGE = re.compile(rf"^{_NUM}\.\.{_NUM}(?::{_NUM})?$")
-
-
-def _hits_known_bug(spec: str) -> bool:
-    """Ranges that hit the two xfailed bugs below (overflowing count, step under 1e-6).
-
-    The properties skip them so that they stay deterministic; remove this when the bugs are fixed
-    (the strict xfail tests will then fail and point here).
-    """
-    m = _RANGE.match(spec.strip())
-    if not m:
-        return False
-    lo, hi = float(m.group(1)), float(m.group(2))
-    step = float(m.group(3)) if m.group(3) is not None else 0.1
-    if step <= 0 or hi < lo:
-        return False
-    with_nan_or_inf = not math.isfinite((hi - lo) / step)
-    return with_nan_or_inf or step < 1e-6
-
 
 # --- the three syntaxes --------------------------------------------------------------------------
 def test_range_default_step_is_0_1():
@@ -116,36 +94,40 @@ def test_messages_name_the_problem():
         parse_budgets("1.5")
     with pytest.raises(UserError, match="below its start"):
         parse_budgets("0.7..0.2")
-    with pytest.raises(UserError, match="positive"):
+    with pytest.raises(UserError, match="step"):
         parse_budgets("0.1..0.6:0")
+    with pytest.raises(UserError, match="step"):
+        parse_budgets("0.1..0.6:0.0000001")
     with pytest.raises(UserError, match="not a number"):
         parse_budgets("abc")
     with pytest.raises(UserError, match="finite"):
         parse_budgets("nan")
 
 
-@pytest.mark.xfail(
-    reason="budgets.parse_budgets: a range whose bounds / step overflow the count computation raises "
-    "OverflowError / ValueError from math.floor instead of UserError (CLI exits 1 with a traceback)",
-    strict=True,
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # used to escape as OverflowError / ValueError from math.floor (a traceback in the CLI)
+        "0..1e308", "0..0.5:1e-320", "1e400..1e400", "0..1e400", "0.1..0.5:1e400",
+        # used to give duplicate budgets after rounding to 6 decimals
+        "0..0.00001:0.0000001", "5e-07..2.05e-05:1e-6", "1.5e-06..2.15e-05:1e-6", "0.1000005..0.10003:0.000001",
+    ],
 )
-@pytest.mark.parametrize("spec", ["0..1e308", "0..0.5:1e-320", "1e400..1e400"])
-def test_overflowing_range_raises_user_error(spec):
+def test_overflowing_or_tiny_step_range_raises_user_error(spec):
     with pytest.raises(UserError):
         parse_budgets(spec)
 
 
-@pytest.mark.xfail(
-    reason="budgets.parse_budgets: a range with a step below 1e-6 yields duplicate budgets after rounding "
-    "to 6 decimals (e.g. '0..0.00001:0.0000001' gives 0.0 six times) instead of refusing them",
-    strict=True,
-)
-def test_range_with_tiny_step_gives_no_duplicates():
+@PROPERTY
+@given(st.floats(0, 1, exclude_max=True), st.floats(0, 1, exclude_max=True),
+       st.floats(0, 1, exclude_min=True, allow_subnormal=True))
+def test_range_never_gives_duplicates(a, b, step):
+    lo, hi = sorted((a, b))
     try:
-        got = parse_budgets("0..0.00001:0.0000001")
+        got = parse_budgets(f"{lo!r}..{hi!r}:{step!r}")
     except UserError:
         return
-    assert len(got) == len(set(got))
+    assert len(got) == len(set(got)), got
 
 
 # --- budget_tag ----------------------------------------------------------------------------------
@@ -185,7 +167,6 @@ def test_comma_list_of_rounded_floats_round_trips(values):
 @PROPERTY
 @given(st.text(max_size=40))
 def test_arbitrary_text_only_raises_user_error(spec):
-    assume(not _hits_known_bug(spec))
     try:
         got = parse_budgets(spec)
     except UserError as e:
@@ -201,7 +182,6 @@ _BUDGET_ALPHABET = st.sampled_from(list("0123456789.,:eE+- ") + ["..", "nan", "i
 @PROPERTY
 @given(st.lists(_BUDGET_ALPHABET, max_size=16).map("".join))
 def test_budget_like_text_only_raises_user_error(spec):
-    assume(not _hits_known_bug(spec))
     try:
         got = parse_budgets(spec)
     except UserError:
@@ -238,11 +218,13 @@ def test_range_gives_ascending_values_within_bounds(a, b, step_millis, explicit_
 )
 def test_range_of_arbitrary_floats_ascending_within_bounds(a, b, step):
     lo, hi = sorted((a, b))
+    spec = f"{lo!r}..{hi!r}:{step!r}"
     try:
-        got = parse_budgets(f"{lo!r}..{hi!r}:{step!r}")
+        got = parse_budgets(spec)
     except UserError as e:
-        # too many budgets, or the end rounds (6 decimals) to 1.0, which is out of range
-        assert "too many" in str(e) or (round(hi, 6) >= 1.0 and "[0, 1)" in str(e)), str(e)
+        # a step too small / too many budgets, or the end rounds (6 decimals) to 1.0: out of range
+        msg = str(e)
+        assert "step" in msg or "too many" in msg or (round(hi, 6) >= 1.0 and "[0, 1)" in msg), msg
         return
     assert got
     assert all(x < y for x, y in zip(got, got[1:])), got
