@@ -14,8 +14,10 @@ import click
 
 from elastic_export.budgets import parse_budgets
 from elastic_export.errors import UserError
+from elastic_export.soft_ranking import ElasticConfig
 
 DEFAULT_BUDGETS = "0.1..0.6"
+_ELASTIC = ElasticConfig()
 
 
 def _echo(msg: str) -> None:
@@ -45,13 +47,25 @@ def ranking_options(fn):
     from elastic_export.scoring import METHODS
 
     opts = [
-        click.option("--method", default="initial", show_default=True,
+        click.option("--method", default="elastic", show_default=True,
                      help=f"Ranking method: {', '.join(sorted(METHODS))}."),
         click.option("--calib", default=None, metavar="PATH",
                      help="Calibration data: .txt / .jsonl (text) or an image directory (default: built in)."),
-        click.option("--calib-size", type=int, default=64, show_default=True, help="Calibration samples."),
+        click.option("--calib-size", type=int, default=128, show_default=True, help="Calibration samples."),
+        click.option("--batch-size", type=int, default=8, show_default=True, help="Calibration batch size."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--device", default="cpu", show_default=True, help="Device for ranking: cpu or cuda."),
+        click.option("--steps", type=int, default=_ELASTIC.steps, show_default=True,
+                     help="elastic: gradient steps on the scores."),
+        click.option("--lr", type=float, default=_ELASTIC.lr, show_default=True, help="elastic: learning rate."),
+        click.option("--temperature", type=float, default=_ELASTIC.temperature, show_default=True,
+                     help="elastic: soft-mask temperature (in score standard deviations)."),
+        click.option("--targets", default="0.05..0.7:0.05", show_default=True,
+                     help="elastic: sparsity targets optimised jointly (same syntax as --budgets)."),
+        click.option("--targets-per-step", type=int, default=_ELASTIC.targets_per_step, show_default=True,
+                     help="elastic: targets evaluated per step (rotating)."),
+        click.option("--resume", is_flag=True, default=False,
+                     help="elastic: continue a killed ranking from its last checkpoint."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -77,11 +91,27 @@ def export_options(fn):
     return fn
 
 
+def _elastic_config(kw: dict) -> ElasticConfig:
+    """Pop the elastic-ranking options out of ``kw`` into an :class:`ElasticConfig`."""
+    for name in ("steps", "targets_per_step", "calib_size", "batch_size"):
+        if kw.get(name) is not None and kw[name] < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {kw[name]}")
+    for name in ("lr", "temperature"):
+        if not kw[name] > 0:
+            raise UserError(f"--{name} must be positive, got {kw[name]}")
+    targets = tuple(t for t in parse_budgets(kw.pop("targets")) if t > 0)
+    if not targets:
+        raise UserError("--targets: give at least one sparsity above 0")
+    return ElasticConfig(targets=targets, steps=kw.pop("steps"), lr=kw.pop("lr"),
+                         temperature=kw.pop("temperature"), targets_per_step=kw.pop("targets_per_step"))
+
+
 def _run_main_job(**kw) -> None:
     from elastic_export.pipeline import Options, run
 
     budgets = parse_budgets(kw.pop("budgets"))
-    opts = Options(budgets=tuple(budgets), **kw)
+    elastic = _elastic_config(kw)
+    opts = Options(budgets=tuple(budgets), elastic=elastic, **kw)
     manifest = run(opts, echo=_echo)
     _print_budget_table(manifest, Path(opts.out))
 
@@ -173,13 +203,48 @@ def rank_cmd(out, **kw):
 
     if Path(out).is_dir():
         raise UserError(f"--out {out}: is a directory; give a file name, e.g. {Path(out) / 'ranking.safetensors'}")
+    elastic = _elastic_config(kw)
     model_kw = {k: kw.pop(k) for k in ("model", "pretrained", "seq_len", "image_size", "trust_remote_code")}
     enc = load_encoder(model_kw.pop("model"), **model_kw)
     inv = build_inventory(enc)
-    opts = Options(**kw)
+    opts = Options(elastic=elastic, checkpoint=str(out) + ".checkpoint", **kw)
     ranking = rank_encoder(enc, inv, opts, _echo)
     save_ranking(ranking, out)
     click.echo(f"wrote {out}")
+
+
+@cli.command("eval")
+@click.argument("dirs", nargs=-1, required=True, metavar="DIR [DIR ...]")
+@click.option("--pairs", default=None, metavar="FILE.jsonl",
+              help="Retrieval pairs, one {\"query\": ..., \"doc\": ...} per line (default: held-out "
+                   "standard-library docstrings). Text models.")
+@click.option("--images", default=None, metavar="DIR", help="Labelled image folder (one sub-folder per class) for k-NN. Image models.")
+@click.option("--max-pairs", type=int, default=None, help="Use at most N pairs (default set: 1000).")
+@click.option("--split", type=float, default=None,
+              help="k-NN: hold out this fraction of each class as queries (default: leave-one-out).")
+@click.option("--max-length", type=int, default=128, show_default=True,
+              help="Token cap (the manifest's token count when smaller).")
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Inputs per onnxruntime run.")
+@click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory (default: the model source in the manifest).")
+@click.option("--out", default=None, type=click.Path(), help="Write the results as JSON.")
+@click.option("--plot", default=None, type=click.Path(), help="Write a PNG of every metric vs GFLOPs.")
+def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, tokenizer, out, plot):
+    """Evaluate the exported ONNX of the dense model and every budget of each artifact DIR:
+    fidelity (cosine to the dense output), retrieval recall@1/@10 against a dense index and
+    symmetric (text), k-NN accuracy (images)."""
+    from elastic_export.evaluation import check_output_path, evaluate, format_table, plot_results, write_results
+
+    check_output_path(out, "--out")
+    check_output_path(plot, "--plot")
+    results = evaluate(list(dirs), pairs=pairs, images=images, max_pairs=max_pairs, split=split,
+                       max_length=max_length, batch_size=batch_size, tokenizer=tokenizer, echo=_echo)
+    click.echo(format_table(results))
+    if out:
+        write_results(out, results)
+        click.echo(f"wrote {out}")
+    if plot:
+        plot_results(results, plot)
+        click.echo(f"wrote {plot}")
 
 
 def main(argv: list[str] | None = None) -> None:

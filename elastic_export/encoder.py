@@ -67,6 +67,20 @@ class Encoder:
         g = torch.Generator().manual_seed(seed)
         return self.adapter.sample_inputs(self.module, batch, seq_len or min(self.seq_len, 32), g)
 
+    def embedding(self, outputs: tuple, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The output the ranking distils: the pooled embedding (``sentence_embedding`` /
+        ``pooler_output``), else the mask-weighted mean of ``last_hidden_state``."""
+        names = self.output_names()
+        for name in ("sentence_embedding", "pooler_output"):
+            if name in names:
+                return outputs[names.index(name)]
+        hidden = outputs[names.index("last_hidden_state")]
+        mask = feeds.get("attention_mask")
+        if mask is None:
+            return hidden.mean(1)
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
     def fingerprint(self) -> str:
         """sha256 over architecture, config and every parameter and buffer (names and bytes)."""
         h = hashlib.sha256()

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +34,7 @@ from elastic_export.plans import BudgetPlan, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
 from elastic_export.scoring import METHODS, NEEDS_DATA
+from elastic_export.soft_ranking import ElasticConfig
 
 RANKING_FILE = "ranking.safetensors"
 
@@ -45,9 +46,13 @@ class Options:
     model: str | None = None
     budgets: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
     out: str = "elastic-out"
-    method: str = "initial"
+    method: str = "elastic"
     calib: str | None = None
-    calib_size: int = 64
+    calib_size: int = 128
+    batch_size: int = 8
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    resume: bool = False
+    checkpoint: str | None = None
     ranking: str | None = None
     align: int = 1
     seq_len: int = 128
@@ -58,6 +63,14 @@ class Options:
     seed: int = 0
     verify: bool = True
     trust_remote_code: bool = False
+
+
+def _jsonable(cfg: dict | None) -> dict | None:
+    """An image preprocessing config as plain JSON (tuples become lists)."""
+    if cfg is None:
+        return None
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()
+            if isinstance(v, (int, float, str, tuple, list, type(None)))}
 
 
 def check_device(device: str) -> torch.device:
@@ -78,17 +91,25 @@ def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Ca
         raise UserError(f"--method {opts.method}: unknown; choose from {', '.join(sorted(METHODS))}")
     calib, desc = None, {"source": None}
     if opts.method in NEEDS_DATA:
-        calib = load_calibration(encoder, opts.calib, size=opts.calib_size, seed=opts.seed)
+        calib = load_calibration(encoder, opts.calib, size=opts.calib_size, batch_size=opts.batch_size, seed=opts.seed)
         desc = calib.description
         echo(f"calibration: {desc.get('samples')} samples from {desc.get('source')}")
     dev = check_device(opts.device)
     t0 = time.time()
     encoder.module.to(dev)
+    checkpoint = Path(opts.checkpoint) if opts.checkpoint else None
+    config = ElasticConfig(**{**asdict(opts.elastic), "seed": opts.seed})
     try:
-        heads, neurons = METHODS[opts.method](encoder, inventory, calib, seed=opts.seed)
+        heads, neurons = METHODS[opts.method](encoder, inventory, calib, seed=opts.seed, config=config,
+                                              checkpoint=checkpoint, resume=opts.resume)
     finally:
         encoder.module.to("cpu")
-    hyper = {"seed": opts.seed, "calib_size": opts.calib_size} if opts.method in NEEDS_DATA else {"seed": opts.seed}
+    hyper: dict = {"seed": opts.seed}
+    if opts.method in NEEDS_DATA:
+        hyper.update(calib_size=opts.calib_size, batch_size=opts.batch_size)
+    if opts.method == "elastic":
+        hyper.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()
+                      if k not in ("checkpoint_every",)})
     meta = make_meta(inventory, encoder.fingerprint(), opts.method, hyper, desc)
     echo(f"ranked {sum(L.heads + L.neurons for L in inventory.layers)} units with {opts.method!r} "
          f"in {time.time() - t0:.1f}s")
@@ -155,6 +176,8 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
         ranking.check_matches(inventory, encoder.fingerprint(), f"--ranking {opts.ranking}")
         echo(f"reusing ranking {opts.ranking} (method {ranking.meta.get('method')!r})")
     else:
+        if opts.checkpoint is None:
+            opts.checkpoint = str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
         ranking = rank_encoder(encoder, inventory, opts, echo)
     plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
 
@@ -185,6 +208,7 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
             "inputs": io_specs(dense.graph.input),
             "outputs": io_specs(onnx.shape_inference.infer_shapes(dense).graph.output),
             "tokens": inventory.tokens,
+            "preprocess": _jsonable(encoder.data_config),
             "prunable_gflops": inventory.prunable_flops / 1e9,
             "align": opts.align,
             "dense": {"onnx": "dense.onnx", "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},

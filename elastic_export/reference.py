@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from elastic_export.adapters import HEADS, NEURONS, BlockUnits, LinearRole, UnitGroup
+from elastic_export.masks import unit_masks
 from elastic_export.plans import BudgetPlan
 from elastic_export.ranking import Ranking
 
@@ -92,25 +93,14 @@ def ranked_keep(plan: BudgetPlan, ranking: Ranking) -> Keep:
 @contextlib.contextmanager
 def hard_mask(blocks: list[BlockUnits], keep: Keep) -> Iterator[None]:
     """Within the context, every unit not in ``keep`` outputs exactly zero."""
-    handles = []
-
-    def make_hook(mask: torch.Tensor):
-        def hook(mod, args):
-            return (args[0] * mask.to(args[0].dtype),) + tuple(args[1:])
-
-        return hook
-
+    masks = {}
     for b in blocks:
         for kind in (HEADS, NEURONS):
-            g = b.group(kind)
-            mask = torch.zeros(g.count * g.width)
-            mask[feature_index(keep[(b.index, kind)], g.count, g.width)] = 1.0
-            handles.append(g.consumer.linear.register_forward_pre_hook(make_hook(mask)))
-    try:
+            m = torch.zeros(b.group(kind).count)
+            m[torch.as_tensor(np.asarray(keep[(b.index, kind)], dtype=np.int64))] = 1.0
+            masks[(b.index, kind)] = m
+    with unit_masks(blocks, lambda layer, kind: masks[(layer, kind)]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def sliced_copy(module: nn.Module, find_blocks, keep: Keep) -> nn.Module:

@@ -1,17 +1,22 @@
 """Ranking methods: a registry of functions that score every unit on one scale.
 
 A method takes the encoder, its inventory and calibration batches and returns per-layer head and
-neuron scores (higher = keep longer). Budget plans keep units in descending score order, so a
-score must already weigh importance against cost.
+neuron scores (higher = keep longer). Budget plans keep units in descending score order; every
+method divides its importance by the unit's FLOP cost, so all methods share one FLOP scale and one
+budget filler.
 
-Built in:
-
-* ``initial`` (default for now): *removal damage per FLOP*. Removing unit u deletes its
-  contribution ``c_u`` to the residual stream (a neuron: its activation times its fc2 column;
-  a head: its context times its block of the output projection). The estimate is
-  ``E[||c_u||²] / E[||h||²]`` over calibration tokens (h: the block's input hidden state, so
-  layers compare on one scale), divided by the unit's FLOP cost.
-* ``magnitude``: data-free weight norms (‖in-rows‖·‖out-columns‖ per unit), per FLOP.
+* ``initial``: *removal damage*. Removing unit u deletes its contribution ``c_u`` to the residual
+  stream (a neuron: its activation times its fc2 column; a head: its context times its block of
+  the output projection). The estimate of the loss increase is ``E[‖c_u‖²] / E[‖h‖²]`` over
+  calibration tokens (h: the block's input hidden state, so layers compare on one scale). A
+  first-order estimate of a distillation loss would be useless here: its gradient is zero at the
+  dense model. These are the starting scores of the optimised ranking (``elastic``).
+* ``activation`` (Minitron-style): mean activation magnitude (neuron: ``|a_u|``; head: ``‖o_h‖``).
+* ``variance`` (VBP): variance of the unit's activation over calibration tokens.
+* ``fisher`` (Kwon et al. 2022): ``E[(∂L/∂m_u)²]`` of a unit mask m_u = 1. With no labels the loss
+  is a random projection ``r·f(x)`` of the pooled output (r ~ N(0, I) per sample), whose squared
+  mask gradient is, in expectation, the squared norm of the output's Jacobian wrt the mask.
+* ``magnitude``: data-free weight norms (‖in-rows‖·‖out-columns‖ per unit).
 * ``random``: seeded random scores, a floor for comparisons.
 """
 
@@ -27,6 +32,7 @@ from elastic_export.adapters import HEADS, NEURONS, UnitGroup
 from elastic_export.calibration import Calibration
 from elastic_export.encoder import Encoder
 from elastic_export.inventory import Inventory
+from elastic_export.masks import capture_inputs, unit_masks
 
 Scores = tuple[list[np.ndarray], list[np.ndarray]]
 ScoringFn = Callable[..., Scores]
@@ -35,6 +41,8 @@ NEEDS_DATA: set[str] = set()
 
 
 def register_method(name: str, needs_data: bool = True) -> Callable[[ScoringFn], ScoringFn]:
+    """Add a ranking method under ``name`` (``--method name``)."""
+
     def deco(fn: ScoringFn) -> ScoringFn:
         METHODS[name] = fn
         if needs_data:
@@ -44,7 +52,7 @@ def register_method(name: str, needs_data: bool = True) -> Callable[[ScoringFn],
     return deco
 
 
-def _token_weights(feeds: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+def token_weights(feeds: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """1 for real tokens, 0 for padding, shaped (B, N)."""
     mask = feeds.get("attention_mask")
     if mask is not None and mask.shape == shape:
@@ -52,83 +60,157 @@ def _token_weights(feeds: dict[str, torch.Tensor], shape: torch.Size) -> torch.T
     return torch.ones(shape, device=next(iter(feeds.values())).device)
 
 
-def _contribution_energy(x: torch.Tensor, group: UnitGroup) -> torch.Tensor:
-    """Per token and unit: ||c_u||² where c_u is unit u's share of the consumer's output. (B, N, U)."""
+def unit_view(x: torch.Tensor, group: UnitGroup) -> torch.Tensor:
+    """Consumer input (B, N, U·w) -> (B, N, U, w)."""
+    return x.reshape(*x.shape[:2], group.count, group.width)
+
+
+def contribution_energy(x: torch.Tensor, group: UnitGroup) -> torch.Tensor:
+    """Per token and unit: ‖c_u‖² where c_u is unit u's share of the consumer's output. (B, N, U)."""
     W = group.consumer.linear.weight  # (D, U*w)
-    B, N = x.shape[:2]
     if group.width == 1:
         return x.pow(2) * W.pow(2).sum(0)
-    xs = x.reshape(B, N, group.count, group.width)
-    Ws = W.reshape(W.shape[0], group.count, group.width)
-    return torch.einsum("bnuw,duw->bnud", xs, Ws).pow(2).sum(-1)
+    B, N = x.shape[:2]
+    xs = unit_view(x, group).reshape(B * N, group.count, group.width).transpose(0, 1)  # (U, BN, w)
+    Ws = W.reshape(W.shape[0], group.count, group.width).permute(1, 2, 0)  # (U, w, D)
+    return torch.bmm(xs, Ws).pow(2).sum(-1).transpose(0, 1).reshape(B, N, group.count)
 
 
-@register_method("initial")
-@torch.no_grad()
-def removal_damage(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
+def _device(encoder: Encoder) -> torch.device:
+    return next(encoder.module.parameters()).device
+
+
+def _per_flop(inventory: Inventory, values: dict[tuple[int, str], torch.Tensor]) -> Scores:
+    heads = [values[(i, HEADS)].double().cpu().numpy() / L.head_cost for i, L in enumerate(inventory.layers)]
+    neurons = [values[(i, NEURONS)].double().cpu().numpy() / L.neuron_cost for i, L in enumerate(inventory.layers)]
+    return normalise(heads, neurons)
+
+
+def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable, desc: str):
+    """Run the calibration batches and sum ``stat(x, group, weights) -> (U,)`` per unit group.
+
+    Returns the sums, the per-block residual energy and the token count."""
     blocks = encoder.blocks()
-    n = len(blocks)
-    energy = {(i, k): torch.zeros(blocks[i].group(k).count, dtype=torch.float64) for i in range(n) for k in (HEADS, NEURONS)}
-    stream = torch.zeros(n, dtype=torch.float64)  # accumulated on the CPU
-    state: dict = {}
+    sums: dict = {(b.index, k): 0.0 for b in blocks for k in (HEADS, NEURONS)}
+    stream = torch.zeros(len(blocks), dtype=torch.float64)
+    state = {"tokens": 0.0}
+    dev = _device(encoder)
+
+    def sink(layer, kind, group, x):
+        w = token_weights(state["feeds"], x.shape[:2])
+        sums[(layer, kind)] += stat(x.detach(), group, w).double().cpu()
+
     handles = []
-
-    def block_hook(i):
-        def hook(mod, args, kwargs):
-            h = args[0] if args else next(iter(kwargs.values()))
-            w = _token_weights(state["feeds"], h.shape[:2])
-            stream[i] += (h.pow(2).sum(-1) * w).sum().double().cpu()
-
-        return hook
-
-    def unit_hook(i, kind, group):
-        def hook(mod, args):
-            x = args[0]
-            w = _token_weights(state["feeds"], x.shape[:2])
-            e = _contribution_energy(x, group)
-            energy[(i, kind)] += (e * w[..., None]).sum((0, 1)).double().cpu()
-
-        return hook
-
     for b in blocks:
-        handles.append(b.block.register_forward_pre_hook(block_hook(b.index), with_kwargs=True))
-        for kind in (HEADS, NEURONS):
-            g = b.group(kind)
-            handles.append(g.consumer.linear.register_forward_pre_hook(unit_hook(b.index, kind, g)))
+        def pre(mod, args, kwargs, i=b.index):
+            h = args[0] if args else next(iter(kwargs.values()))
+            w = token_weights(state["feeds"], h.shape[:2])
+            stream[i] += (h.detach().pow(2).sum(-1) * w).sum().double().cpu()
+
+        handles.append(b.block.register_forward_pre_hook(pre, with_kwargs=True))
     fn = encoder.export_module()
-    device = next(encoder.module.parameters()).device
     try:
-        for feeds in tqdm(calibration.batches, desc="scoring", unit="batch", leave=False):
-            feeds = {k: v.to(device) for k, v in feeds.items()}
-            state["feeds"] = feeds
-            fn(*feeds.values())
+        with torch.no_grad(), capture_inputs(blocks, sink):
+            for feeds in tqdm(calibration.batches, desc=desc, unit="batch", leave=False):
+                feeds = {k: v.to(dev) for k, v in feeds.items()}
+                state["feeds"] = feeds
+                state["tokens"] += float(token_weights(feeds, next(iter(feeds.values())).shape[:2]).sum())
+                fn(*feeds.values())
     finally:
         for h in handles:
             h.remove()
-    heads, neurons = [], []
-    for i, L in enumerate(inventory.layers):
-        scale = max(float(stream[i]), 1e-30)
-        heads.append((energy[(i, HEADS)] / scale / L.head_cost).numpy())
-        neurons.append((energy[(i, NEURONS)] / scale / L.neuron_cost).numpy())
-    return _normalise(heads, neurons)
+    return sums, stream, state["tokens"]
+
+
+@register_method("initial")
+def removal_damage(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
+    def stat(x, group, w):
+        return (contribution_energy(x, group) * w[..., None]).sum((0, 1))
+
+    sums, stream, _ = _token_statistics(encoder, calibration, stat, "scoring (initial)")
+    for (layer, kind), v in sums.items():
+        v /= max(float(stream[layer]), 1e-30)
+    return _per_flop(inventory, sums)
+
+
+@register_method("activation")
+def activation_magnitude(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
+    def stat(x, group, w):
+        return (unit_view(x, group).norm(dim=-1) * w[..., None]).sum((0, 1))
+
+    sums, _, tokens = _token_statistics(encoder, calibration, stat, "scoring (activation)")
+    return _per_flop(inventory, {k: v / max(tokens, 1.0) for k, v in sums.items()})
+
+
+@register_method("variance")
+def activation_variance(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
+    first, second = {}, {}
+
+    def stat_first(x, group, w):
+        return (unit_view(x, group) * w[..., None, None]).sum((0, 1)).reshape(-1)
+
+    def stat_second(x, group, w):
+        return (unit_view(x, group).pow(2) * w[..., None, None]).sum((0, 1)).reshape(-1)
+
+    s1, _, tokens = _token_statistics(encoder, calibration, stat_first, "scoring (variance 1/2)")
+    s2, _, _ = _token_statistics(encoder, calibration, stat_second, "scoring (variance 2/2)")
+    out = {}
+    for key in s1:
+        kind = key[1]
+        group_width = 1 if kind == NEURONS else inventory.layers[key[0]].head_dim
+        mean, sq = s1[key] / tokens, s2[key] / tokens
+        var = (sq - mean.pow(2)).clamp(min=0).reshape(-1, group_width).sum(-1)
+        out[key] = var
+    return _per_flop(inventory, out)
+
+
+def _zero_vectors(encoder: Encoder):
+    return {(b.index, k): torch.zeros(b.group(k).count, dtype=torch.float64) for b in encoder.blocks()
+            for k in (HEADS, NEURONS)}
+
+
+@register_method("fisher")
+def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0, **_) -> Scores:
+    blocks = encoder.blocks()
+    dev = _device(encoder)
+    masks = {(b.index, k): torch.ones(b.group(k).count, device=dev, requires_grad=True) for b in blocks
+             for k in (HEADS, NEURONS)}
+    fisher = _zero_vectors(encoder)
+    g = torch.Generator().manual_seed(seed)
+    fn = encoder.export_module()
+    params = [p.requires_grad for p in encoder.module.parameters()]
+    for p in encoder.module.parameters():
+        p.requires_grad_(False)
+    try:
+        with unit_masks(blocks, lambda layer, kind: masks[(layer, kind)]):
+            for feeds in tqdm(calibration.batches, desc="scoring (fisher)", unit="batch", leave=False):
+                feeds = {k: v.to(dev) for k, v in feeds.items()}
+                emb = encoder.embedding(fn(*feeds.values()), feeds)
+                for _ in range(2):  # two random projections per batch
+                    r = torch.randn(emb.shape, generator=g).to(dev)
+                    grads = torch.autograd.grad((emb * r).sum(), list(masks.values()), retain_graph=True)
+                    for key, grad in zip(masks, grads):
+                        fisher[key] += grad.detach().double().cpu().pow(2)
+    finally:
+        for p, req in zip(encoder.module.parameters(), params):
+            p.requires_grad_(req)
+    return _per_flop(inventory, fisher)
 
 
 @register_method("magnitude", needs_data=False)
 @torch.no_grad()
 def weight_magnitude(encoder: Encoder, inventory: Inventory, calibration: Calibration | None = None, **_) -> Scores:
-    heads, neurons = [], []
-    for b, L in zip(encoder.blocks(), inventory.layers):
-        for kind, dst in ((HEADS, heads), (NEURONS, neurons)):
+    values = {}
+    for b in encoder.blocks():
+        for kind in (HEADS, NEURONS):
             g = b.group(kind)
             U, w = g.count, g.width
             norm_in = torch.zeros(U, dtype=torch.float64)
             for role in g.producers:
-                Wp = role.linear.weight.reshape(role.groups, U, w, -1)
-                norm_in += Wp.double().pow(2).sum((0, 2, 3))
-            Wc = g.consumer.linear.weight.reshape(-1, U, w)
-            norm_out = Wc.double().pow(2).sum((0, 2))
-            dst.append((norm_in.sqrt() * norm_out.sqrt() / L.cost(kind)).numpy())
-    return _normalise(heads, neurons)
+                norm_in += role.linear.weight.reshape(role.groups, U, w, -1).double().pow(2).sum((0, 2, 3)).cpu()
+            norm_out = g.consumer.linear.weight.reshape(-1, U, w).double().pow(2).sum((0, 2)).cpu()
+            values[(b.index, kind)] = norm_in.sqrt() * norm_out.sqrt()
+    return _per_flop(inventory, values)
 
 
 @register_method("random", needs_data=False)
@@ -139,7 +221,7 @@ def random_scores(encoder: Encoder, inventory: Inventory, calibration: Calibrati
     return heads, neurons
 
 
-def _normalise(heads: list[np.ndarray], neurons: list[np.ndarray]) -> Scores:
+def normalise(heads: list[np.ndarray], neurons: list[np.ndarray]) -> Scores:
     """Scale all scores jointly (in float64) so the largest is 1, then store as float32."""
     top = max([float(np.max(a)) for a in heads + neurons if a.size] + [1e-300])
     cast = lambda a: (np.asarray(a, dtype=np.float64) / top).astype(np.float32)  # noqa: E731

@@ -1,0 +1,668 @@
+"""``elastic-export eval``: how good is every budget of an artifact directory?
+
+It measures the exported ONNX files (what users deploy) in onnxruntime CPU sessions; the torch model
+is never used. For the dense model and every budget of each directory:
+
+* **fidelity** (``fidelity_cosine``): mean cosine similarity between the budget's pooled output and
+  the dense model's on held-out inputs (text: every query and document of the retrieval pairs;
+  images: the image folder, or deterministic synthetic images when none is given). The pooled output
+  is ``sentence_embedding`` when the artifacts have it, else the attention-masked mean of
+  ``last_hidden_state`` (text); ``pooler_output`` when present, else the mean of
+  ``last_hidden_state`` over tokens (images).
+* **retrieval** (text): from {query, doc} pairs, doc ``i`` relevant to query ``i``; cosine similarity
+  of L2-normalised embeddings. *Asymmetric* ``recall@1`` / ``recall@10``: queries encoded by the
+  budget's model against a *dense* index (documents encoded once by the dense model), the deployment
+  where the index is not re-encoded. *Symmetric* ``sym_recall@1`` / ``sym_recall@10``: both sides by
+  the budget's model. A query counts as a hit at k when fewer than k documents score strictly higher
+  than its own.
+* **k-NN accuracy** (images, ``knn@1`` / ``knn@10``): a labelled folder (one sub-folder per class),
+  features of index and queries by the budget's model, majority vote of the k nearest (ties go to
+  the class with the larger summed similarity); leave-one-out by default, or a per-class held-out
+  fraction (``split``).
+
+The default retrieval set is :func:`elastic_export.retrieval_data.heldout_pairs` (standard-library
+docstrings, disjoint from the calibration text).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from elastic_export.errors import UserError
+from elastic_export.manifest import load_manifest, resolve
+
+TEXT_METRICS = ("fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10")
+IMAGE_METRICS = ("fidelity_cosine", "knn@1", "knn@10")
+DEFAULT_PAIRS = 1000
+SYNTHETIC_IMAGES = 64
+SYNTHETIC_SEED = 12345  # not the calibration seed: held-out synthetic inputs
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
+
+# --- artifact directories -----------------------------------------------------------------------
+@dataclass
+class Artifact:
+    """One artifact directory: its manifest and the ONNX file of the dense model and every budget."""
+
+    given: str
+    directory: Path
+    manifest: dict
+    modality: str
+    models: list[dict] = field(default_factory=list)  # {sparsity, achieved_sparsity, gflops, onnx: Path}
+
+    @property
+    def method(self) -> str:
+        return str(self.manifest["ranking"].get("method"))
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i["name"] for i in self.manifest["inputs"]]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o["name"] for o in self.manifest["outputs"]]
+
+
+def _modality(manifest: dict, path: Path) -> str:
+    m = manifest["model"].get("modality") if isinstance(manifest.get("model"), dict) else None
+    if m in ("text", "image"):
+        return m
+    names = {i.get("name") for i in manifest["inputs"] if isinstance(i, dict)}
+    if "input_ids" in names:
+        return "text"
+    if "pixel_values" in names:
+        return "image"
+    raise UserError(f"{path}: inputs {sorted(map(str, names))} are neither text (input_ids) nor images (pixel_values)")
+
+
+def load_artifact(directory: str | Path) -> Artifact:
+    """Check and load one artifact directory (refuses a missing directory or manifest, missing files)."""
+    given = str(directory)
+    d = Path(directory)
+    if not d.exists():
+        raise UserError(f"{given}: no such directory")
+    if not d.is_dir():
+        raise UserError(f"{given}: not a directory (give an artifact directory with a manifest.json)")
+    m = load_manifest(d)
+    if not isinstance(m["model"], dict) or not isinstance(m["dense"], dict) or not isinstance(m["ranking"], dict):
+        raise UserError(f"{d / 'manifest.json'}: 'model', 'dense' and 'ranking' must be objects")
+    art = Artifact(given, d, m, _modality(m, d / "manifest.json"))
+    entries = [({"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": m["dense"].get("gflops")}, m["dense"])]
+    entries += [({"sparsity": b.get("sparsity"), "achieved_sparsity": b.get("achieved_sparsity"),
+                  "gflops": b.get("gflops")}, b) for b in m["budgets"]]
+    for info, entry in entries:
+        onnx_path = resolve(d, entry.get("onnx"))
+        if onnx_path is None:
+            raise UserError(f"{d / 'manifest.json'}: budget {info['sparsity']} has no ONNX file")
+        if not onnx_path.is_file():
+            raise UserError(f"{d}: {entry.get('onnx')} is listed in the manifest but missing")
+        art.models.append({**info, "onnx": onnx_path})
+    return art
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise UserError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+
+def _labels(arts: list[Artifact]) -> list[str]:
+    """Curve / table label per directory: the method, or the directory name where methods repeat."""
+    methods = [a.method for a in arts]
+    names = [a.directory.name or a.given for a in arts]
+    out = []
+    for a, meth, name in zip(arts, methods, names):
+        if methods.count(meth) == 1:
+            out.append(meth)
+        elif names.count(name) == 1:
+            out.append(name)
+        else:
+            out.append(a.given)
+    return out
+
+
+# --- data ---------------------------------------------------------------------------------------
+def load_pairs(path: str | Path, max_pairs: int | None = None) -> list[dict]:
+    """{query, doc} pairs from a JSONL file (one object per line, both fields non-empty strings)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--pairs {path}: no such file")
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"--pairs {path}: not UTF-8 text (expected JSONL with query and doc fields)")
+    except OSError as e:
+        raise UserError(f"--pairs {path}: unreadable ({e.strerror or e})")
+    pairs = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise UserError(f"--pairs {path}:{n}: not a JSON line")
+        if not isinstance(obj, dict) or not all(
+            isinstance(obj.get(k), str) and obj[k].strip() for k in ("query", "doc")
+        ):
+            raise UserError(f"--pairs {path}:{n}: expected an object with non-empty string fields 'query' and 'doc'")
+        pairs.append({"query": obj["query"], "doc": obj["doc"]})
+        if max_pairs is not None and len(pairs) >= max_pairs:
+            break
+    if len(pairs) < 2:
+        raise UserError(f"--pairs {path}: needs at least 2 query/doc pairs, found {len(pairs)}")
+    return pairs
+
+
+def _image_files(folder: Path) -> list[tuple[Path, int, str]]:
+    from elastic_export.calibration import IMAGE_EXTS
+
+    out = []
+    for c in sorted(p for p in folder.iterdir() if p.is_dir()):
+        files = sorted(p for p in c.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTS)
+        label = len({name for _, _, name in out})
+        out += [(f, label, c.name) for f in files]
+    return out
+
+
+def load_image_folder(path: str | Path, cfg: dict) -> tuple[np.ndarray, np.ndarray, list[str], int]:
+    """Preprocessed images, integer labels, class names and the number that failed to decode.
+
+    The folder holds one sub-folder per class; preprocessing is
+    ``elastic_export.calibration._preprocess`` with ``cfg`` (input_size, mean, std, crop_pct).
+    """
+    from PIL import Image
+
+    from elastic_export.calibration import _preprocess
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(f"--images {path}: no such directory")
+    files = _image_files(folder)
+    if not files:
+        raise UserError(f"--images {path}: no images in class sub-folders (expected DIR/<class>/<image>.png ...)")
+    tensors, labels, failed = [], [], 0
+    for f, label, _ in files:
+        try:
+            with Image.open(f) as img:
+                tensors.append(_preprocess(img, cfg).numpy())
+            labels.append(label)
+        except Exception:
+            failed += 1
+    classes = list(dict.fromkeys(name for _, _, name in files))
+    if len(set(labels)) < 2:
+        raise UserError(f"--images {path}: k-NN needs at least 2 classes with decodable images, found {len(set(labels))}")
+    return np.stack(tensors).astype(np.float32), np.asarray(labels), classes, failed
+
+
+def preprocess_config(art: Artifact) -> dict:
+    """Image preprocessing: the manifest's ``preprocess`` entry, else mean/std 0.5 at the input size."""
+    pp = art.manifest.get("preprocess")
+    if isinstance(pp, dict) and "input_size" in pp:
+        cfg = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "crop_pct": 1.0, **pp}
+        cfg["input_size"] = tuple(int(x) for x in cfg["input_size"])
+        return cfg
+    spec = next((i for i in art.manifest["inputs"] if i.get("name") == "pixel_values"), None)
+    shape = spec.get("shape") if spec else None
+    if not shape or len(shape) != 4 or not all(isinstance(x, int) for x in shape[1:]):
+        raise UserError(f"{art.directory / 'manifest.json'}: no fixed pixel_values size and no 'preprocess' entry")
+    return {"input_size": tuple(shape[1:]), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "crop_pct": 1.0}
+
+
+# --- text encoding ------------------------------------------------------------------------------
+def _has_tokenizer_files(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json",
+                                             "sentencepiece.bpe.model", "vocab.json"))
+
+
+def load_tokenizer(art: Artifact, override: str | None = None):
+    """The tokenizer of the model the artifacts were made from (``model.source``), or ``override``."""
+    if override is not None:
+        path, what = Path(override), f"--tokenizer {override}"
+    else:
+        source = art.manifest["model"].get("source")
+        if source in (None, DEFAULT_MODEL):
+            from elastic_export.loader import default_model_path
+
+            path = default_model_path()
+        else:
+            path = Path(os.path.expanduser(str(source)))
+        what = f"{art.given}: model source {source!r}"
+    if not path.is_dir() or not _has_tokenizer_files(path):
+        raise UserError(f"{what} has no tokenizer (a local directory with tokenizer files is needed); "
+                        "pass --tokenizer DIR")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise UserError(f"{what}: the tokenizer does not load ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+
+@dataclass
+class TextBatches:
+    """Tokenised texts in length-sorted batches; ``order[i]`` is the text index of row i."""
+
+    batches: list[dict[str, np.ndarray]]
+    order: np.ndarray
+
+
+def tokenize(tokenizer, texts: list[str], input_names: list[str], max_length: int, batch_size: int) -> TextBatches:
+    enc = tokenizer(texts, truncation=True, max_length=max_length)
+    ids = enc["input_ids"]
+    types = enc.get("token_type_ids")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    order = np.array(sorted(range(len(texts)), key=lambda i: (-len(ids[i]), i)), dtype=np.int64)
+    batches = []
+    for s in range(0, len(order), batch_size):
+        rows = order[s : s + batch_size]
+        width = max(len(ids[i]) for i in rows)
+        a = np.full((len(rows), width), pad, dtype=np.int64)
+        m = np.zeros((len(rows), width), dtype=np.int64)
+        t = np.zeros((len(rows), width), dtype=np.int64)
+        for r, i in enumerate(rows):
+            a[r, : len(ids[i])] = ids[i]
+            m[r, : len(ids[i])] = 1
+            if types is not None:
+                t[r, : len(types[i])] = types[i]
+        feeds = {"input_ids": a, "attention_mask": m, "token_type_ids": t}
+        batches.append({n: feeds[n] for n in input_names})
+    return TextBatches(batches, order)
+
+
+def _pool_text(outputs: dict[str, np.ndarray], mask: np.ndarray) -> np.ndarray:
+    if "sentence_embedding" in outputs:
+        return outputs["sentence_embedding"]
+    h = outputs["last_hidden_state"]
+    w = mask[..., None].astype(h.dtype)
+    return (h * w).sum(1) / np.maximum(w.sum(1), 1e-9)
+
+
+def _pool_image(outputs: dict[str, np.ndarray]) -> np.ndarray:
+    if "pooler_output" in outputs:
+        return outputs["pooler_output"]
+    return outputs["last_hidden_state"].mean(1)
+
+
+def encode_texts(sess, tb: TextBatches, want: list[str]) -> np.ndarray:
+    """Pooled embedding of every text (in the original text order)."""
+    rows = []
+    for feeds in tb.batches:
+        got = dict(zip(want, sess.run(want, feeds)))
+        rows.append(_pool_text(got, feeds["attention_mask"]).astype(np.float32))
+    emb = np.concatenate(rows)
+    out = np.empty_like(emb)
+    out[tb.order] = emb
+    return out
+
+
+def encode_images(sess, pixels: np.ndarray, want: list[str], batch_size: int) -> np.ndarray:
+    rows = []
+    for s in range(0, len(pixels), batch_size):
+        got = dict(zip(want, sess.run(want, {"pixel_values": pixels[s : s + batch_size]})))
+        rows.append(_pool_image(got).astype(np.float32))
+    return np.concatenate(rows)
+
+
+# --- metrics ------------------------------------------------------------------------------------
+def _normalize(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean row-wise cosine similarity."""
+    return float((_normalize(a) * _normalize(b)).sum(1).mean())
+
+
+def recall_at(queries: np.ndarray, docs: np.ndarray, ks: tuple[int, ...] = (1, 10), chunk: int = 1024) -> dict[int, float]:
+    """Recall@k of doc i for query i by cosine similarity (strictly better documents push it down)."""
+    q, d = _normalize(queries), _normalize(docs)
+    ranks = []
+    for s in range(0, len(q), chunk):
+        sims = q[s : s + chunk] @ d.T
+        own = sims[np.arange(len(sims)), np.arange(s, s + len(sims))]
+        ranks.append((sims > own[:, None]).sum(1))
+    r = np.concatenate(ranks)
+    return {k: float((r < k).mean()) for k in ks}
+
+
+def _vote(sims: np.ndarray, index_labels: np.ndarray, k: int, n_classes: int) -> np.ndarray:
+    k = min(k, sims.shape[1])
+    nn = np.argsort(-sims, axis=1, kind="stable")[:, :k]
+    pred = np.empty(len(sims), dtype=np.int64)
+    for i in range(len(sims)):
+        labs = index_labels[nn[i]]
+        votes = np.bincount(labs, minlength=n_classes).astype(np.float64)
+        mass = np.bincount(labs, weights=sims[i, nn[i]], minlength=n_classes)
+        best = np.flatnonzero(votes == votes.max())
+        pred[i] = best[np.argmax(mass[best])]
+    return pred
+
+
+def split_indices(labels: np.ndarray, split: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(index, query) positions: per class a seeded shuffle, ``split`` of it held out as queries."""
+    index, query = [], []
+    rng = random.Random(seed)
+    for c in sorted(set(labels.tolist())):
+        members = [int(i) for i in np.flatnonzero(labels == c)]
+        rng.shuffle(members)
+        nq = min(len(members) - 1, max(1, round(split * len(members)))) if len(members) > 1 else 0
+        query += members[:nq]
+        index += members[nq:]
+    return np.array(sorted(index)), np.array(sorted(query))
+
+
+def knn_accuracy(feats: np.ndarray, labels: np.ndarray, ks: tuple[int, ...] = (1, 10),
+                 split: float | None = None, seed: int = 0) -> dict[int, float]:
+    """k-NN accuracy: leave-one-out (``split`` None) or a per-class held-out fraction."""
+    f = _normalize(feats)
+    n_classes = int(labels.max()) + 1
+    if split is None:
+        sims = f @ f.T
+        np.fill_diagonal(sims, -np.inf)  # an image is not its own neighbour
+        return {k: float((_vote(sims, labels, min(k, len(f) - 1), n_classes) == labels).mean()) for k in ks}
+    index, query = split_indices(labels, split, seed)
+    if len(query) == 0 or len(index) == 0:
+        raise UserError(f"--split {split}: leaves no query or no index image")
+    sims = f[query] @ f[index].T
+    idx_labels = labels[index]
+    return {k: float((_vote(sims, idx_labels, k, n_classes) == labels[query]).mean()) for k in ks}
+
+
+# --- the harness --------------------------------------------------------------------------------
+def check_output_path(path: str | Path | None, what: str) -> None:
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{what} {path}: is a directory; give a file name")
+    ancestor = p.parent if str(p.parent) else Path(".")
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path}: {ancestor} is not a writable directory")
+
+
+def evaluate(
+    dirs: list[str | Path],
+    *,
+    pairs: str | Path | list[dict] | None = None,
+    images: str | Path | None = None,
+    max_pairs: int | None = None,
+    split: float | None = None,
+    max_length: int = 128,
+    batch_size: int = 64,
+    tokenizer: str | None = None,
+    echo: Callable[[str], None] = lambda s: None,
+) -> dict:
+    """Evaluate the dense model and every budget of each artifact directory.
+
+    Args:
+        dirs: artifact directories (each with a manifest.json).
+        pairs: JSONL file of {query, doc} pairs, or a list of such dicts; default
+            :func:`~elastic_export.retrieval_data.heldout_pairs` (text directories only).
+        images: labelled image folder (one sub-folder per class) for image directories.
+        max_pairs: use at most this many pairs (default pair set: its size, default 1000).
+        split: image k-NN with this per-class fraction held out as queries (default leave-one-out).
+        max_length: token cap (the manifest's ``tokens`` when smaller).
+        batch_size: inputs per onnxruntime run.
+        tokenizer: tokenizer directory overriding the manifest's model source.
+        echo: progress messages.
+
+    Returns:
+        ``{"datasets": ..., "settings": ..., "results": [{"dir", "method", "label", "modality",
+        "budgets": [{"sparsity", "achieved_sparsity", "gflops", "fidelity_cosine", ...}]}]}``.
+
+    Raises:
+        UserError: missing directory or manifest, bad pairs file, data of the wrong modality, ...
+    """
+    if not dirs:
+        raise UserError("eval: give at least one artifact directory")
+    if max_pairs is not None and max_pairs < 2:
+        raise UserError(f"--max-pairs must be at least 2, got {max_pairs}")
+    if max_length < 1:
+        raise UserError(f"--max-length must be positive, got {max_length}")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be positive, got {batch_size}")
+    if split is not None and not 0 < split < 1:
+        raise UserError(f"--split must be a fraction between 0 and 1, got {split}")
+    arts = [load_artifact(d) for d in dirs]
+    text_arts = [a for a in arts if a.modality == "text"]
+    image_arts = [a for a in arts if a.modality == "image"]
+    if pairs is not None and image_arts:
+        raise UserError(f"--pairs: {image_arts[0].given} is an image model; text pairs need a text model")
+    if images is not None and text_arts:
+        raise UserError(f"--images: {text_arts[0].given} is a text model; an image folder needs an image model")
+
+    datasets: dict[str, Any] = {}
+    pair_list: list[dict] | None = None
+    if text_arts:
+        if pairs is None:
+            from elastic_export.retrieval_data import heldout_pairs
+
+            n = max_pairs or DEFAULT_PAIRS
+            pair_list = heldout_pairs(n)
+            source = f"elastic_export.retrieval_data.heldout_pairs(n={n}, seed=0) (standard-library docstrings)"
+        elif isinstance(pairs, (str, Path)):
+            pair_list, source = load_pairs(pairs, max_pairs), str(pairs)
+        else:
+            pair_list, source = list(pairs)[: max_pairs or None], "<given list>"
+            for i, p in enumerate(pair_list):
+                if not isinstance(p, dict) or not all(isinstance(p.get(k), str) and p[k].strip()
+                                                      for k in ("query", "doc")):
+                    raise UserError(f"eval: pair {i} needs non-empty string fields 'query' and 'doc'")
+            if len(pair_list) < 2:
+                raise UserError("eval: needs at least 2 query/doc pairs")
+        datasets["pairs"] = {"source": source, "count": len(pair_list),
+                             "fidelity_inputs": "every query and document of the pairs"}
+    folder = None
+    if images is not None:
+        if not Path(images).is_dir():
+            raise UserError(f"--images {images}: no such directory")
+        folder = Path(images)
+        datasets["images"] = {"source": str(images), "protocol": "leave-one-out" if split is None else
+                              f"per-class split, {split:g} held out as queries (seed 0)"}
+    elif image_arts:
+        datasets["images"] = {"source": f"{SYNTHETIC_IMAGES} synthetic colour fields (seed {SYNTHETIC_SEED})",
+                              "protocol": None, "fidelity_inputs": "synthetic images; no k-NN without --images"}
+
+    labels = _labels(arts)
+    results = []
+    token_cache: dict[tuple, TextBatches] = {}
+    image_cache: dict[tuple, tuple] = {}
+    for art, label in zip(arts, labels):
+        t0 = time.time()
+        echo(f"evaluating {art.given} ({art.method}, {art.modality}, {len(art.models)} models)")
+        if art.modality == "text":
+            budgets = _eval_text(art, pair_list, tokenizer, max_length, batch_size, token_cache, echo)
+        else:
+            budgets = _eval_image(art, folder, split, batch_size, image_cache, datasets, echo)
+        echo(f"  done in {time.time() - t0:.1f}s")
+        results.append({"dir": art.given, "method": art.method, "label": label, "modality": art.modality,
+                        "model": art.manifest["model"].get("source"), "budgets": budgets})
+    settings = {"provider": "CPUExecutionProvider", "batch_size": batch_size, "max_length": max_length,
+                "knn": "leave-one-out" if split is None else {"split": split, "seed": 0}}
+    return {"datasets": datasets, "settings": settings, "results": results}
+
+
+def _eval_text(art: Artifact, pairs: list[dict], tok_dir: str | None, max_length: int, batch_size: int,
+               cache: dict, echo) -> list[dict]:
+    names = [n for n in art.input_names if n in TEXT_INPUTS]
+    if "input_ids" not in names or "attention_mask" not in names:
+        raise UserError(f"{art.given}: text artifacts need input_ids and attention_mask inputs, have {art.input_names}")
+    want = ["sentence_embedding"] if "sentence_embedding" in art.output_names else ["last_hidden_state"]
+    if want[0] not in art.output_names:
+        raise UserError(f"{art.given}: no sentence_embedding or last_hidden_state output")
+    tokens = art.manifest.get("tokens")
+    length = min(max_length, int(tokens)) if isinstance(tokens, int) and tokens > 0 else max_length
+    source = tok_dir or art.manifest["model"].get("source")
+    key = (str(source), length, tuple(names))
+    if key not in cache:
+        tok = load_tokenizer(art, tok_dir)
+        texts = [p["query"] for p in pairs] + [p["doc"] for p in pairs]
+        cache[key] = tokenize(tok, texts, names, length, batch_size)
+    tb = cache[key]
+    n = len(pairs)
+    out, dense_q, dense_d = [], None, None
+    for i, model in enumerate(art.models):
+        t0 = time.time()
+        emb = encode_texts(_session(model["onnx"]), tb, want)
+        q, d = emb[:n], emb[n:]
+        if i == 0:
+            dense_q, dense_d, dense_all = q, d, emb
+        asym = recall_at(q, dense_d)
+        sym = recall_at(q, d)
+        row = {"sparsity": model["sparsity"], "achieved_sparsity": model["achieved_sparsity"],
+               "gflops": model["gflops"], "fidelity_cosine": mean_cosine(emb, dense_all),
+               "recall@1": asym[1], "recall@10": asym[10], "sym_recall@1": sym[1], "sym_recall@10": sym[10]}
+        out.append(row)
+        echo(f"  sparsity {row['sparsity']:.2f}: fidelity {row['fidelity_cosine']:.4f}  R@1 {row['recall@1']:.3f}  "
+             f"R@10 {row['recall@10']:.3f}  sym R@10 {row['sym_recall@10']:.3f}  ({time.time() - t0:.1f}s)")
+    return out
+
+
+def _eval_image(art: Artifact, folder: Path | None, split: float | None, batch_size: int, cache: dict,
+                datasets: dict, echo) -> list[dict]:
+    if "pixel_values" not in art.input_names:
+        raise UserError(f"{art.given}: image artifacts need a pixel_values input, have {art.input_names}")
+    want = ["pooler_output"] if "pooler_output" in art.output_names else ["last_hidden_state"]
+    if want[0] not in art.output_names:
+        raise UserError(f"{art.given}: no pooler_output or last_hidden_state output")
+    cfg = preprocess_config(art)
+    key = (str(folder), json.dumps(cfg, sort_keys=True, default=str))
+    if key not in cache:
+        if folder is None:
+            from elastic_export.calibration import synthetic_images
+
+            imgs = synthetic_images(cfg, SYNTHETIC_IMAGES, SYNTHETIC_SEED)
+            cache[key] = (np.stack([t.numpy() for t in imgs]).astype(np.float32), None)
+        else:
+            pixels, labels, classes, failed = load_image_folder(folder, cfg)
+            cache[key] = (pixels, labels)
+            datasets["images"].update(count=len(labels), classes=classes, failed_to_decode=failed)
+    pixels, labels = cache[key]
+    out, dense = [], None
+    for i, model in enumerate(art.models):
+        t0 = time.time()
+        feats = encode_images(_session(model["onnx"]), pixels, want, batch_size)
+        if i == 0:
+            dense = feats
+        row = {"sparsity": model["sparsity"], "achieved_sparsity": model["achieved_sparsity"],
+               "gflops": model["gflops"], "fidelity_cosine": mean_cosine(feats, dense), "knn@1": None, "knn@10": None}
+        if labels is not None:
+            acc = knn_accuracy(feats, labels, (1, 10), split)
+            row["knn@1"], row["knn@10"] = acc[1], acc[10]
+        out.append(row)
+        knn = "" if labels is None else f"  kNN@1 {row['knn@1']:.3f}  kNN@10 {row['knn@10']:.3f}"
+        echo(f"  sparsity {row['sparsity']:.2f}: fidelity {row['fidelity_cosine']:.4f}{knn}  ({time.time() - t0:.1f}s)")
+    return out
+
+
+# --- output -------------------------------------------------------------------------------------
+def _atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_results(path: str | Path, results: dict) -> Path:
+    """The results as JSON, written atomically (temporary file + rename)."""
+
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+
+    return _atomic_write(path, write)
+
+
+def _metrics_present(results: dict) -> list[str]:
+    order = list(dict.fromkeys(TEXT_METRICS + IMAGE_METRICS))
+    return [m for m in order if any(b.get(m) is not None for r in results["results"] for b in r["budgets"])]
+
+
+def plot_results(results: dict, path: str | Path) -> Path:
+    """PNG: one subplot per metric, metric vs GFLOPs, one curve per directory, dense marked (Agg)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metrics = _metrics_present(results)
+    if not metrics:
+        raise UserError("nothing to plot: no metric was computed")
+    ncols = min(3, len(metrics))
+    nrows = -(-len(metrics) // ncols)
+    fig = Figure(figsize=(4.6 * ncols, 3.6 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(metrics))]
+    for ax, metric in zip(axes, metrics):
+        dense_done = False
+        for r in results["results"]:
+            pts = sorted((b["gflops"], b[metric], b["sparsity"] == 0.0) for b in r["budgets"]
+                         if b.get(metric) is not None and b.get("gflops") is not None)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=r["label"])
+            for x, y, is_dense in pts:
+                if is_dense:
+                    ax.plot([x], [y], linestyle="none", marker="*", markersize=13, color="black", zorder=5,
+                            label=None if dense_done else "dense")
+                    dense_done = True
+        ax.set_title(metric)
+        ax.set_xlabel("GFLOPs")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize="small")
+
+    def write(tmp: str) -> None:
+        fig.savefig(tmp, format="png", dpi=110)
+
+    return _atomic_write(path, write)
+
+
+def format_table(results: dict) -> str:
+    """The printed summary: dir/method, sparsity, GFLOPs, fidelity, R@1, R@10, sym R@10 (kNN for images)."""
+    has_text = any(r["modality"] == "text" for r in results["results"])
+    has_image = any(r["modality"] == "image" for r in results["results"])
+    cols = [("dir/method", None), ("sparsity", None), ("GFLOPs", None), ("fidelity", "fidelity_cosine")]
+    if has_text:
+        cols += [("R@1", "recall@1"), ("R@10", "recall@10"), ("sym R@10", "sym_recall@10")]
+    if has_image:
+        cols += [("kNN@1", "knn@1"), ("kNN@10", "knn@10")]
+    rows = [[c for c, _ in cols]]
+    for r in results["results"]:
+        name = f"{r['dir']}/{r['method']}"
+        for b in r["budgets"]:
+            cells = [name, "dense" if b["sparsity"] == 0.0 else f"{b['sparsity']:.2f}",
+                     "-" if b.get("gflops") is None else f"{b['gflops']:.3f}"]
+            for _, key in cols[3:]:
+                v = b.get(key)
+                cells.append("-" if v is None else f"{v:.4f}" if key == "fidelity_cosine" else f"{v:.3f}")
+            rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

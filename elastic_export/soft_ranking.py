@@ -1,0 +1,234 @@
+"""The paper's optimised ranking (``--method elastic``): soft pruning over many budgets at once.
+
+Every unit u has a score s_u (initialised from the ``initial`` removal-damage scores, in log space,
+standardised). For each sparsity target b, the cutoff t_b is where the score-ordered ranking,
+accumulating unit FLOP costs, fills the budget ``(1 - b)·P``. Soft masks
+``m_u = sigmoid((s_u - t_b) / T)`` multiply each unit's output; the loss is the distillation loss
+to the frozen dense model (1 - cosine of the pooled embedding), averaged over the targets, and only
+the scores move (Adam). Many cutoffs give every region of the ranking a gradient. Each step
+evaluates a rotating subset of the targets in one batched forward pass (the targets are slices of
+the batch), so all targets are visited equally often.
+
+Checkpoints (safetensors: scores and optimiser state, step in the metadata) are written every few
+steps; ``resume=True`` continues a killed run and ends with the identical ranking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from elastic_export.adapters import HEADS, NEURONS
+from elastic_export.calibration import Calibration
+from elastic_export.encoder import Encoder
+from elastic_export.errors import UserError
+from elastic_export.inventory import Inventory
+from elastic_export.masks import unit_masks
+from elastic_export.scoring import METHODS, Scores, register_method
+
+DEFAULT_TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 15))  # 0.05 .. 0.70, 14 targets
+
+
+@dataclass
+class ElasticConfig:
+    """Hyperparameters of the optimised ranking.
+
+    Args:
+        targets: sparsity targets optimised jointly.
+        steps: gradient steps.
+        lr: Adam learning rate on the (standardised) scores.
+        temperature: soft-mask temperature T, in units of the scores' initial standard deviation.
+        targets_per_step: targets evaluated per step (a rotating subset; all of them if >= len(targets)).
+        checkpoint_every: steps between checkpoints (0: none).
+        seed: batch order.
+    """
+
+    targets: tuple[float, ...] = DEFAULT_TARGETS
+    steps: int = 48
+    lr: float = 0.05
+    temperature: float = 0.1
+    targets_per_step: int = 4
+    checkpoint_every: int = 8
+    seed: int = 0
+
+
+@dataclass
+class _Units:
+    """All units of the model as one flat vector (per layer: heads, then neurons)."""
+
+    slices: dict[tuple[int, str], slice] = field(default_factory=dict)
+    cost: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, inventory: Inventory) -> "_Units":
+        u, pos, costs = cls(), 0, []
+        for i, L in enumerate(inventory.layers):
+            for kind in (HEADS, NEURONS):
+                n = L.count(kind)
+                u.slices[(i, kind)] = slice(pos, pos + n)
+                costs.append(torch.full((n,), float(L.cost(kind)), dtype=torch.float64))
+                pos += n
+        u.cost = torch.cat(costs)
+        return u
+
+    def flatten(self, heads: list[np.ndarray], neurons: list[np.ndarray]) -> torch.Tensor:
+        parts = []
+        for i in range(len(heads)):
+            parts += [torch.as_tensor(heads[i], dtype=torch.float64), torch.as_tensor(neurons[i], dtype=torch.float64)]
+        return torch.cat(parts)
+
+    def split(self, flat: torch.Tensor) -> Scores:
+        n = len(self.slices) // 2
+        heads = [flat[self.slices[(i, HEADS)]].detach().cpu().numpy().astype(np.float32) for i in range(n)]
+        neurons = [flat[self.slices[(i, NEURONS)]].detach().cpu().numpy().astype(np.float32) for i in range(n)]
+        return heads, neurons
+
+
+def cutoffs(scores: torch.Tensor, cost: torch.Tensor, targets: list[float]) -> torch.Tensor:
+    """For each target b, the score t_b where the score-ordered ranking fills ``(1 - b)·P``.
+
+    Units with score above t_b are exactly the prefix that the budget filler keeps."""
+    s = scores.detach().double().cpu()
+    order = torch.argsort(-s, stable=True)
+    ss = s[order]
+    cum = torch.cumsum(cost[order], 0)
+    total = float(cum[-1])
+    out = []
+    for b in targets:
+        k = int(torch.searchsorted(cum, torch.tensor((1.0 - b) * total * (1 + 1e-12), dtype=torch.float64), right=True))
+        if k <= 0:
+            out.append(float(ss[0]) + 1.0)
+        elif k >= len(ss):
+            out.append(float(ss[-1]) - 1.0)
+        else:
+            out.append(0.5 * float(ss[k - 1] + ss[k]))
+    return torch.tensor(out, dtype=scores.dtype, device=scores.device)
+
+
+def _save_checkpoint(path: Path, state: dict[str, torch.Tensor], meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ckpt-", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp,
+                  metadata={"elastic_export.checkpoint": json.dumps(meta, sort_keys=True)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load_checkpoint(path: Path, meta: dict) -> tuple[dict[str, torch.Tensor], int] | None:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            saved = json.loads((f.metadata() or {})["elastic_export.checkpoint"])
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise UserError(f"--resume: checkpoint {path} is unreadable ({str(e).splitlines()[0] if str(e) else e})")
+    step = saved.pop("step", None)
+    if saved != meta or not isinstance(step, int):
+        raise UserError(f"--resume: checkpoint {path} belongs to another run (model, data or hyperparameters differ)")
+    return state, step
+
+
+def optimise_ranking(
+    encoder: Encoder,
+    inventory: Inventory,
+    calibration: Calibration,
+    initial: Scores,
+    config: ElasticConfig,
+    checkpoint: Path | None = None,
+    resume: bool = False,
+) -> tuple[Scores, list[float]]:
+    """Run the soft-mask optimisation; returns the final scores and the loss per step."""
+    units = _Units.of(inventory)
+    dev = next(encoder.module.parameters()).device
+    init = units.flatten(*initial).clamp(min=1e-30).log()
+    init = (init - init.mean()) / init.std().clamp(min=1e-12)
+    s = init.float().to(dev)
+    m1, m2 = torch.zeros_like(s), torch.zeros_like(s)
+    start = 0
+    meta = {"config": asdict(config), "fingerprint": encoder.fingerprint(), "calibration": calibration.description,
+            "units": int(s.numel())}
+    meta = json.loads(json.dumps(meta, default=list))
+    if resume and checkpoint is not None:
+        loaded = _load_checkpoint(checkpoint, meta)
+        if loaded is not None:
+            state, start = loaded
+            s, m1, m2 = state["scores"].to(dev), state["m1"].to(dev), state["m2"].to(dev)
+    targets = list(config.targets)
+    per_step = min(config.targets_per_step, len(targets))
+    batches = calibration.batches
+    fn = encoder.export_module()
+    cost = units.cost
+    requires = [p.requires_grad for p in encoder.module.parameters()]
+    for p in encoder.module.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():  # the distillation targets: the frozen dense model's embeddings
+        dense = [F.normalize(encoder.embedding(fn(*{k: v.to(dev) for k, v in b.items()}.values()),
+                                               {k: v.to(dev) for k, v in b.items()}), dim=-1) for b in batches]
+    blocks = encoder.blocks()
+    state = {}
+
+    def mask_for(layer, kind):
+        return state["masks"][:, units.slices[(layer, kind)]]
+
+    losses: list[float] = []
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    try:
+        bar = tqdm(range(start, config.steps), desc="ranking (elastic)", unit="step", initial=start,
+                   total=config.steps, leave=False)
+        for step in bar:
+            epoch, pos = divmod(step, len(batches))
+            perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(config.seed * 7919 + epoch))
+            bi = int(perm[pos])
+            feeds = {k: v.to(dev) for k, v in batches[bi].items()}
+            chosen = [targets[(step * per_step + j) % len(targets)] for j in range(per_step)]
+            scores = s.clone().requires_grad_(True)
+            t = cutoffs(scores, cost, chosen)
+            state["masks"] = torch.sigmoid((scores[None, :] - t[:, None]) / config.temperature)
+            rep = {k: torch.cat([v] * per_step) for k, v in feeds.items()}
+            with unit_masks(blocks, mask_for, groups=per_step):
+                emb = F.normalize(encoder.embedding(fn(*rep.values()), rep), dim=-1)
+            loss = (1.0 - (emb * torch.cat([dense[bi]] * per_step)).sum(-1)).mean()
+            (grad,) = torch.autograd.grad(loss, scores)
+            with torch.no_grad():
+                k = step + 1
+                m1.mul_(b1).add_(grad, alpha=1 - b1)
+                m2.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                s = s - config.lr * (m1 / (1 - b1**k)) / ((m2 / (1 - b2**k)).sqrt() + eps)
+            value = float(loss.detach())
+            losses.append(value)
+            bar.set_postfix(loss=f"{value:.4f}")
+            if checkpoint is not None and config.checkpoint_every and k % config.checkpoint_every == 0 and k < config.steps:
+                _save_checkpoint(checkpoint, {"scores": s, "m1": m1, "m2": m2}, dict(meta, step=k))
+    finally:
+        for p, r in zip(encoder.module.parameters(), requires):
+            p.requires_grad_(r)
+    if checkpoint is not None and checkpoint.exists():
+        checkpoint.unlink()
+    return units.split(s), losses
+
+
+@register_method("elastic")
+def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0,
+                    config: ElasticConfig | None = None, checkpoint: Path | None = None, resume: bool = False,
+                    **_) -> Scores:
+    config = config or ElasticConfig(seed=seed)
+    initial = METHODS["initial"](encoder, inventory, calibration)
+    scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume)
+    return scores

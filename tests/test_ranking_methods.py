@@ -1,0 +1,144 @@
+"""Ranking methods: every method on tiny models, the soft-mask cutoffs, determinism and resume."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_encoder
+from elastic_export import soft_ranking
+from elastic_export.calibration import load_calibration
+from elastic_export.inventory import build_inventory
+from elastic_export.plans import make_plans
+from elastic_export.ranking import Ranking, make_meta, save_ranking
+from elastic_export.scoring import METHODS
+from elastic_export.soft_ranking import ElasticConfig, _Units, cutoffs, optimise_ranking
+
+FAST = ElasticConfig(steps=6, targets_per_step=3, checkpoint_every=2, targets=(0.1, 0.3, 0.5, 0.7))
+
+
+def _setup(name):
+    enc = tiny_encoder(name)
+    inv = build_inventory(enc)
+    cal = load_calibration(enc, size=8, batch_size=4)
+    return enc, inv, cal
+
+
+@pytest.mark.parametrize("name", ["hf-bert", "timm-vit-swiglu", "hf-dinov2"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_runs_on_tiny_models(name, method):
+    enc, inv, cal = _setup(name)
+    kw = {"config": FAST} if method == "elastic" else {}
+    heads, neurons = METHODS[method](enc, inv, cal, seed=0, **kw)
+    again = METHODS[method](enc, inv, cal, seed=0, **kw)
+    assert [len(h) for h in heads] == [L.heads for L in inv.layers]
+    assert [len(n) for n in neurons] == [L.neurons for L in inv.layers]
+    for a, b in zip(heads + neurons, again[0] + again[1]):
+        assert a.dtype == np.float32 and np.all(np.isfinite(a))
+        np.testing.assert_array_equal(a, b)  # deterministic for a seed
+    if method != "random":  # data- or weight-driven scores are not all equal
+        assert np.ptp(np.concatenate(heads + neurons)) > 0
+
+
+def test_methods_disagree():
+    """The methods are different estimators: their neuron orders differ."""
+    enc, inv, cal = _setup("hf-bert")
+    orders = {m: tuple(np.argsort(-METHODS[m](enc, inv, cal)[1][0])) for m in ("initial", "activation", "variance",
+                                                                            "fisher", "magnitude")}
+    assert len(set(orders.values())) == len(orders)
+
+
+def test_cutoffs_fill_each_target_budget():
+    rng = np.random.default_rng(0)
+    scores = torch.tensor(rng.normal(size=500))
+    cost = torch.tensor(rng.integers(1, 50, size=500).astype(np.float64))
+    targets = [round(0.05 * i, 2) for i in range(1, 15)]
+    t = cutoffs(scores, cost, targets)
+    total = float(cost.sum())
+    for b, tb in zip(targets, t.tolist()):
+        kept = scores > tb
+        budget = (1 - b) * total
+        assert float(cost[kept].sum()) <= budget + 1e-9
+        best_dropped = torch.argmax(torch.where(kept, torch.tensor(-np.inf, dtype=torch.float64), scores))
+        assert float(cost[kept].sum() + cost[best_dropped]) > budget  # the prefix is maximal
+    assert torch.all(t[1:] >= t[:-1])  # higher sparsity, higher cutoff
+
+
+def test_cutoffs_agree_with_budget_plans():
+    """The soft-mask cutoffs keep exactly the units the budget filler keeps."""
+    enc, inv, cal = _setup("hf-bert")
+    heads, neurons = METHODS["magnitude"](enc, inv, cal)
+    units = _Units.of(inv)
+    flat = units.flatten(heads, neurons)
+    targets = [0.2, 0.45, 0.7]
+    for b, tb, plan in zip(targets, cutoffs(flat, units.cost, targets), make_plans(Ranking(heads, neurons), inv, targets)):
+        for i in range(len(inv.layers)):
+            assert int((flat[units.slices[(i, "heads")]] > tb).sum()) == plan.heads_per_layer[i]
+            assert int((flat[units.slices[(i, "neurons")]] > tb).sum()) == plan.neurons_per_layer[i]
+
+
+def test_optimisation_reduces_the_loss():
+    enc, inv, cal = _setup("hf-bert")
+    initial = METHODS["initial"](enc, inv, cal)
+    cfg = ElasticConfig(steps=40, targets_per_step=4, targets=(0.2, 0.4, 0.6, 0.8), lr=0.1, checkpoint_every=0)
+    _, losses = optimise_ranking(enc, inv, cal, initial, cfg)
+    assert np.mean(losses[-8:]) < np.mean(losses[:8])
+
+
+def _ranking_bytes(enc, inv, cal, scores, path: Path) -> bytes:
+    save_ranking(Ranking(*scores, make_meta(inv, enc.fingerprint(), "elastic", {}, cal.description)), path)
+    return path.read_bytes()
+
+
+def test_same_seed_same_ranking_bytes(tmp_path):
+    enc, inv, cal = _setup("hf-bert")
+    a = METHODS["elastic"](enc, inv, cal, seed=1, config=FAST)
+    b = METHODS["elastic"](enc, inv, cal, seed=1, config=FAST)
+    c = METHODS["elastic"](enc, inv, cal, seed=2, config=ElasticConfig(**{**FAST.__dict__, "seed": 2}))
+    assert _ranking_bytes(enc, inv, cal, a, tmp_path / "a") == _ranking_bytes(enc, inv, cal, b, tmp_path / "b")
+    assert _ranking_bytes(enc, inv, cal, a, tmp_path / "a") != _ranking_bytes(enc, inv, cal, c, tmp_path / "c")
+
+
+def test_resume_after_kill_gives_identical_ranking(tmp_path, monkeypatch):
+    enc, inv, cal = _setup("hf-bert")
+    ckpt = tmp_path / "ranking.checkpoint"
+    full = METHODS["elastic"](enc, inv, cal, config=FAST)
+
+    real_save = soft_ranking._save_checkpoint
+    saves = []
+
+    def save_then_die(path, state, meta):
+        real_save(path, state, meta)
+        saves.append(meta["step"])
+        if meta["step"] == 4:
+            raise KeyboardInterrupt  # killed right after the second checkpoint
+
+    monkeypatch.setattr(soft_ranking, "_save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        METHODS["elastic"](enc, inv, cal, config=FAST, checkpoint=ckpt)
+    assert saves == [2, 4] and ckpt.is_file()
+    monkeypatch.setattr(soft_ranking, "_save_checkpoint", real_save)
+    resumed = METHODS["elastic"](enc, inv, cal, config=FAST, checkpoint=ckpt, resume=True)
+    assert _ranking_bytes(enc, inv, cal, full, tmp_path / "a") == _ranking_bytes(enc, inv, cal, resumed, tmp_path / "b")
+    assert not ckpt.exists()  # a finished run removes its checkpoint
+
+
+def test_resume_refuses_a_foreign_checkpoint(tmp_path, monkeypatch):
+    from elastic_export.errors import UserError
+
+    enc, inv, cal = _setup("hf-bert")
+    ckpt = tmp_path / "ranking.checkpoint"
+
+    def save_then_die(path, state, meta):
+        soft_ranking.__dict__["_real_save"](path, state, meta)
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(soft_ranking.__dict__, "_real_save", soft_ranking._save_checkpoint)
+    monkeypatch.setattr(soft_ranking, "_save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        METHODS["elastic"](enc, inv, cal, config=FAST, checkpoint=ckpt)
+    monkeypatch.undo()
+    other = ElasticConfig(**{**FAST.__dict__, "lr": 0.2})
+    with pytest.raises(UserError, match="another run"):
+        METHODS["elastic"](enc, inv, cal, config=other, checkpoint=ckpt, resume=True)
