@@ -34,15 +34,21 @@ class Calibration:
 
 
 def default_texts() -> list[str]:
-    """Paragraphs of the Python language reference shipped with the interpreter, in a fixed order."""
+    """The Python language reference shipped with the interpreter, in a fixed order: each
+    paragraph, followed by its first sentence on its own, so that short inputs (queries) and long
+    ones (passages) are both represented."""
     from pydoc_data.topics import topics
 
     out = []
     for key in sorted(topics):
         for para in topics[key].split("\n\n"):
             text = " ".join(para.split())
-            if len(text) >= 80:
-                out.append(text)
+            if len(text) < 80:
+                continue
+            out.append(text)
+            first = text.split(". ")[0].rstrip(".") + "."
+            if 4 <= len(first.split()) <= 30 and first != text:
+                out.append(first)
     return out
 
 
@@ -54,22 +60,34 @@ def _spread(items: list, size: int) -> list:
     return [items[int(i * step)] for i in range(size)]
 
 
-def _read_text_file(path: Path) -> list[str]:
+def read_text(path: Path, option: str, expected: str) -> str:
+    """The UTF-8 text of a user's file; a one-line :class:`UserError` otherwise."""
     try:
-        raw = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise UserError(f"--calib {path}: not UTF-8 text (text models take .txt or .jsonl calibration files)")
+        raise UserError(f"{option} {path}: not UTF-8 text ({expected})")
     except OSError as e:
-        raise UserError(f"--calib {path}: unreadable ({e.strerror or e})")
+        raise UserError(f"{option} {path}: unreadable ({e.strerror or e})")
+
+
+def json_lines(raw: str, path: Path, option: str) -> list[tuple[int, object]]:
+    """(line number, value) of every non-blank line of a JSONL text."""
+    out = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((n, json.loads(line)))
+        except ValueError:
+            raise UserError(f"{option} {path}:{n}: not a JSON line")
+    return out
+
+
+def _read_text_file(path: Path) -> list[str]:
+    raw = read_text(path, "--calib", "text models take .txt or .jsonl calibration files")
     texts: list[str] = []
     if path.suffix.lower() in (".jsonl", ".json"):
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise UserError(f"--calib {path}:{n}: not a JSON line")
+        for _, obj in json_lines(raw, path, "--calib"):
             if isinstance(obj, str):
                 texts.append(obj)
             elif isinstance(obj, dict):

@@ -51,7 +51,7 @@ def ranking_options(fn):
                      help=f"Ranking method: {', '.join(sorted(METHODS))}."),
         click.option("--calib", default=None, metavar="PATH",
                      help="Calibration data: .txt / .jsonl (text) or an image directory (default: built in)."),
-        click.option("--calib-size", type=int, default=128, show_default=True, help="Calibration samples."),
+        click.option("--calib-size", type=int, default=256, show_default=True, help="Calibration samples."),
         click.option("--batch-size", type=int, default=8, show_default=True, help="Calibration batch size."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--device", default="cpu", show_default=True, help="Device for ranking: cpu or cuda."),
@@ -64,6 +64,12 @@ def ranking_options(fn):
                      help="elastic: sparsity targets optimised jointly (same syntax as --budgets)."),
         click.option("--targets-per-step", type=int, default=_ELASTIC.targets_per_step, show_default=True,
                      help="elastic: targets evaluated per step (rotating)."),
+        click.option("--loss", type=click.Choice(["auto", "cosine", "kl"]), default="auto", show_default=True,
+                     help="elastic: distillation loss (auto: KL to logits for classifiers, else embedding cosine)."),
+        click.option("--relational-weight", type=float, default=_ELASTIC.relational_weight, show_default=True,
+                     help="elastic: weight of the similarity-structure term (retrieval against a dense index)."),
+        click.option("--token-weight", type=float, default=0.0, show_default=True,
+                     help="elastic: weight of a token-level feature term (0: off)."),
         click.option("--resume", is_flag=True, default=False,
                      help="elastic: continue a killed ranking from its last checkpoint."),
     ]
@@ -102,8 +108,13 @@ def _elastic_config(kw: dict) -> ElasticConfig:
     targets = tuple(t for t in parse_budgets(kw.pop("targets")) if t > 0)
     if not targets:
         raise UserError("--targets: give at least one sparsity above 0")
+    for name in ("token_weight", "relational_weight"):
+        if kw[name] < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {kw[name]}")
     return ElasticConfig(targets=targets, steps=kw.pop("steps"), lr=kw.pop("lr"),
-                         temperature=kw.pop("temperature"), targets_per_step=kw.pop("targets_per_step"))
+                         temperature=kw.pop("temperature"), targets_per_step=kw.pop("targets_per_step"),
+                         loss=kw.pop("loss"), token_weight=kw.pop("token_weight"),
+                         relational_weight=kw.pop("relational_weight"))
 
 
 def _run_main_job(**kw) -> None:

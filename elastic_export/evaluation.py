@@ -140,20 +140,11 @@ def load_pairs(path: str | Path, max_pairs: int | None = None) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--pairs {path}: no such file")
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"--pairs {path}: not UTF-8 text (expected JSONL with query and doc fields)")
-    except OSError as e:
-        raise UserError(f"--pairs {path}: unreadable ({e.strerror or e})")
+    from elastic_export.calibration import json_lines, read_text
+
+    raw = read_text(p, "--pairs", "expected JSONL with query and doc fields")
     pairs = []
-    for n, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise UserError(f"--pairs {path}:{n}: not a JSON line")
+    for n, obj in json_lines(raw, p, "--pairs"):
         if not isinstance(obj, dict) or not all(
             isinstance(obj.get(k), str) and obj[k].strip() for k in ("query", "doc")
         ):

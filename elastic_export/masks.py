@@ -23,7 +23,21 @@ def expand(mask: torch.Tensor, group: UnitGroup) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def unit_masks(blocks: list[BlockUnits], mask_for: MaskFn, groups: int = 1) -> Iterator[None]:
+def _consumer_pre_hooks(blocks: list[BlockUnits], make_hook) -> Iterator[None]:
+    """Register ``make_hook(layer, kind, group)`` as a forward pre-hook on every consumer layer."""
+    handles = []
+    for b in blocks:
+        for kind in (HEADS, NEURONS):
+            g = b.group(kind)
+            handles.append(g.consumer.linear.register_forward_pre_hook(make_hook(b.index, kind, g)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def unit_masks(blocks: list[BlockUnits], mask_for: MaskFn, groups: int = 1):
     """Multiply each unit's output by a mask inside the context.
 
     Args:
@@ -33,7 +47,6 @@ def unit_masks(blocks: list[BlockUnits], mask_for: MaskFn, groups: int = 1) -> I
             calls (e.g. when they are parameters being optimised).
         groups: the batch is ``groups`` equal slices, slice g uses mask row g.
     """
-    handles = []
 
     def make_hook(layer: int, kind: str, group: UnitGroup):
         def hook(mod, args):
@@ -50,21 +63,11 @@ def unit_masks(blocks: list[BlockUnits], mask_for: MaskFn, groups: int = 1) -> I
 
         return hook
 
-    for b in blocks:
-        for kind in (HEADS, NEURONS):
-            g = b.group(kind)
-            handles.append(g.consumer.linear.register_forward_pre_hook(make_hook(b.index, kind, g)))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return _consumer_pre_hooks(blocks, make_hook)
 
 
-@contextlib.contextmanager
-def capture_inputs(blocks: list[BlockUnits], sink: Callable[[int, str, UnitGroup, torch.Tensor], None]) -> Iterator[None]:
+def capture_inputs(blocks: list[BlockUnits], sink: Callable[[int, str, UnitGroup, torch.Tensor], None]):
     """Call ``sink(layer, kind, group, x)`` with every consumer layer's input (the units' outputs)."""
-    handles = []
 
     def make_hook(layer: int, kind: str, group: UnitGroup):
         def hook(mod, args):
@@ -72,12 +75,4 @@ def capture_inputs(blocks: list[BlockUnits], sink: Callable[[int, str, UnitGroup
 
         return hook
 
-    for b in blocks:
-        for kind in (HEADS, NEURONS):
-            g = b.group(kind)
-            handles.append(g.consumer.linear.register_forward_pre_hook(make_hook(b.index, kind, g)))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return _consumer_pre_hooks(blocks, make_hook)

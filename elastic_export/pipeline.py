@@ -30,7 +30,7 @@ from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, write_manifest
 from elastic_export.passes import slice_model
-from elastic_export.plans import BudgetPlan, make_plans
+from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
 from elastic_export.scoring import METHODS, NEEDS_DATA
@@ -48,7 +48,7 @@ class Options:
     out: str = "elastic-out"
     method: str = "elastic"
     calib: str | None = None
-    calib_size: int = 128
+    calib_size: int = 256
     batch_size: int = 8
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     resume: bool = False
@@ -171,6 +171,7 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
     echo(f"{encoder.architecture}: {len(inventory.layers)} blocks, N={inventory.tokens} tokens, "
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
          f"{inventory.total_params / 1e6:.2f}M params")
+    check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
         ranking.check_matches(inventory, encoder.fingerprint(), f"--ranking {opts.ranking}")

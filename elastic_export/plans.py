@@ -60,6 +60,15 @@ def _items(ranking: Ranking, inventory: Inventory, align: int) -> list[tuple[flo
     return items
 
 
+def check_align(inventory: Inventory, align: int) -> None:
+    """Refuse an ``--align`` that is not positive or wider than some layer's MLP."""
+    if align < 1:
+        raise UserError(f"--align must be a positive integer, got {align}")
+    narrow = min(L.neurons for L in inventory.layers)
+    if align > narrow:
+        raise UserError(f"--align {align} is larger than a layer's MLP width ({narrow} neurons)")
+
+
 def make_plans(ranking: Ranking, inventory: Inventory, sparsities: list[float], align: int = 1) -> list[BudgetPlan]:
     """One nested plan per sparsity.
 
@@ -72,11 +81,7 @@ def make_plans(ranking: Ranking, inventory: Inventory, sparsities: list[float], 
     Raises:
         UserError: ``align`` is not positive or is wider than a layer's MLP.
     """
-    if align < 1:
-        raise UserError(f"--align must be a positive integer, got {align}")
-    narrow = min(L.neurons for L in inventory.layers)
-    if align > narrow:
-        raise UserError(f"--align {align} is larger than a layer's MLP width ({narrow} neurons)")
+    check_align(inventory, align)
     items = _items(ranking, inventory, align)
     costs = np.array([t[5] for t in items], dtype=np.int64)
     cum = np.cumsum(costs)

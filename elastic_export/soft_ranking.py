@@ -49,15 +49,28 @@ class ElasticConfig:
         targets_per_step: targets evaluated per step (a rotating subset; all of them if >= len(targets)).
         checkpoint_every: steps between checkpoints (0: none).
         seed: batch order.
+        loss: ``auto`` (KL to the dense logits for classifiers, else cosine of the pooled
+            embedding), ``cosine`` or ``kl``.
+        token_weight: weight of an extra token-level term (1 - cosine of ``last_hidden_state``
+            per real token); 0 disables it.
+        relational_weight: weight of the similarity-structure term (embedding losses): KL between
+            the softmax similarities of the pruned and of the dense embedding to the dense
+            embeddings of all calibration samples (the "dense index"), at
+            ``relational_temperature``. It keeps what retrieval against a dense index needs: each
+            embedding's ranking of the others, not only its direction. 0 disables it.
     """
 
     targets: tuple[float, ...] = DEFAULT_TARGETS
-    steps: int = 48
-    lr: float = 0.05
+    steps: int = 64
+    lr: float = 0.02
     temperature: float = 0.1
     targets_per_step: int = 4
     checkpoint_every: int = 8
     seed: int = 0
+    loss: str = "auto"
+    token_weight: float = 0.0
+    relational_weight: float = 4.0
+    relational_temperature: float = 0.05
 
 
 @dataclass
@@ -178,9 +191,49 @@ def optimise_ranking(
     requires = [p.requires_grad for p in encoder.module.parameters()]
     for p in encoder.module.parameters():
         p.requires_grad_(False)
-    with torch.no_grad():  # the distillation targets: the frozen dense model's embeddings
-        dense = [F.normalize(encoder.embedding(fn(*{k: v.to(dev) for k, v in b.items()}.values()),
-                                               {k: v.to(dev) for k, v in b.items()}), dim=-1) for b in batches]
+    names = encoder.output_names()
+    if config.loss not in ("auto", "cosine", "kl"):
+        raise UserError(f"--loss {config.loss}: choose auto, cosine or kl")
+    if config.loss == "kl" and "logits" not in names:
+        raise UserError("--loss kl needs a classifier (a logits output); this model has none")
+    use_kl = "logits" in names and config.loss in ("auto", "kl")
+    hidden_at = names.index("last_hidden_state") if "last_hidden_state" in names else None
+
+    def distill_targets(outputs, feeds):
+        t = {"emb": F.normalize(encoder.embedding(outputs, feeds), dim=-1)}
+        if use_kl:
+            t["logp"] = F.log_softmax(outputs[names.index("logits")], dim=-1)
+        if config.token_weight and hidden_at is not None:
+            t["tokens"] = F.normalize(outputs[hidden_at], dim=-1)
+        return t
+
+    def distill_loss(outputs, feeds, dense_t, reps):
+        got = distill_targets(outputs, feeds)
+        if use_kl:
+            ref = dense_t["logp"].repeat(reps, 1)
+            loss = (ref.exp() * (ref - got["logp"])).sum(-1).mean()
+        else:
+            loss = (1.0 - (got["emb"] * dense_t["emb"].repeat(reps, 1)).sum(-1)).mean()
+        if "rel" in dense_t:
+            logq = F.log_softmax(got["emb"] @ bank.T / config.relational_temperature, dim=-1)
+            ref = dense_t["rel"].repeat(reps, 1)
+            loss = loss + config.relational_weight * (ref.exp() * (ref - logq)).sum(-1).mean()
+        if "tokens" in got:
+            cos = (got["tokens"] * dense_t["tokens"].repeat(reps, 1, 1)).sum(-1)
+            w = feeds.get("attention_mask")
+            w = torch.ones_like(cos) if w is None else w.to(cos.dtype)
+            loss = loss + config.token_weight * ((1.0 - cos) * w).sum() / w.sum().clamp(min=1.0)
+        return loss
+
+    with torch.no_grad():  # the distillation targets: the frozen dense model's outputs
+        dense = []
+        for b in batches:
+            feeds = {k: v.to(dev) for k, v in b.items()}
+            dense.append(distill_targets(fn(*feeds.values()), feeds))
+        bank = torch.cat([d["emb"] for d in dense])  # the dense index of the calibration samples
+        if config.relational_weight and not use_kl:
+            for d in dense:
+                d["rel"] = F.log_softmax(d["emb"] @ bank.T / config.relational_temperature, dim=-1)
     blocks = encoder.blocks()
     state = {}
 
@@ -203,8 +256,7 @@ def optimise_ranking(
             state["masks"] = torch.sigmoid((scores[None, :] - t[:, None]) / config.temperature)
             rep = {k: torch.cat([v] * per_step) for k, v in feeds.items()}
             with unit_masks(blocks, mask_for, groups=per_step):
-                emb = F.normalize(encoder.embedding(fn(*rep.values()), rep), dim=-1)
-            loss = (1.0 - (emb * torch.cat([dense[bi]] * per_step)).sum(-1)).mean()
+                loss = distill_loss(fn(*rep.values()), rep, dense[bi], per_step)
             (grad,) = torch.autograd.grad(loss, scores)
             with torch.no_grad():
                 k = step + 1

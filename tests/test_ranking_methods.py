@@ -142,3 +142,23 @@ def test_resume_refuses_a_foreign_checkpoint(tmp_path, monkeypatch):
     other = ElasticConfig(**{**FAST.__dict__, "lr": 0.2})
     with pytest.raises(UserError, match="another run"):
         METHODS["elastic"](enc, inv, cal, config=other, checkpoint=ckpt, resume=True)
+
+
+@pytest.mark.parametrize("name,loss,token_weight", [("timm-vit", "auto", 0.0), ("timm-vit", "cosine", 0.5),
+                                                    ("hf-bert", "cosine", 1.0)])
+def test_loss_variants_reduce_the_loss(name, loss, token_weight):
+    """KL to the dense logits (classifiers), embedding cosine, and the token-level term all train."""
+    enc, inv, cal = _setup(name)
+    initial = METHODS["initial"](enc, inv, cal)
+    cfg = ElasticConfig(steps=30, targets_per_step=4, targets=(0.2, 0.4, 0.6, 0.8), lr=0.1, checkpoint_every=0,
+                        loss=loss, token_weight=token_weight)
+    _, losses = optimise_ranking(enc, inv, cal, initial, cfg)
+    assert all(np.isfinite(losses)) and np.mean(losses[-6:]) < np.mean(losses[:6])
+
+
+def test_kl_needs_logits():
+    from elastic_export.errors import UserError
+
+    enc, inv, cal = _setup("hf-bert")
+    with pytest.raises(UserError, match="logits"):
+        optimise_ranking(enc, inv, cal, METHODS["initial"](enc, inv, cal), ElasticConfig(steps=1, loss="kl"))
