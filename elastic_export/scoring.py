@@ -10,12 +10,13 @@ budget filler.
   the output projection). The estimate of the loss increase is ``E[‖c_u‖²] / E[‖h‖²]`` over
   calibration tokens (h: the block's input hidden state, so layers compare on one scale). A
   first-order estimate of a distillation loss would be useless here: its gradient is zero at the
-  dense model. These are the starting scores of the optimised ranking (``elastic``).
+  dense model.
 * ``activation`` (Minitron-style): mean activation magnitude (neuron: ``|a_u|``; head: ``‖o_h‖``).
 * ``variance`` (VBP): variance of the unit's activation over calibration tokens.
 * ``fisher`` (Kwon et al. 2022): ``E[(∂L/∂m_u)²]`` of a unit mask m_u = 1. With no labels the loss
   is a random projection ``r·f(x)`` of the pooled output (r ~ N(0, I) per sample), whose squared
-  mask gradient is, in expectation, the squared norm of the output's Jacobian wrt the mask.
+  mask gradient is, in expectation, the squared norm of the output's Jacobian wrt the mask. These
+  are the starting scores of the optimised ranking (``elastic``).
 * ``magnitude``: data-free weight norms (‖in-rows‖·‖out-columns‖ per unit).
 * ``random``: seeded random scores, a floor for comparisons.
 """

@@ -1,6 +1,6 @@
 """The paper's optimised ranking (``--method elastic``): soft pruning over many budgets at once.
 
-Every unit u has a score s_u (initialised from the ``initial`` removal-damage scores, in log space,
+Every unit u has a score s_u (initialised from the ``fisher`` scores by default, in log space,
 standardised). For each sparsity target b, the cutoff t_b is where the score-ordered ranking,
 accumulating unit FLOP costs, fills the budget ``(1 - b)·P``. Soft masks
 ``m_u = sigmoid((s_u - t_b) / T)`` multiply each unit's output; the loss is the distillation loss
@@ -58,6 +58,9 @@ class ElasticConfig:
             embeddings of all calibration samples (the "dense index"), at
             ``relational_temperature``. It keeps what retrieval against a dense index needs: each
             embedding's ranking of the others, not only its direction. 0 disables it.
+        init: the ranking method whose scores start the optimisation (``fisher``: squared mask
+            gradients, a second-order estimate of the loss increase when a unit is removed;
+            ``initial``: removal damage).
     """
 
     targets: tuple[float, ...] = DEFAULT_TARGETS
@@ -71,6 +74,7 @@ class ElasticConfig:
     token_weight: float = 0.0
     relational_weight: float = 4.0
     relational_temperature: float = 0.05
+    init: str = "fisher"
 
 
 @dataclass
@@ -281,6 +285,8 @@ def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibra
                     config: ElasticConfig | None = None, checkpoint: Path | None = None, resume: bool = False,
                     **_) -> Scores:
     config = config or ElasticConfig(seed=seed)
-    initial = METHODS["initial"](encoder, inventory, calibration)
+    if config.init not in METHODS or config.init == "elastic":
+        raise UserError(f"elastic: unknown initial scores {config.init!r}")
+    initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed)
     scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume)
     return scores
