@@ -169,7 +169,3 @@ def build_inventory(encoder: Encoder) -> Inventory:
         raise RuntimeError(f"{encoder.architecture}: the adapter found no transformer blocks")
     params = sum(p.numel() for p in encoder.module.parameters())
     return Inventory(layers, N, D, _fixed_flops(encoder, prunable), params)
-
-
-def kinds() -> tuple[str, str]:
-    return (HEADS, NEURONS)

@@ -110,8 +110,3 @@ def make_plans(ranking: Ranking, inventory: Inventory, sparsities: list[float], 
             )
         )
     return plans
-
-
-def keep_indices(ranking: Ranking, kind: str, layer: int, count: int) -> np.ndarray:
-    """Original indices of the ``count`` best units of one layer, in rank order."""
-    return ranking.order(kind, layer)[:count]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from torch import nn
 
 NEURONS = "neurons"
@@ -126,13 +125,5 @@ class InputSpec:
     shape: list = field(default_factory=list)
 
 
-def linear_in(module: nn.Module) -> int:
-    return module.in_features
-
-
 def check_identity(module: nn.Module | None) -> bool:
     return module is None or isinstance(module, nn.Identity)
-
-
-def zeros_like_tokens(x: torch.Tensor, width: int) -> torch.Tensor:
-    return x.new_zeros(*x.shape[:-1], width)
