@@ -6,7 +6,6 @@ Exit codes: 0 success, 2 bad input (one line on stderr, no traceback), 130 inter
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic_export.errors import UserError
+from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.manifest import load_manifest, resolve
 
 TEXT_METRICS = ("fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10")
@@ -380,11 +380,7 @@ def check_output_path(path: str | Path | None, what: str) -> None:
     p = Path(path)
     if p.is_dir():
         raise UserError(f"{what} {path}: is a directory; give a file name")
-    ancestor = p.parent if str(p.parent) else Path(".")
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {path}: {ancestor} is not a writable directory")
+    check_creatable(p, what)
 
 
 def evaluate(
@@ -507,13 +503,13 @@ def _eval_text(art: Artifact, pairs: list[dict], tok_dir: str | None, max_length
         cache[key] = tokenize(tok, texts, names, length, batch_size)
     tb = cache[key]
     n = len(pairs)
-    out, dense_q, dense_d = [], None, None
+    out, dense_d = [], None
     for i, model in enumerate(art.models):
         t0 = time.time()
         emb = encode_texts(_session(model["onnx"]), tb, want)
         q, d = emb[:n], emb[n:]
         if i == 0:
-            dense_q, dense_d, dense_all = q, d, emb
+            dense_d, dense_all = d, emb
         asym = recall_at(q, dense_d)
         sym = recall_at(q, d)
         row = {"sparsity": model["sparsity"], "achieved_sparsity": model["achieved_sparsity"],
@@ -563,35 +559,13 @@ def _eval_image(art: Artifact, folder: Path | None, split: float | None, batch_s
 
 
 # --- output -------------------------------------------------------------------------------------
-def _atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_results(path: str | Path, results: dict) -> Path:
     """The results as JSON, written atomically (temporary file + rename)."""
 
     def write(tmp: str) -> None:
         Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
 
-    return _atomic_write(path, write)
+    return atomic_write(path, write)
 
 
 def _metrics_present(results: dict) -> list[str]:
@@ -633,7 +607,7 @@ def plot_results(results: dict, path: str | Path) -> Path:
     def write(tmp: str) -> None:
         fig.savefig(tmp, format="png", dpi=110)
 
-    return _atomic_write(path, write)
+    return atomic_write(path, write)
 
 
 def format_table(results: dict) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from elastic_export.adapters import HEADS, NEURONS, UnitGroup
+from elastic_export.adapters import HEADS, UnitGroup
 from elastic_export.encoder import Encoder
 
 

@@ -23,6 +23,21 @@ def expand(mask: torch.Tensor, group: UnitGroup) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def frozen_weights(module: torch.nn.Module) -> Iterator[None]:
+    """No parameter of ``module`` requires a gradient inside the context (restored after, also on
+    error), so gradients flow only to masks or scores."""
+    params = list(module.parameters())
+    saved = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, req in zip(params, saved):
+            p.requires_grad_(req)
+
+
+@contextlib.contextmanager
 def _consumer_pre_hooks(blocks: list[BlockUnits], make_hook) -> Iterator[None]:
     """Register ``make_hook(layer, kind, group)`` as a forward pre-hook on every consumer layer."""
     handles = []

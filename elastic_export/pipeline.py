@@ -26,6 +26,7 @@ from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
 from elastic_export.export import export_dense
+from elastic_export.fileio import check_creatable, umask
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, write_manifest
@@ -122,17 +123,7 @@ def prepare_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not overwrite:
         raise UserError(f"--out {out}: exists and holds other files; pass --overwrite to replace it")
-    ancestor = out.parent if str(out.parent) else Path(".")
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent  # parents are created only once the run succeeds this far
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: {ancestor} is not a writable directory")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    check_creatable(out, "--out")  # parents are created only once the run succeeds this far
 
 
 def commit_out(tmp: Path, out: Path) -> None:
@@ -186,7 +177,7 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
         save_ranking(ranking, tmp / RANKING_FILE)
         t0 = time.time()
         dense = export_dense(encoder, ranking, tmp / "dense.onnx")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from elastic_export.adapters import HEADS, NEURONS
 from elastic_export.errors import UserError
+from elastic_export.fileio import atomic_write
 from elastic_export.inventory import Inventory
 
 RANKING_VERSION = 1
@@ -96,17 +96,7 @@ def save_ranking(ranking: Ranking, path: str | Path) -> None:
         raise UserError(f"{path}: cannot create its directory ({e.strerror or e})")
     if not os.access(path.parent, os.W_OK):
         raise UserError(f"{path}: {path.parent} is not writable")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ranking-", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={META_KEY: json.dumps(ranking.meta, sort_keys=True)})
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: json.dumps(ranking.meta, sort_keys=True)}))
 
 
 def load_ranking(path: str | Path) -> Ranking:

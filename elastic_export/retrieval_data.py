@@ -32,11 +32,9 @@ import functools
 import importlib
 import inspect
 import json
-import os
 import random
 import re
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -228,19 +226,14 @@ def heldout_pairs(n: int = 1000, seed: int = 0) -> list[dict]:
 
 def write_pairs_jsonl(path: str | Path, pairs: list[dict]) -> Path:
     """Write one ``{"query", "doc"}`` JSON object per line (UTF-8), atomically."""
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    from elastic_export.fileio import atomic_write
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             for p in pairs:
                 f.write(json.dumps({"query": p["query"], "doc": p["doc"]}, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+
+    return atomic_write(path, write)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from elastic_export.adapters import HEADS, NEURONS, UnitGroup
 from elastic_export.calibration import Calibration
 from elastic_export.encoder import Encoder
 from elastic_export.inventory import Inventory
-from elastic_export.masks import capture_inputs, unit_masks
+from elastic_export.masks import capture_inputs, frozen_weights, unit_masks
 
 Scores = tuple[list[np.ndarray], list[np.ndarray]]
 ScoringFn = Callable[..., Scores]
@@ -145,23 +145,16 @@ def activation_magnitude(encoder: Encoder, inventory: Inventory, calibration: Ca
 
 @register_method("variance")
 def activation_variance(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
-    first, second = {}, {}
+    def moments(x, group, w):
+        """Token-weighted sums of each feature and of its square, in one pass: (2, U, w)."""
+        v, ww = unit_view(x, group), w[..., None, None]
+        return torch.stack([(v * ww).sum((0, 1)), (v.pow(2) * ww).sum((0, 1))])
 
-    def stat_first(x, group, w):
-        return (unit_view(x, group) * w[..., None, None]).sum((0, 1)).reshape(-1)
-
-    def stat_second(x, group, w):
-        return (unit_view(x, group).pow(2) * w[..., None, None]).sum((0, 1)).reshape(-1)
-
-    s1, _, tokens = _token_statistics(encoder, calibration, stat_first, "scoring (variance 1/2)")
-    s2, _, _ = _token_statistics(encoder, calibration, stat_second, "scoring (variance 2/2)")
+    sums, _, tokens = _token_statistics(encoder, calibration, moments, "scoring (variance)")
     out = {}
-    for key in s1:
-        kind = key[1]
-        group_width = 1 if kind == NEURONS else inventory.layers[key[0]].head_dim
-        mean, sq = s1[key] / tokens, s2[key] / tokens
-        var = (sq - mean.pow(2)).clamp(min=0).reshape(-1, group_width).sum(-1)
-        out[key] = var
+    for key, s in sums.items():
+        mean, sq = s[0] / tokens, s[1] / tokens
+        out[key] = (sq - mean.pow(2)).clamp(min=0).sum(-1)  # summed over a head's features
     return _per_flop(inventory, out)
 
 
@@ -179,22 +172,15 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
     fisher = _zero_vectors(encoder)
     g = torch.Generator().manual_seed(seed)
     fn = encoder.export_module()
-    params = [p.requires_grad for p in encoder.module.parameters()]
-    for p in encoder.module.parameters():
-        p.requires_grad_(False)
-    try:
-        with unit_masks(blocks, lambda layer, kind: masks[(layer, kind)]):
-            for feeds in tqdm(calibration.batches, desc="scoring (fisher)", unit="batch", leave=False):
-                feeds = {k: v.to(dev) for k, v in feeds.items()}
-                emb = encoder.embedding(fn(*feeds.values()), feeds)
-                for _ in range(2):  # two random projections per batch
-                    r = torch.randn(emb.shape, generator=g).to(dev)
-                    grads = torch.autograd.grad((emb * r).sum(), list(masks.values()), retain_graph=True)
-                    for key, grad in zip(masks, grads):
-                        fisher[key] += grad.detach().double().cpu().pow(2)
-    finally:
-        for p, req in zip(encoder.module.parameters(), params):
-            p.requires_grad_(req)
+    with frozen_weights(encoder.module), unit_masks(blocks, lambda layer, kind: masks[(layer, kind)]):
+        for feeds in tqdm(calibration.batches, desc="scoring (fisher)", unit="batch", leave=False):
+            feeds = {k: v.to(dev) for k, v in feeds.items()}
+            emb = encoder.embedding(fn(*feeds.values()), feeds)
+            for _ in range(2):  # two random projections per batch
+                r = torch.randn(emb.shape, generator=g).to(dev)
+                grads = torch.autograd.grad((emb * r).sum(), list(masks.values()), retain_graph=True)
+                for key, grad in zip(masks, grads):
+                    fisher[key] += grad.detach().double().cpu().pow(2)
     return _per_flop(inventory, fisher)
 
 

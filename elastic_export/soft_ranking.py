@@ -16,8 +16,6 @@ steps; ``resume=True`` continues a killed run and ends with the identical rankin
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,8 +28,9 @@ from elastic_export.adapters import HEADS, NEURONS
 from elastic_export.calibration import Calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
+from elastic_export.fileio import atomic_write
 from elastic_export.inventory import Inventory
-from elastic_export.masks import unit_masks
+from elastic_export.masks import frozen_weights, unit_masks
 from elastic_export.scoring import METHODS, Scores, register_method
 
 DEFAULT_TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 15))  # 0.05 .. 0.70, 14 targets
@@ -133,16 +132,9 @@ def cutoffs(scores: torch.Tensor, cost: torch.Tensor, targets: list[float]) -> t
 def _save_checkpoint(path: Path, state: dict[str, torch.Tensor], meta: dict) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ckpt-", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp,
-                  metadata={"elastic_export.checkpoint": json.dumps(meta, sort_keys=True)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={
+        "elastic_export.checkpoint": json.dumps(meta, sort_keys=True)}))
 
 
 def _load_checkpoint(path: Path, meta: dict) -> tuple[dict[str, torch.Tensor], int] | None:
@@ -172,6 +164,11 @@ def optimise_ranking(
     resume: bool = False,
 ) -> tuple[Scores, list[float]]:
     """Run the soft-mask optimisation; returns the final scores and the loss per step."""
+    names = encoder.output_names()
+    if config.loss not in ("auto", "cosine", "kl"):
+        raise UserError(f"--loss {config.loss}: choose auto, cosine or kl")
+    if config.loss == "kl" and "logits" not in names:
+        raise UserError("--loss kl needs a classifier (a logits output); this model has none")
     units = _Units.of(inventory)
     dev = next(encoder.module.parameters()).device
     init = units.flatten(*initial).clamp(min=1e-30).log()
@@ -192,14 +189,6 @@ def optimise_ranking(
     batches = calibration.batches
     fn = encoder.export_module()
     cost = units.cost
-    requires = [p.requires_grad for p in encoder.module.parameters()]
-    for p in encoder.module.parameters():
-        p.requires_grad_(False)
-    names = encoder.output_names()
-    if config.loss not in ("auto", "cosine", "kl"):
-        raise UserError(f"--loss {config.loss}: choose auto, cosine or kl")
-    if config.loss == "kl" and "logits" not in names:
-        raise UserError("--loss kl needs a classifier (a logits output); this model has none")
     use_kl = "logits" in names and config.loss in ("auto", "kl")
     hidden_at = names.index("last_hidden_state") if "last_hidden_state" in names else None
 
@@ -246,7 +235,7 @@ def optimise_ranking(
 
     losses: list[float] = []
     b1, b2, eps = 0.9, 0.999, 1e-8
-    try:
+    with frozen_weights(encoder.module):
         bar = tqdm(range(start, config.steps), desc="ranking (elastic)", unit="step", initial=start,
                    total=config.steps, leave=False)
         for step in bar:
@@ -272,9 +261,6 @@ def optimise_ranking(
             bar.set_postfix(loss=f"{value:.4f}")
             if checkpoint is not None and config.checkpoint_every and k % config.checkpoint_every == 0 and k < config.steps:
                 _save_checkpoint(checkpoint, {"scores": s, "m1": m1, "m2": m2}, dict(meta, step=k))
-    finally:
-        for p, r in zip(encoder.module.parameters(), requires):
-            p.requires_grad_(r)
     if checkpoint is not None and checkpoint.exists():
         checkpoint.unlink()
     return units.split(s), losses

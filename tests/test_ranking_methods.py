@@ -162,3 +162,10 @@ def test_kl_needs_logits():
     enc, inv, cal = _setup("hf-bert")
     with pytest.raises(UserError, match="logits"):
         optimise_ranking(enc, inv, cal, METHODS["initial"](enc, inv, cal), ElasticConfig(steps=1, loss="kl"))
+    assert all(p.requires_grad for p in enc.module.parameters())  # nothing left frozen
+
+
+def test_fisher_leaves_weights_trainable():
+    enc, inv, cal = _setup("hf-bert")
+    METHODS["fisher"](enc, inv, cal)
+    assert all(p.requires_grad for p in enc.module.parameters())
