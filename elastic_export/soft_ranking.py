@@ -154,6 +154,16 @@ def _load_checkpoint(path: Path, meta: dict) -> tuple[dict[str, torch.Tensor], i
     return state, step
 
 
+def _check_loss(encoder: Encoder, config: ElasticConfig) -> list[str]:
+    """Refuse a loss the model cannot use; returns the model's output names."""
+    names = encoder.output_names()
+    if config.loss not in ("auto", "cosine", "kl"):
+        raise UserError(f"--loss {config.loss}: choose auto, cosine or kl")
+    if config.loss == "kl" and "logits" not in names:
+        raise UserError("--loss kl needs a classifier (a logits output); this model has none")
+    return names
+
+
 def optimise_ranking(
     encoder: Encoder,
     inventory: Inventory,
@@ -164,11 +174,7 @@ def optimise_ranking(
     resume: bool = False,
 ) -> tuple[Scores, list[float]]:
     """Run the soft-mask optimisation; returns the final scores and the loss per step."""
-    names = encoder.output_names()
-    if config.loss not in ("auto", "cosine", "kl"):
-        raise UserError(f"--loss {config.loss}: choose auto, cosine or kl")
-    if config.loss == "kl" and "logits" not in names:
-        raise UserError("--loss kl needs a classifier (a logits output); this model has none")
+    names = _check_loss(encoder, config)
     units = _Units.of(inventory)
     dev = next(encoder.module.parameters()).device
     init = units.flatten(*initial).clamp(min=1e-30).log()
@@ -273,6 +279,7 @@ def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibra
     config = config or ElasticConfig(seed=seed)
     if config.init not in METHODS or config.init == "elastic":
         raise UserError(f"elastic: unknown initial scores {config.init!r}")
+    _check_loss(encoder, config)  # before the initial scores, not after them
     initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed)
     scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume)
     return scores

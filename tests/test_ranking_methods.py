@@ -163,6 +163,8 @@ def test_kl_needs_logits():
     with pytest.raises(UserError, match="logits"):
         optimise_ranking(enc, inv, cal, METHODS["initial"](enc, inv, cal), ElasticConfig(steps=1, loss="kl"))
     assert all(p.requires_grad for p in enc.module.parameters())  # nothing left frozen
+    with pytest.raises(UserError, match="logits"):  # the method refuses it before any scoring
+        METHODS["elastic"](enc, inv, cal, config=ElasticConfig(steps=1, loss="kl"))
 
 
 def test_fisher_leaves_weights_trainable():
