@@ -7,6 +7,11 @@ Sources, by modality:
   carried by the interpreter (``pydoc_data.topics``), so nothing is downloaded;
 * image: a directory of images (class sub-folders allowed), preprocessed with the model's own
   mean / std / size; by default deterministic synthetic images (smooth random colour fields).
+
+Labels: for a classifier (a model with a ``logits`` output), images in class sub-folders carry
+labels when every folder names one of the model's classes: its index (``0``, ``1``, ...), its label
+name from the model's pretrained config, or, for 1000-class models, its ImageNet synset id
+(``n01440764``). The ranking then trains on cross-entropy with those labels (``--loss auto``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Calibration:
 
     batches: list[dict[str, torch.Tensor]]
     description: dict = field(default_factory=dict)
+    labels: list[torch.Tensor] | None = None  # class indices per batch (classifiers with labelled data)
 
 
 def default_texts() -> list[str]:
@@ -158,19 +164,62 @@ def _preprocess(img, cfg: dict) -> torch.Tensor:
     return (t - mean) / std
 
 
-def _image_tensors(path: Path, cfg: dict, size: int) -> tuple[list[torch.Tensor], int]:
+def class_index(encoder: Encoder) -> dict[str, int]:
+    """Folder names that name the model's classes -> class index (empty for non-classifiers)."""
+    if "logits" not in encoder.output_names():
+        return {}
+    n = int(getattr(encoder.module, "num_classes", 0) or 0)
+    names = {str(i): i for i in range(n)}
+    cfg = getattr(encoder.module, "pretrained_cfg", None) or {}
+    label_names = cfg.get("label_names") if isinstance(cfg, dict) else None
+    if not label_names and n == 1000:
+        try:
+            from timm.data import ImageNetInfo
+
+            label_names = ImageNetInfo().label_names()
+        except Exception:  # no timm label info: indices only
+            label_names = None
+    for i, name in enumerate(label_names or []):
+        if i < n:
+            names.setdefault(str(name), i)
+    return names
+
+
+def _folder_labels(encoder: Encoder, root: Path, files: list[Path]) -> tuple[list[int] | None, str]:
+    """Class index of every file from its class sub-folder, or None and why not."""
+    index = class_index(encoder)
+    if not index:
+        return None, "none (the model has no logits output)"
+    labels, unknown = [], set()
+    for f in files:
+        parts = f.relative_to(root).parts
+        if len(parts) < 2:
+            return None, "none (images not in class sub-folders)"
+        if parts[0] not in index:
+            unknown.add(parts[0])
+        labels.append(index.get(parts[0], -1))
+    if unknown:
+        return None, f"none ({len(unknown)} folders name no model class, e.g. {sorted(unknown)[0]!r})"
+    return labels, f"{len(set(labels))} classes from sub-folders"
+
+
+def _image_tensors(path: Path, cfg: dict, size: int,
+                   encoder: Encoder | None = None) -> tuple[list[torch.Tensor], int, list[int] | None, str]:
     from PIL import Image
 
-    out, failed = [], 0
-    for f in _spread(_image_files(path), size):
+    files = _spread(_image_files(path), size)
+    labels, why = _folder_labels(encoder, path, files) if encoder is not None else (None, "none")
+    out, kept, failed = [], [], 0
+    for j, f in enumerate(files):
         try:
             with Image.open(f) as img:
                 out.append(_preprocess(img, cfg))
+            kept.append(j)
         except Exception:
             failed += 1
     if not out:
         raise UserError(f"--calib {path}: none of the images could be decoded ({failed} failed)")
-    return out, failed
+    return out, failed, [labels[j] for j in kept] if labels is not None else None, why
 
 
 def synthetic_images(cfg: dict, size: int, seed: int) -> list[torch.Tensor]:
@@ -221,15 +270,16 @@ def load_calibration(
         desc.update(samples=len(texts), seq_len=encoder.seq_len, tokenizer=encoder.tokenizer is not None)
         return Calibration(_text_batches(encoder, texts, batch_size), desc)
     cfg = encoder.data_config
+    labels = None
     if p is None:
         images, desc = synthetic_images(cfg, size, seed), {"source": "synthetic colour fields", "seed": seed}
     elif not p.is_dir():
         raise UserError(f"--calib {path}: image models take a directory of images")
     else:
-        images, failed = _image_tensors(p, cfg, size)
-        desc = {"source": str(p), "failed_to_decode": failed}
+        images, failed, labels, why = _image_tensors(p, cfg, size, encoder)
+        desc = {"source": str(p), "failed_to_decode": failed, "labels": why}
     desc.update(samples=len(images), input_size=list(cfg["input_size"]))
-    batches = [
-        {"pixel_values": torch.stack(images[i : i + batch_size])} for i in range(0, len(images), batch_size)
-    ]
-    return Calibration(batches, desc)
+    starts = range(0, len(images), batch_size)
+    batches = [{"pixel_values": torch.stack(images[i : i + batch_size])} for i in starts]
+    label_batches = None if labels is None else [torch.tensor(labels[i : i + batch_size]) for i in starts]
+    return Calibration(batches, desc, label_batches)

@@ -63,8 +63,9 @@ def ranking_options(fn):
                      help="elastic: sparsity targets optimised jointly (same syntax as --budgets)."),
         click.option("--targets-per-step", type=int, default=_ELASTIC.targets_per_step, show_default=True,
                      help="elastic: targets evaluated per step (rotating)."),
-        click.option("--loss", type=click.Choice(["auto", "cosine", "kl"]), default="auto", show_default=True,
-                     help="elastic: distillation loss (auto: KL to logits for classifiers, else embedding cosine)."),
+        click.option("--loss", type=click.Choice(["auto", "cosine", "kl", "ce"]), default="auto", show_default=True,
+                     help="elastic: loss (auto: cross-entropy with labelled calibration images for classifiers, "
+                          "else KL to the dense logits, else embedding cosine)."),
         click.option("--relational-weight", type=float, default=_ELASTIC.relational_weight, show_default=True,
                      help="elastic: weight of the similarity-structure term (retrieval against a dense index)."),
         click.option("--token-weight", type=float, default=0.0, show_default=True,
@@ -78,7 +79,7 @@ def ranking_options(fn):
 
 
 def export_options(fn):
-    """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify."""
+    """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --precision."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -90,6 +91,9 @@ def export_options(fn):
                      help="Replace an --out directory that holds other files."),
         click.option("--verify/--no-verify", default=True, show_default=True,
                      help="Check every budget's ONNX against the hard-masked torch model."),
+        click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+                     help="fp16: also write an fp16 ONNX (fp32 norms, softmax and pooling; fp32 I/O) of the dense "
+                          "model and every budget, next to the fp32 files, which always stay."),
     ]
     for o in reversed(opts):
         fn = o(fn)

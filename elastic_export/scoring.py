@@ -13,7 +13,8 @@ budget filler.
   dense model.
 * ``activation`` (Minitron-style): mean activation magnitude (neuron: ``|a_u|``; head: ``‖o_h‖``).
 * ``variance`` (VBP): variance of the unit's activation over calibration tokens.
-* ``fisher`` (Kwon et al. 2022): ``E[(∂L/∂m_u)²]`` of a unit mask m_u = 1. With no labels the loss
+* ``fisher`` (Kwon et al. 2022): ``E[(∂L/∂m_u)²]`` of a unit mask m_u = 1. With labelled
+  calibration data and a classifier, L is the cross-entropy of each sample. With no labels the loss
   is a random projection ``r·f(x)`` of the pooled output (r ~ N(0, I) per sample), whose squared
   mask gradient is, in expectation, the squared norm of the output's Jacobian wrt the mask. These
   are the starting scores of the optimised ranking (``elastic``).
@@ -172,10 +173,21 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
     fisher = _zero_vectors(encoder)
     g = torch.Generator().manual_seed(seed)
     fn = encoder.export_module()
+    names = encoder.output_names()
+    labels = calibration.labels if "logits" in names else None
     with frozen_weights(encoder.module), unit_masks(blocks, lambda layer, kind: masks[(layer, kind)]):
-        for feeds in tqdm(calibration.batches, desc="scoring (fisher)", unit="batch", leave=False):
+        for bi, feeds in enumerate(tqdm(calibration.batches, desc="scoring (fisher)", unit="batch", leave=False)):
             feeds = {k: v.to(dev) for k, v in feeds.items()}
-            emb = encoder.embedding(fn(*feeds.values()), feeds)
+            outputs = fn(*feeds.values())
+            if labels is not None:  # squared gradient of each sample's cross-entropy
+                ce = torch.nn.functional.cross_entropy(outputs[names.index("logits")], labels[bi].to(dev),
+                                                       reduction="none")
+                for j in range(ce.shape[0]):
+                    grads = torch.autograd.grad(ce[j], list(masks.values()), retain_graph=True)
+                    for key, grad in zip(masks, grads):
+                        fisher[key] += grad.detach().double().cpu().pow(2)
+                continue
+            emb = encoder.embedding(outputs, feeds)
             for _ in range(2):  # two random projections per batch
                 r = torch.randn(emb.shape, generator=g).to(dev)
                 grads = torch.autograd.grad((emb * r).sum(), list(masks.values()), retain_graph=True)

@@ -4,8 +4,9 @@ Every unit u has a score s_u (initialised from the ``fisher`` scores by default,
 standardised). For each sparsity target b, the cutoff t_b is where the score-ordered ranking,
 accumulating unit FLOP costs, fills the budget ``(1 - b)·P``. Soft masks
 ``m_u = sigmoid((s_u - t_b) / T)`` multiply each unit's output; the loss is the distillation loss
-to the frozen dense model (1 - cosine of the pooled embedding), averaged over the targets, and only
-the scores move (Adam). Many cutoffs give every region of the ranking a gradient. Each step
+to the frozen dense model (1 - cosine of the pooled embedding plus a similarity-structure term; KL
+to the dense logits for classifiers; cross-entropy when labelled calibration data is given),
+averaged over the targets, and only the scores move (Adam). Many cutoffs give every region of the ranking a gradient. Each step
 evaluates a rotating subset of the targets in one batched forward pass (the targets are slices of
 the batch), so all targets are visited equally often.
 
@@ -48,8 +49,9 @@ class ElasticConfig:
         targets_per_step: targets evaluated per step (a rotating subset; all of them if >= len(targets)).
         checkpoint_every: steps between checkpoints (0: none).
         seed: batch order.
-        loss: ``auto`` (KL to the dense logits for classifiers, else cosine of the pooled
-            embedding), ``cosine`` or ``kl``.
+        loss: ``auto`` (cross-entropy with the calibration labels for a classifier with labelled
+            data, else KL to the dense logits for classifiers, else cosine of the pooled
+            embedding), ``cosine``, ``kl`` or ``ce``.
         token_weight: weight of an extra token-level term (1 - cosine of ``last_hidden_state``
             per real token); 0 disables it.
         relational_weight: weight of the similarity-structure term (embedding losses): KL between
@@ -154,14 +156,26 @@ def _load_checkpoint(path: Path, meta: dict) -> tuple[dict[str, torch.Tensor], i
     return state, step
 
 
-def _check_loss(encoder: Encoder, config: ElasticConfig) -> list[str]:
-    """Refuse a loss the model cannot use; returns the model's output names."""
+def _check_loss(encoder: Encoder, config: ElasticConfig, calibration: Calibration | None = None) -> list[str]:
+    """Refuse a loss the model or the data cannot use; returns the model's output names."""
     names = encoder.output_names()
-    if config.loss not in ("auto", "cosine", "kl"):
-        raise UserError(f"--loss {config.loss}: choose auto, cosine or kl")
-    if config.loss == "kl" and "logits" not in names:
-        raise UserError("--loss kl needs a classifier (a logits output); this model has none")
+    if config.loss not in ("auto", "cosine", "kl", "ce"):
+        raise UserError(f"--loss {config.loss}: choose auto, cosine, kl or ce")
+    if config.loss in ("kl", "ce") and "logits" not in names:
+        raise UserError(f"--loss {config.loss} needs a classifier (a logits output); this model has none")
+    if config.loss == "ce" and calibration is not None and calibration.labels is None:
+        why = calibration.description.get("labels", "none")
+        raise UserError(f"--loss ce needs labelled calibration images (class sub-folders); labels: {why}")
     return names
+
+
+def loss_kind(names: list[str], config: ElasticConfig, calibration: Calibration) -> str:
+    """The loss ``auto`` resolves to: ``ce``, ``kl`` or ``cosine``."""
+    if config.loss != "auto":
+        return config.loss
+    if "logits" in names:
+        return "ce" if calibration.labels is not None else "kl"
+    return "cosine"
 
 
 def optimise_ranking(
@@ -174,7 +188,8 @@ def optimise_ranking(
     resume: bool = False,
 ) -> tuple[Scores, list[float]]:
     """Run the soft-mask optimisation; returns the final scores and the loss per step."""
-    names = _check_loss(encoder, config)
+    names = _check_loss(encoder, config, calibration)
+    kind = loss_kind(names, config, calibration)
     units = _Units.of(inventory)
     dev = next(encoder.module.parameters()).device
     init = units.flatten(*initial).clamp(min=1e-30).log()
@@ -195,7 +210,8 @@ def optimise_ranking(
     batches = calibration.batches
     fn = encoder.export_module()
     cost = units.cost
-    use_kl = "logits" in names and config.loss in ("auto", "kl")
+    use_kl = kind in ("kl", "ce")  # both work on the logits
+    labels = calibration.labels if kind == "ce" else None
     hidden_at = names.index("last_hidden_state") if "last_hidden_state" in names else None
 
     def distill_targets(outputs, feeds):
@@ -206,9 +222,11 @@ def optimise_ranking(
             t["tokens"] = F.normalize(outputs[hidden_at], dim=-1)
         return t
 
-    def distill_loss(outputs, feeds, dense_t, reps):
+    def distill_loss(outputs, feeds, dense_t, reps, target=None):
         got = distill_targets(outputs, feeds)
-        if use_kl:
+        if target is not None:
+            loss = F.nll_loss(got["logp"], target.to(got["logp"].device).repeat(reps))
+        elif use_kl:
             ref = dense_t["logp"].repeat(reps, 1)
             loss = (ref.exp() * (ref - got["logp"])).sum(-1).mean()
         else:
@@ -255,7 +273,8 @@ def optimise_ranking(
             state["masks"] = torch.sigmoid((scores[None, :] - t[:, None]) / config.temperature)
             rep = {k: torch.cat([v] * per_step) for k, v in feeds.items()}
             with unit_masks(blocks, mask_for, groups=per_step):
-                loss = distill_loss(fn(*rep.values()), rep, dense[bi], per_step)
+                loss = distill_loss(fn(*rep.values()), rep, dense[bi], per_step,
+                                    None if labels is None else labels[bi])
             (grad,) = torch.autograd.grad(loss, scores)
             with torch.no_grad():
                 k = step + 1
@@ -279,7 +298,7 @@ def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibra
     config = config or ElasticConfig(seed=seed)
     if config.init not in METHODS or config.init == "elastic":
         raise UserError(f"elastic: unknown initial scores {config.init!r}")
-    _check_loss(encoder, config)  # before the initial scores, not after them
+    _check_loss(encoder, config, calibration)  # before the initial scores, not after them
     initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed)
     scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume)
     return scores

@@ -171,3 +171,47 @@ def test_fisher_leaves_weights_trainable():
     enc, inv, cal = _setup("hf-bert")
     METHODS["fisher"](enc, inv, cal)
     assert all(p.requires_grad for p in enc.module.parameters())
+
+
+def _class_folders(root: Path, names: list[str], per_class: int = 4) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        for j in range(per_class):
+            pixels = (rng.random((40, 40, 3)) * 60 + 60 * c).clip(0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{j}.png")
+    return root
+
+
+def test_labelled_images_train_on_cross_entropy(tmp_path):
+    """Class sub-folders that name the classifier's classes become labels; the ranking uses CE."""
+    from elastic_export.soft_ranking import loss_kind
+
+    enc = tiny_encoder("timm-vit")  # 10 classes
+    inv = build_inventory(enc)
+    cal = load_calibration(enc, str(_class_folders(tmp_path / "imgs", ["3", "7"])), size=8, batch_size=4)
+    assert cal.description["labels"] == "2 classes from sub-folders"
+    assert [t.tolist() for t in cal.labels] == [[3, 3, 3, 3], [7, 7, 7, 7]]
+    assert loss_kind(enc.output_names(), ElasticConfig(), cal) == "ce"
+    fisher = METHODS["fisher"](enc, inv, cal)
+    assert all(np.isfinite(a).all() and a.std() > 0 for a in fisher[1])
+    cfg = ElasticConfig(steps=30, targets_per_step=4, targets=(0.2, 0.4, 0.6, 0.8), lr=0.1, checkpoint_every=0)
+    _, losses = optimise_ranking(enc, inv, cal, fisher, cfg)
+    assert all(np.isfinite(losses)) and np.mean(losses[-6:]) < np.mean(losses[:6])
+
+
+def test_folders_that_name_no_class_give_no_labels(tmp_path):
+    from elastic_export.errors import UserError
+
+    enc = tiny_encoder("timm-vit")
+    inv = build_inventory(enc)
+    cal = load_calibration(enc, str(_class_folders(tmp_path / "imgs", ["cat", "dog"])), size=8, batch_size=4)
+    assert cal.labels is None and "name no model class" in cal.description["labels"]
+    with pytest.raises(UserError, match="labelled calibration"):
+        METHODS["elastic"](enc, inv, cal, config=ElasticConfig(steps=1, loss="ce"))
+    text = tiny_encoder("hf-bert")
+    with pytest.raises(UserError, match="logits"):
+        METHODS["elastic"](text, build_inventory(text), load_calibration(text, size=8, batch_size=4),
+                           config=ElasticConfig(steps=1, loss="ce"))
