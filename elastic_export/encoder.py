@@ -68,12 +68,13 @@ class Encoder:
         return self.adapter.sample_inputs(self.module, batch, seq_len or min(self.seq_len, 32), g)
 
     def embedding(self, outputs: tuple, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The output the ranking distils: the pooled embedding (``sentence_embedding`` /
-        ``pooler_output``), else the mask-weighted mean of ``last_hidden_state``."""
+        """The output the ranking distils: the adapter's embedding output (e.g.
+        ``sentence_embedding``, ``pooler_output``, ``image_embeds``), else the mask-weighted mean
+        of ``last_hidden_state``."""
         names = self.output_names()
-        for name in ("sentence_embedding", "pooler_output"):
-            if name in names:
-                return outputs[names.index(name)]
+        name = self.adapter.embedding_output(self.module, self.extras)
+        if name is not None:
+            return outputs[names.index(name)]
         hidden = outputs[names.index("last_hidden_state")]
         mask = feeds.get("attention_mask")
         if mask is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +54,21 @@ def _sentence_transformers_extras(path: Path) -> dict:
     return extras
 
 
+def _model_class(config: Any, fallback: type) -> type:
+    """The class ``config.architectures`` names when an adapter is registered for it, else
+    ``fallback`` (AutoModel). ``AutoModel`` would load a saved ``CLIPTextModelWithProjection`` /
+    ``CLIPVisionModelWithProjection`` as the bare tower and drop its projection."""
+    import transformers
+
+    from elastic_export.adapters import ADAPTERS
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and cls in ADAPTERS:
+            return cls
+    return fallback
+
+
 def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code: bool) -> Encoder:
     from transformers import AutoConfig, AutoModel
 
@@ -66,7 +82,7 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
             f"{path}: no model.safetensors found (only safetensors weights are loaded; convert .bin files first)"
         )
     try:
-        model = AutoModel.from_pretrained(
+        model = _model_class(config, AutoModel).from_pretrained(
             str(path), config=config, use_safetensors=True, trust_remote_code=trust_remote_code,
             attn_implementation="eager",
         )

@@ -68,6 +68,39 @@ def _dinov2(swiglu: bool):
     return Dinov2Model(cfg)
 
 
+def _timm_named(name: str, **kw):
+    """A registered timm model (``deit_*`` ...) shrunk to the tiny test size."""
+    import timm
+
+    base = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, mlp_ratio=2.0, num_classes=10)
+    base.update(kw)
+    return timm.create_model(name, pretrained=False, **base)
+
+
+def _distilbert():
+    from transformers import DistilBertConfig, DistilBertModel
+
+    cfg = DistilBertConfig(vocab_size=512, dim=32, n_layers=3, n_heads=4, hidden_dim=64, max_position_embeddings=72)
+    return DistilBertModel(cfg)
+
+
+def _clip_text(projection: bool, **kw):
+    import transformers
+
+    base = dict(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=40, projection_dim=24, bos_token_id=510, eos_token_id=511, pad_token_id=511)
+    cfg = transformers.CLIPTextConfig(**{**base, **kw})
+    return (transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel)(cfg)
+
+
+def _clip_vision(projection: bool):
+    import transformers
+
+    cfg = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                        intermediate_size=64, image_size=32, patch_size=8, projection_dim=24)
+    return (transformers.CLIPVisionModelWithProjection if projection else transformers.CLIPVisionModel)(cfg)
+
+
 # name -> (builder, extras)
 TINY = {
     "timm-vit": (lambda: _timm(), {}),
@@ -79,6 +112,13 @@ TINY = {
     "hf-bert": (lambda: _bert("BertModel", "BertConfig"), {"pooling": "mean", "normalize": True}),
     "hf-roberta": (lambda: _bert("RobertaModel", "RobertaConfig", pad_token_id=1), {}),
     "hf-xlm-roberta": (lambda: _bert("XLMRobertaModel", "XLMRobertaConfig", pad_token_id=1), {"pooling": "cls"}),
+    "timm-deit-distilled": (lambda: _timm_named("deit_tiny_distilled_patch16_224"), {}),
+    "timm-deit3": (lambda: _timm_named("deit3_small_patch16_224", init_values=0.5), {}),
+    "hf-distilbert": (_distilbert, {"pooling": "mean"}),
+    "hf-clip-text": (lambda: _clip_text(False), {}),
+    "hf-clip-text-proj": (lambda: _clip_text(True, eos_token_id=2), {"normalize": True}),
+    "hf-clip-vision": (lambda: _clip_vision(False), {}),
+    "hf-clip-vision-proj": (lambda: _clip_vision(True), {}),
     "hf-vit": (_hf_vit, {}),
     "hf-dinov2": (lambda: _dinov2(False), {}),
     "hf-dinov2-swiglu": (lambda: _dinov2(True), {}),

@@ -127,3 +127,23 @@ class InputSpec:
 
 def check_identity(module: nn.Module | None) -> bool:
     return module is None or isinstance(module, nn.Identity)
+
+
+def bias_only_forward(out_proj: nn.Linear) -> Callable:
+    """Forward of an attention module that kept 0 heads and owns its output projection.
+
+    The attention contributes only the output projection's bias (zeros without one) at every
+    token; returns ``(output, None)`` like a Hugging Face attention module. Installed by the
+    adapters' ``resize(0)``, since a 0-wide ``view(..., -1, head_dim)`` cannot be reshaped.
+
+    Args:
+        out_proj: the attention's output projection (its bias is read at call time).
+    """
+
+    def forward(hidden_states, *args, **kwargs):
+        shape = (*hidden_states.shape[:-1], out_proj.out_features)
+        if out_proj.bias is None:
+            return hidden_states.new_zeros(shape), None
+        return out_proj.bias.expand(shape), None
+
+    return forward

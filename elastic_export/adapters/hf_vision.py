@@ -10,26 +10,23 @@ from transformers import Dinov2Model, ViTModel
 from transformers.models.dinov2.modeling_dinov2 import Dinov2Layer, Dinov2SwiGLUFFN
 from transformers.models.vit.modeling_vit import ViTLayer
 
-from elastic_export.adapters.base import HEADS, NEURONS, InputSpec, LinearRole, UnitGroup, register_block
+from elastic_export.adapters.base import (
+    HEADS,
+    NEURONS,
+    InputSpec,
+    LinearRole,
+    UnitGroup,
+    bias_only_forward,
+    register_block,
+)
 from elastic_export.adapters.registry import ModelAdapter, register_adapter
-
-
-def _no_heads_forward(attn: nn.Module):
-    """Forward of an attention that kept 0 heads: the output projection's bias at every token."""
-
-    def forward(hidden_states, *args, **kwargs):
-        out = attn.o_proj.bias.expand(*hidden_states.shape[:-1], -1) if attn.o_proj.bias is not None else (
-            hidden_states.new_zeros(*hidden_states.shape[:-1], attn.o_proj.out_features))
-        return out, None
-
-    return forward
 
 
 def _hf_heads(attn: nn.Module) -> UnitGroup:
     def resize(n: int) -> None:
         attn.num_attention_heads = n
         if n == 0:
-            attn.forward = _no_heads_forward(attn)
+            attn.forward = bias_only_forward(attn.o_proj)
 
     return UnitGroup(
         kind=HEADS,

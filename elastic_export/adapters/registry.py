@@ -35,6 +35,15 @@ class ModelAdapter:
     def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
         raise NotImplementedError
 
+    def embedding_output(self, model: nn.Module, extras: dict[str, Any]) -> str | None:
+        """Name of the output that is the model's embedding (what the ranking distils), or None
+        for the attention-masked token mean of ``last_hidden_state``.
+
+        Default: ``sentence_embedding``, else ``pooler_output``, when the model has it.
+        """
+        names = self.output_names(model, extras)
+        return next((n for n in ("sentence_embedding", "pooler_output") if n in names), None)
+
     def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
         """A module whose ``forward(*inputs)`` (in :meth:`input_specs` order) returns a tuple of
         outputs (in :meth:`output_names` order)."""

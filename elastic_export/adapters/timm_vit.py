@@ -1,4 +1,5 @@
-"""timm ``VisionTransformer``: fused qkv, class / register tokens, Mlp / SwiGLU / GluMlp, layer scale."""
+"""timm ``VisionTransformer`` (and ``VisionTransformerDistilled``, DeiT with a distillation token):
+fused qkv, class / distillation / register tokens, Mlp / SwiGLU / GluMlp, layer scale."""
 
 from __future__ import annotations
 
@@ -93,14 +94,19 @@ class _TimmExport(nn.Module):
     def forward(self, pixel_values: torch.Tensor):
         tokens = self.model.forward_features(pixel_values)
         pooled = self.model.forward_head(tokens, pre_logits=True)
-        if self.with_logits:
-            return tokens, pooled, self.model.get_classifier()(pooled)
+        if self.with_logits:  # forward_head, not the classifier: DeiT-distilled averages two heads
+            return tokens, pooled, self.model.forward_head(tokens)
         return tokens, pooled
 
 
 @register_adapter(VisionTransformer)
 class TimmViTAdapter(ModelAdapter):
-    """timm ``VisionTransformer`` (ViT, DeiT, ViT with registers, SwiGLU ViT, layer-scale ViT)."""
+    """timm ``VisionTransformer`` (ViT, DeiT incl. distilled, ViT with registers, SwiGLU ViT, layer-scale ViT).
+
+    ``VisionTransformerDistilled`` is a subclass, found through the class hierarchy: its
+    ``num_prefix_tokens`` (2) counts the distillation token, and ``pooler_output`` is timm's
+    pre-logits (mean of the class and distillation tokens).
+    """
 
     label = "timm VisionTransformer (vit_*, deit_*, *_reg*, SwiGLU, layer scale)"
     modality = "image"

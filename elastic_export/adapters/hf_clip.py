@@ -1,0 +1,173 @@
+"""Hugging Face CLIP towers: ``CLIPTextModel`` / ``CLIPVisionModel`` and their ``...WithProjection``.
+
+Both towers are stacks of ``CLIPEncoderLayer`` (pre-norm; q/k/v/out_proj attention, fc1/fc2 MLP).
+The text tower is causal and pools the final-norm state of the first EOS token; the vision tower
+has a class token, a pre-layernorm and pools the post-layernormed class token.
+
+Outputs (the embedding the ranking distils is the last one named here):
+
+* text: ``last_hidden_state``, ``sentence_embedding`` = the EOS-pooled state (``CLIPTextModel``'s
+  ``pooler_output``) or, with projection, ``text_embeds``;
+* vision: ``last_hidden_state``, ``pooler_output`` (+ ``image_embeds`` with projection).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModel, CLIPVisionModelWithProjection
+from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+from elastic_export.adapters.base import (
+    HEADS,
+    NEURONS,
+    InputSpec,
+    LinearRole,
+    UnitGroup,
+    bias_only_forward,
+    register_block,
+)
+from elastic_export.adapters.hf_vision import HFVisionAdapter
+from elastic_export.adapters.registry import ModelAdapter, register_adapter
+
+
+@register_block(CLIPEncoderLayer)
+def describe_clip_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
+    """Heads of ``layer.self_attn`` and neurons of ``layer.mlp``."""
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def resize(n: int) -> None:
+        attn.num_heads = n  # forward infers the head count (view(..., -1, head_dim))
+        if n == 0:
+            attn.forward = bias_only_forward(attn.out_proj)
+
+    heads = UnitGroup(
+        kind=HEADS,
+        count=attn.num_heads,
+        width=attn.head_dim,
+        producers=[LinearRole(attn.q_proj, "out"), LinearRole(attn.k_proj, "out"), LinearRole(attn.v_proj, "out")],
+        consumer=LinearRole(attn.out_proj, "in"),
+        module=attn,
+        resize=resize,
+    )
+    neurons = UnitGroup(
+        kind=NEURONS,
+        count=mlp.fc1.out_features,
+        width=1,
+        producers=[LinearRole(mlp.fc1, "out")],
+        consumer=LinearRole(mlp.fc2, "in"),
+        module=mlp,
+    )
+    return heads, neurons
+
+
+# --- text tower --------------------------------------------------------------------------------
+
+
+class _ClipTextExport(nn.Module):
+    def __init__(self, model: nn.Module, normalize: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.projected = isinstance(model, CLIPTextModelWithProjection)
+        self.normalize = normalize
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        emb = out.text_embeds if self.projected else out.pooler_output
+        if self.normalize:
+            emb = F.normalize(emb, p=2.0, dim=-1)
+        return out.last_hidden_state, emb
+
+
+def eos_id(config: Any) -> int:
+    """The token the text tower pools at. Legacy configs (``eos_token_id == 2``, or an id outside
+    the vocabulary) pool at the highest token id, which the CLIP tokenizer gives to EOS."""
+    eos = config.eos_token_id
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None or eos == 2 or not 0 <= eos < config.vocab_size:
+        return config.vocab_size - 1
+    return int(eos)
+
+
+@register_adapter(CLIPTextModel, CLIPTextModelWithProjection)
+class HFClipTextAdapter(ModelAdapter):
+    """CLIP text tower: inputs ``input_ids``, ``attention_mask``; outputs ``last_hidden_state`` and
+    ``sentence_embedding`` (EOS-pooled, projected for ``CLIPTextModelWithProjection``)."""
+
+    label = "Hugging Face CLIPTextModel / CLIPTextModelWithProjection"
+    modality = "text"
+
+    def width(self, model: nn.Module) -> int:
+        return model.config.hidden_size
+
+    def tokens(self, model: nn.Module, seq_len: int) -> int:
+        return seq_len
+
+    def input_specs(self, model: nn.Module) -> list[InputSpec]:
+        return [InputSpec(n, "int64", ["batch", "sequence"]) for n in ("input_ids", "attention_mask")]
+
+    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
+        return ["last_hidden_state", "sentence_embedding"]
+
+    def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
+        return _ClipTextExport(model, bool(extras.get("normalize")))
+
+    def sample_inputs(self, model: nn.Module, batch: int, seq_len: int, generator: torch.Generator) -> dict:
+        """Rows like the CLIP tokenizer makes them: BOS, text, EOS, then padding."""
+        cfg = model.config
+        eos = eos_id(cfg)
+        bos = cfg.bos_token_id if cfg.bos_token_id is not None and 0 <= cfg.bos_token_id < cfg.vocab_size else None
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
+        low = 1000 if cfg.vocab_size > 2000 else 2
+        ids = torch.randint(low, cfg.vocab_size, (batch, seq_len), generator=generator)
+        for special in (eos, bos):
+            if special is not None:
+                ids[ids == special] = low
+        lengths = torch.randint(min(2, seq_len), seq_len + 1, (batch,), generator=generator)
+        lengths[0] = seq_len
+        pos = torch.arange(seq_len)[None, :]
+        mask = (pos < lengths[:, None]).long()
+        if bos is not None and seq_len > 1:
+            ids[:, 0] = bos
+        ids = torch.where(pos == lengths[:, None] - 1, torch.full_like(ids, eos), ids)
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad))
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+# --- vision tower ------------------------------------------------------------------------------
+
+
+class _ClipVisionExport(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.projected = isinstance(model, CLIPVisionModelWithProjection)
+
+    def forward(self, pixel_values: torch.Tensor):
+        if not self.projected:
+            out = self.model(pixel_values=pixel_values)
+            return out.last_hidden_state, out.pooler_output
+        out = self.model.vision_model(pixel_values=pixel_values)
+        return out.last_hidden_state, out.pooler_output, self.model.visual_projection(out.pooler_output)
+
+
+@register_adapter(CLIPVisionModel, CLIPVisionModelWithProjection)
+class HFClipVisionAdapter(HFVisionAdapter):
+    """CLIP vision tower: ``pixel_values`` in; ``last_hidden_state`` and ``pooler_output`` (the
+    post-layernormed class token) out, plus ``image_embeds`` (the embedding) with projection."""
+
+    label = "Hugging Face CLIPVisionModel / CLIPVisionModelWithProjection"
+
+    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
+        extra = ["image_embeds"] if isinstance(model, CLIPVisionModelWithProjection) else []
+        return ["last_hidden_state", "pooler_output", *extra]
+
+    def embedding_output(self, model: nn.Module, extras: dict[str, Any]) -> str | None:
+        return self.output_names(model, extras)[-1]
+
+    def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
+        return _ClipVisionExport(model)
