@@ -95,6 +95,8 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
     if adapter.modality == "text":
         max_pos = getattr(config, "max_position_embeddings", None)
         offset = 2 if config.model_type in ("roberta", "xlm-roberta") else 0
+        if seq_len is None:  # the default: 128 tokens, or fewer where the model has fewer positions
+            seq_len = DEFAULT_SEQ_LEN if max_pos is None else min(DEFAULT_SEQ_LEN, max_pos - offset)
         if max_pos is not None and seq_len > max_pos - offset:
             raise UserError(f"--seq-len {seq_len} is beyond the model's {max_pos - offset} positions")
         if any((path / f).exists() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")):
@@ -181,11 +183,14 @@ def wrap_module(
                    dict(extras or {}), tokenizer, data_config)
 
 
+DEFAULT_SEQ_LEN = 128
+
+
 def load_encoder(
     model: str | None = None,
     *,
     pretrained: bool = True,
-    seq_len: int = 128,
+    seq_len: int | None = None,
     image_size: int | None = None,
     trust_remote_code: bool = False,
 ) -> Encoder:
@@ -195,14 +200,15 @@ def load_encoder(
         model: a local Hugging Face model directory, a timm model name, or None for the embedded
             default (all-MiniLM-L6-v2).
         pretrained: timm names only: load pretrained weights (needs a download) or random init.
-        seq_len: nominal text length N for FLOP accounting (text models).
+        seq_len: nominal text length N for FLOP accounting (text models); None: 128, or the
+            model's position count where that is smaller (CLIP text: 77).
         image_size: timm names only: input resolution.
         trust_remote_code: allow model code shipped in the directory (off by default).
 
     Raises:
         UserError: missing path, unknown name, unsupported architecture, bad options.
     """
-    if seq_len is None or seq_len < 1:
+    if seq_len is not None and seq_len < 1:
         raise UserError(f"--seq-len must be a positive integer, got {seq_len}")
     if image_size is not None and image_size < 1:
         raise UserError(f"--image-size must be a positive integer, got {image_size}")

@@ -162,3 +162,14 @@ def test_load_saved_directory(name, tmp_path):
         want = [t.numpy() for t in enc.module(**feeds).to_tuple()]
         got = [t.numpy() for t in loaded.module(**feeds).to_tuple()]
     assert max_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("name,positions", [("hf-clip-text-proj", 40), ("hf-bert", 72)])
+def test_default_seq_len_fits_the_model(name, positions, tmp_path):
+    """Without --seq-len, N is 128 or the model's position count where that is smaller (CLIP: 77)."""
+    from elastic_export.errors import UserError
+
+    tiny_encoder(name).module.save_pretrained(tmp_path)
+    assert load_encoder(str(tmp_path)).seq_len == min(128, positions)
+    with pytest.raises(UserError, match="beyond the model"):
+        load_encoder(str(tmp_path), seq_len=positions + 1)
