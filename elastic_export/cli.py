@@ -31,7 +31,8 @@ def model_options(fn):
                      help="Local Hugging Face model directory or timm model name (default: embedded all-MiniLM-L6-v2)."),
         click.option("--pretrained/--no-pretrained", default=True, show_default=True,
                      help="timm names: load pretrained weights (needs a download) or use random initialisation."),
-        click.option("--seq-len", type=int, default=128, show_default=True, help="Text: nominal token count N for FLOPs."),
+        click.option("--seq-len", type=int, default=None,
+                     help="Text: nominal token count N for FLOPs [default: 128, or the model's positions if fewer]."),
         click.option("--image-size", type=int, default=None, help="timm names: input resolution."),
         click.option("--trust-remote-code", is_flag=True, default=False,
                      help="Allow model code shipped inside a Hugging Face directory (off by default)."),
@@ -79,7 +80,7 @@ def ranking_options(fn):
 
 
 def export_options(fn):
-    """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --precision."""
+    """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -91,6 +92,9 @@ def export_options(fn):
                      help="Replace an --out directory that holds other files."),
         click.option("--verify/--no-verify", default=True, show_default=True,
                      help="Check every budget's ONNX against the hard-masked torch model."),
+        click.option("--elastic-graph/--no-elastic-graph", default=True, show_default=True,
+                     help="Also write elastic.onnx: one graph, weights once, its int64 budget_index input "
+                          "(shape [1]) selects the budget by position in the manifest's budgets."),
         click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
                      help="fp16: also write an fp16 ONNX (fp32 norms, softmax and pooling; fp32 I/O) of the dense "
                           "model and every budget, next to the fp32 files, which always stay."),
@@ -141,6 +145,14 @@ def _print_budget_table(manifest: dict, out: Path) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    e = manifest.get("elastic")
+    if e:
+        err = "" if e.get("max_abs_error") is None else f", max err {e['max_abs_error']:.1e}"
+        click.echo(f"elastic graph: {e['onnx']} (input {e['budget_input']} = index into the budgets above{err})")
+    if "fp16" in manifest.get("precisions", []):
+        errs = [x["fp16_max_rel_error"] for x in [d, *manifest["budgets"]] if x.get("fp16_max_rel_error") is not None]
+        worst = f", max relative error vs fp32 {max(errs):.1e}" if errs else ""
+        click.echo(f"fp16: {1 + len(manifest['budgets'])} files (*.fp16.onnx){worst}")
     click.echo(f"wrote {out / 'manifest.json'}")
 
 
@@ -261,13 +273,52 @@ def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, toke
         click.echo(f"wrote {plot}")
 
 
+@cli.command("verify")
+@click.argument("directory", metavar="DIR")
+@click.option("--batch", type=int, default=2, show_default=True, help="Sample inputs per run.")
+@click.option("--seq-len", type=int, default=None,
+              help="Text: tokens per sample (default: 32, at most the manifest's token count).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample inputs.")
+@click.option("--model", default=None, metavar="PATH_OR_TIMM_NAME",
+              help="Also compare with the torch hard-masked model (default: the manifest's model.source "
+                   "when it loads offline and matches the fingerprint).")
+@click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
+              help="Compare with the torch hard-masked model where the model can be loaded.")
+@click.option("--atol", type=float, default=1e-4, show_default=True, help="fp32 tolerance: max abs error.")
+@click.option("--rtol-fp16", type=float, default=1e-2, show_default=True,
+              help="fp16 / TensorRT tolerance: max abs error relative to each output's largest magnitude.")
+def verify_cmd(directory, batch, seq_len, seed, model, use_torch, atol, rtol_fp16):
+    """Re-check every artifact of DIR (budget ONNX, fp16 files, the elastic graph, TensorRT engines)
+    against the hard-masked dense model derived from DIR's own dense.onnx. Exit 0: all match;
+    1: something differs; 2: a missing or corrupt file, or a broken manifest."""
+    from elastic_export.errors import CheckFailed
+    from elastic_export.verify import verify_dir
+
+    for name, value in (("--atol", atol), ("--rtol-fp16", rtol_fp16)):
+        if not value > 0:
+            raise UserError(f"{name} must be positive, got {value}")
+    report = verify_dir(directory, batch=batch, seq_len=seq_len, seed=seed, model=model, use_torch=use_torch,
+                        atol=atol, rtol_fp16=rtol_fp16, echo=_echo)
+    click.echo(report.table())
+    if report.problems:
+        raise UserError(report.summary())
+    if report.mismatches:
+        raise CheckFailed(report.summary())
+    click.echo(report.summary())
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: maps bad input to one line and exit code 2."""
+    """Console entry point: maps bad input to one line and exit code 2 (a failed check: exit 1)."""
+    from elastic_export.errors import CheckFailed
+
     try:
         cli.main(args=argv, prog_name="elastic-export", standalone_mode=False)
     except UserError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except CheckFailed as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
     except click.exceptions.NoArgsIsHelpError as e:  # pragma: no cover - click >= 8.2
         click.echo(e.ctx.get_help() if e.ctx else str(e))
         sys.exit(0)

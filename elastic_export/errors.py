@@ -6,3 +6,10 @@ class UserError(Exception):
 
     The message names the problem and, where there is one, the fix.
     """
+
+
+class CheckFailed(Exception):
+    """A check found artifacts that differ from their reference (``elastic-export verify``).
+
+    The CLI prints ``error: <message>`` on one line and exits with code 1 (bad input stays 2).
+    """

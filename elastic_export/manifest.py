@@ -63,13 +63,23 @@ def load_manifest(directory: str | Path) -> dict:
             raise UserError(f"{path}: missing key {key!r}")
     if not isinstance(m["budgets"], list):
         raise UserError(f"{path}: 'budgets' must be a list")
+    for key in ("model", "dense", "ranking"):
+        if not isinstance(m[key], dict):
+            raise UserError(f"{path}: {key!r} must be an object")
+    for key in ("inputs", "outputs"):
+        if not isinstance(m[key], list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in m[key]):
+            raise UserError(f"{path}: {key!r} must be a list of {{name, dtype, shape}} objects")
     resolve(directory, m["dense"].get("onnx"))
+    resolve(directory, m["dense"].get("onnx_fp16"))
     resolve(directory, m["ranking"].get("file"))
     for b in m["budgets"]:
         if not isinstance(b, dict):
             raise UserError(f"{path}: every budget must be an object")
         resolve(directory, b.get("onnx"))
+        resolve(directory, b.get("onnx_fp16"))
         resolve(directory, b.get("engine"))
     if m.get("elastic"):
+        if not isinstance(m["elastic"], dict):
+            raise UserError(f"{path}: 'elastic' must be an object or null")
         resolve(directory, m["elastic"].get("onnx"))
     return m

@@ -27,10 +27,11 @@ from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
 from elastic_export.export import export_dense
 from elastic_export.fileio import check_creatable, umask
+from elastic_export.fp16 import add_fp16, check_precision
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, write_manifest
-from elastic_export.passes import slice_model
+from elastic_export.passes import build_elastic_model, slice_model
 from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
@@ -38,6 +39,8 @@ from elastic_export.scoring import METHODS, NEEDS_DATA
 from elastic_export.soft_ranking import ElasticConfig
 
 RANKING_FILE = "ranking.safetensors"
+ELASTIC_FILE = "elastic.onnx"
+BUDGET_INPUT = "budget_index"
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Options:
     checkpoint: str | None = None
     ranking: str | None = None
     align: int = 1
-    seq_len: int = 128
+    seq_len: int | None = None  # None: 128, or the model's position count if smaller
     image_size: int | None = None
     pretrained: bool = True
     device: str = "cpu"
@@ -64,6 +67,8 @@ class Options:
     seed: int = 0
     verify: bool = True
     trust_remote_code: bool = False
+    precision: str = "fp32"  # "fp16": also an fp16 twin of every ONNX file (elastic_export.fp16)
+    elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
 
 
 def _jsonable(cfg: dict | None) -> dict | None:
@@ -148,6 +153,49 @@ def max_error(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, path: Path, 
     return max(float(np.abs(a - b.numpy()).max()) for a, b in zip(got, want))
 
 
+def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], ranking: Ranking, encoder: Encoder,
+                  directory: Path, feeds: dict | None, echo: Callable[[str], None] = print) -> dict:
+    """Write the elastic graph (``elastic.onnx``: weights once, ``budget_index`` selects the budget).
+
+    Args:
+        dense: the dense rank-permuted export.
+        plans: the budgets, in manifest order (budget index b = ``plans[b]``).
+        ranking: the ranking the plans come from (for the hard-masked reference).
+        encoder: the model (for the hard-masked reference).
+        directory: where to write ``elastic.onnx``.
+        feeds: sample inputs; when given, every budget index is run in onnxruntime and compared
+            with the hard-masked torch model (max abs error must be ≤ 1e-4).
+
+    Returns:
+        The manifest's ``elastic`` entry: {onnx, budget_input, budgets (sparsities in index order),
+        max_abs_error (over all budgets, or None without ``feeds``)}.
+    """
+    import onnxruntime as ort
+
+    t0 = time.time()
+    model = build_elastic_model(dense, [p.heads_per_layer for p in plans], [p.neurons_per_layer for p in plans],
+                                budget_input=BUDGET_INPUT)
+    onnx.save(model, str(directory / ELASTIC_FILE))
+    worst = None
+    if feeds is not None:
+        sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
+        np_feeds = {k: v.numpy() for k, v in feeds.items()}
+        worst = 0.0
+        for b, plan in enumerate(plans):
+            got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
+            with torch.no_grad(), hard_mask(encoder.blocks(), ranked_keep(plan, ranking)):
+                want = encoder.export_module()(*feeds.values())
+            err = max(float(np.abs(a - w.numpy()).max()) for a, w in zip(got, want))
+            if err > 1e-4:
+                raise RuntimeError(f"elastic graph, budget {plan.sparsity}: differs from the masked model by {err:.2e}")
+            worst = max(worst, err)
+    size = (directory / ELASTIC_FILE).stat().st_size / 1e6
+    echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets, {size:.1f} MB, built in {time.time() - t0:.1f}s"
+         + (f", max err {worst:.1e}" if worst is not None else ""))
+    return {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
+            "max_abs_error": worst}
+
+
 def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
     """Run the whole pipeline; returns the manifest written to ``opts.out``."""
     if not opts.budgets:
@@ -155,6 +203,7 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
     out = Path(opts.out)
     prepare_out(out, opts.overwrite)
     check_device(opts.device)
+    check_precision(opts.precision)
     echo(f"loading {opts.model or 'all-MiniLM-L6-v2 (embedded default)'}")
     encoder = load_encoder(opts.model, pretrained=opts.pretrained, seq_len=opts.seq_len,
                            image_size=opts.image_size, trust_remote_code=opts.trust_remote_code)
@@ -183,6 +232,10 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
         dense = export_dense(encoder, ranking, tmp / "dense.onnx")
         echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
         feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
+        fp16: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (fp16 file, relative error)
+        if opts.precision == "fp16":
+            np_feeds = {k: v.numpy() for k, v in feeds.items()} if opts.verify else None
+            fp16["dense.onnx"] = add_fp16(dense, tmp, "dense.onnx", np_feeds)
         rows = []
         for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
             name = f"budget_{budget_tag(plan.sparsity)}.onnx"
@@ -191,7 +244,12 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
             err = max_error(encoder, plan, ranking, tmp / name, feeds) if opts.verify else None
             if err is not None and err > 1e-4:
                 raise RuntimeError(f"budget {plan.sparsity}: ONNX differs from the masked model by {err:.2e}")
+            if opts.precision == "fp16":
+                fp16[name] = add_fp16(model, tmp, name, np_feeds)
             rows.append((plan, name, err))
+        elastic = None
+        if opts.elastic_graph:
+            elastic = write_elastic(dense, plans, ranking, encoder, tmp, feeds if opts.verify else None, echo)
         manifest = {
             "format": FORMAT,
             "tool": f"elastic-export {__version__}",
@@ -203,7 +261,10 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
             "preprocess": _jsonable(encoder.data_config),
             "prunable_gflops": inventory.prunable_flops / 1e9,
             "align": opts.align,
-            "dense": {"onnx": "dense.onnx", "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
+            "precisions": ["fp32", "fp16"] if opts.precision == "fp16" else ["fp32"],
+            "dense": {"onnx": "dense.onnx", "onnx_fp16": fp16.get("dense.onnx", (None, None))[0],
+                      "fp16_max_rel_error": fp16.get("dense.onnx", (None, None))[1],
+                      "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
             "budgets": [
                 {
                     "sparsity": p.sparsity,
@@ -215,10 +276,12 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
                     "heads_per_layer": p.heads_per_layer,
                     "neurons_per_layer": p.neurons_per_layer,
                     "max_abs_error": err,
+                    "onnx_fp16": fp16.get(name, (None, None))[0],
+                    "fp16_max_rel_error": fp16.get(name, (None, None))[1],
                 }
                 for p, name, err in rows
             ],
-            "elastic": None,
+            "elastic": elastic,
             "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method")},
         }
         write_manifest(tmp, manifest)

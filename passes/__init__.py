@@ -1,4 +1,5 @@
-"""Graph passes (onnx-graphsurgeon) that turn the dense rank-permuted ONNX into one budget's ONNX.
+"""Graph passes (onnx-graphsurgeon) that turn the dense rank-permuted ONNX into one budget's ONNX,
+or into one elastic ONNX whose ``budget_index`` input selects the budget (:mod:`.elastic_graph`).
 
 Each pass is one small unit with a name and a docstring of what it guarantees; :func:`run_passes`
 runs a list of them and verifies the graph (``onnx.checker``, no 0-sized tensors) after each one.
@@ -8,5 +9,6 @@ per-layer unit counts of a budget; they never go back to torch.
 
 from elastic_export.passes.base import Pass, PassContext, PASSES, register_pass, run_passes, slice_model  # noqa: F401
 from elastic_export.passes import drop_empty, slice_weights, head_reshapes, cleanup  # noqa: F401,E402
+from elastic_export.passes.elastic_graph import ELASTIC_PIPELINE, build_elastic_model, get_elastic  # noqa: F401,E402
 
 BUDGET_PIPELINE = ["drop-empty-blocks", "slice-weights", "fix-head-reshapes", "cleanup"]

@@ -46,7 +46,13 @@ def test_default_run_manifest(default_run):
         assert abs(b["achieved_sparsity"] - b["sparsity"]) < 0.01
         assert len(b["heads_per_layer"]) == 6 and len(b["neurons_per_layer"]) == 6
         assert b["engine"] is None and b["max_abs_error"] <= 1e-4
-    assert m["elastic"] is None and m["ranking"]["method"] == "elastic"
+    assert m["ranking"]["method"] == "elastic"
+    e = m["elastic"]
+    assert e["onnx"] == "elastic.onnx" and e["budget_input"] == "budget_index"
+    assert e["budgets"] == [b["sparsity"] for b in m["budgets"]] and e["max_abs_error"] <= 1e-4
+    # the weights once: about the dense file's size
+    assert abs((out / e["onnx"]).stat().st_size / (out / m["dense"]["onnx"]).stat().st_size - 1) < 0.01
+    assert "elastic.onnx" in res.stdout
     assert (out / m["ranking"]["file"]).is_file()
     # the printed table names every budget file
     for b in m["budgets"]:
@@ -107,8 +113,8 @@ def test_reuse_ranking_and_replace_previous_output(tmp_path):
     opts.ranking, opts.budgets = str(saved), (0.3,)
     second = pipeline.run(opts, echo=lambda s: None)  # a previous artifact set is replaced
     assert [b["sparsity"] for b in second["budgets"]] == [0.3]
-    assert sorted(p.name for p in out.iterdir()) == ["budget_s030.onnx", "dense.onnx", "manifest.json",
-                                                     "ranking.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["budget_s030.onnx", "dense.onnx", "elastic.onnx",
+                                                     "manifest.json", "ranking.safetensors"]
     assert (out / "ranking.safetensors").read_bytes() == saved.read_bytes()
 
 
