@@ -2,7 +2,8 @@
 or into one elastic ONNX whose ``budget_index`` input selects the budget (:mod:`.elastic_graph`).
 
 Each pass is one small unit with a name and a docstring of what it guarantees; :func:`run_passes`
-runs a list of them and verifies the graph (``onnx.checker``, no 0-sized tensors) after each one.
+runs a list of them and verifies the graph in memory after each one (every input defined, sortable,
+known ops, no 0-sized tensor), and with ``onnx.checker`` at the end unless the caller opts out.
 Passes read the unit map the dense export stored in the model (``elastic_export.units``) and the
 per-layer unit counts of a budget; they never go back to torch.
 """

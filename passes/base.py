@@ -60,7 +60,7 @@ def constants(graph: gs.Graph) -> dict[str, gs.Constant]:
 
 
 def verify(model: onnx.ModelProto, after: str) -> None:
-    """The checks every pass must leave true: a valid ONNX model with no 0-sized tensor."""
+    """The full check: ``onnx.checker`` accepts the model and no initializer is 0-sized."""
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
@@ -70,32 +70,86 @@ def verify(model: onnx.ModelProto, after: str) -> None:
             raise RuntimeError(f"pass {after!r} left a 0-sized tensor {t.name}")
 
 
-def run_passes(model: onnx.ModelProto, names: list[str], ctx: PassContext, check: bool = True) -> onnx.ModelProto:
+def verify_graph(graph: gs.Graph, after: str) -> None:
+    """The in-memory check every pass must leave true, without serialising the weights.
+
+    Every node input is a graph input, a constant, or the output of exactly one node that comes
+    earlier in a topological order (the graph is sorted first if it is not); every graph output
+    is produced; every op exists in its domain's registered schemas; no constant is 0-sized.
+    """
+    if not _sorted_inputs_defined(graph, after, raise_missing=False):
+        try:
+            graph.toposort()
+        except Exception as e:  # a cycle
+            raise RuntimeError(f"pass {after!r} left a graph that cannot be sorted ({e})") from e
+        _sorted_inputs_defined(graph, after, raise_missing=True)
+    produced = {t.name for n in graph.nodes for t in n.outputs} | {t.name for t in graph.inputs}
+    for t in graph.outputs:
+        if t.name not in produced:
+            raise RuntimeError(f"pass {after!r}: graph output {t.name!r} is not produced")
+
+
+def _sorted_inputs_defined(graph: gs.Graph, after: str, raise_missing: bool) -> bool:
+    """One sweep in node order: False when a node reads a tensor no earlier node produced."""
+    known = {t.name for t in graph.inputs}
+    for n in graph.nodes:
+        if not onnx.defs.has(n.op, n.domain or ""):
+            raise RuntimeError(f"pass {after!r}: unknown op {n.domain or 'ai.onnx'}::{n.op} ({n.name})")
+        for t in n.inputs:
+            if isinstance(t, gs.Constant):
+                if 0 in t.shape:
+                    raise RuntimeError(f"pass {after!r} left a 0-sized tensor {t.name}")
+            elif t.name and t.name not in known:
+                if raise_missing:
+                    raise RuntimeError(f"pass {after!r}: node {n.name} reads {t.name!r}, which nothing produces")
+                return False
+        for t in n.outputs:
+            if t.name in known:
+                raise RuntimeError(f"pass {after!r}: tensor {t.name!r} is produced twice")
+            known.add(t.name)
+    return True
+
+
+def run_passes(model: onnx.ModelProto, names: list[str], ctx: PassContext, check: bool = True,
+               full_check: bool = True) -> onnx.ModelProto:
     """Run the named passes in order, verifying the graph after each one.
 
     Args:
         model: input model (not modified).
         names: registered pass names.
         ctx: the unit map and target counts.
-        check: run :func:`verify` between passes (always after the last one).
+        check: run :func:`verify_graph` (in memory, cheap) between passes; always after the last.
+        full_check: also run :func:`verify` (``onnx.checker``, which serialises the model) on the
+            result. Off for the per-budget fast path, where onnxruntime loads every file anyway.
     """
     graph = gs.import_onnx(model)
-    out = model
     for i, name in enumerate(names):
         if name not in PASSES:
             raise KeyError(f"unknown pass {name!r}; known: {', '.join(PASSES)}")
         graph = PASSES[name].run(graph, ctx)
         if check or i == len(names) - 1:
-            out = gs.export_onnx(graph)
-            verify(out, name)
+            verify_graph(graph, name)
+    out = gs.export_onnx(graph)
+    if full_check:
+        verify(out, names[-1] if names else "none")
     return out
 
 
-def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], names: list[str] | None = None) -> onnx.ModelProto:
+def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], names: list[str] | None = None,
+                full_check: bool = True) -> onnx.ModelProto:
     """Dense rank-permuted ONNX -> the ONNX of one budget (per-layer head and neuron counts).
 
     The result keeps the dense model's opset, inputs, outputs and metadata; its unit map is
-    updated to the new counts, and shapes are inferred afresh.
+    updated to the new counts.
+
+    Args:
+        dense: the dense export (with its unit map).
+        heads: heads to keep per layer.
+        neurons: neurons to keep per layer.
+        names: passes to run (default: the budget pipeline).
+        full_check: ``onnx.checker`` and strict shape inference on the result (the expensive
+            part: both serialise the weights). The pipeline's fast path turns it off; every
+            pass is still checked in memory, and onnxruntime loads each file to verify it.
     """
     from elastic_export.export import get_units, set_units
     from elastic_export.passes import BUDGET_PIPELINE
@@ -111,7 +165,7 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
             if not 0 <= want <= layer[kind]["count"]:
                 raise UserError(f"layer {i} has {layer[kind]['count']} {kind}; cannot keep {want}")
     ctx = PassContext(units, list(heads), list(neurons))
-    out = run_passes(dense, names or BUDGET_PIPELINE, ctx)
+    out = run_passes(dense, names or BUDGET_PIPELINE, ctx, full_check=full_check)
     del out.graph.value_info[:]
     new_units = []
     for i, layer in enumerate(units):
@@ -120,7 +174,8 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
             entry[kind] = dict(layer[kind], count=ctx.target(kind, i)) if ctx.target(kind, i) else {"count": 0, "width": layer[kind]["width"]}
         new_units.append(entry)
     set_units(out, new_units)
-    out = onnx.shape_inference.infer_shapes(out, strict_mode=True)
+    if full_check:
+        onnx.shape_inference.infer_shapes(out, strict_mode=True)  # raises on inconsistent shapes
     return out
 
 

@@ -11,7 +11,7 @@ from conftest import tiny_encoder
 from elastic_export.errors import UserError
 from elastic_export.export import get_units
 from elastic_export.passes import PASSES, PassContext, run_passes, slice_model
-from elastic_export.passes.base import verify
+from elastic_export.passes.base import register_pass, verify, verify_graph
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,66 @@ def test_unknown_pass_and_bad_counts(setup):
         slice_model(dense, [5, 5, 5], plan.neurons_per_layer)
     with pytest.raises(UserError):
         slice_model(dense, [1, 1], [1, 1])
+
+
+def test_fast_path_writes_the_same_model(setup):
+    """Skipping the serialising checks changes nothing in the result."""
+    enc, rk, dense, plan = setup
+    fast = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer, full_check=False)
+    full = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer)
+    assert fast.SerializeToString() == full.SerializeToString()
+    onnx.checker.check_model(fast, full_check=True)
+
+
+def _graph(nodes_fn):
+    x = gs.Variable("x", np.float32, (1, 2))
+    y = gs.Variable("y", np.float32, (1, 2))
+    g = gs.Graph(inputs=[x], outputs=[y], opset=17)
+    nodes_fn(g, x, y)
+    return g
+
+
+@pytest.mark.parametrize("case,match", [
+    ("unknown-op", "unknown op"),
+    ("undefined-input", "nothing produces"),
+    ("zero-constant", "0-sized"),
+    ("twice", "produced twice"),
+    ("no-output", "not produced"),
+])
+def test_verify_graph_catches_broken_graphs(case, match):
+    def build(g, x, y):
+        if case == "unknown-op":
+            g.nodes.append(gs.Node("NoSuchOp", inputs=[x], outputs=[y]))
+        elif case == "undefined-input":
+            g.nodes.append(gs.Node("Add", inputs=[x, gs.Variable("ghost", np.float32)], outputs=[y]))
+        elif case == "zero-constant":
+            g.nodes.append(gs.Node("MatMul", inputs=[x, gs.Constant("w", np.zeros((0, 2), np.float32))], outputs=[y]))
+        elif case == "twice":
+            g.nodes += [gs.Node("Relu", inputs=[x], outputs=[y]), gs.Node("Relu", inputs=[x], outputs=[y])]
+    with pytest.raises(RuntimeError, match=match):
+        verify_graph(_graph(build), "test")
+
+
+def test_verify_graph_sorts_an_unsorted_graph():
+    def build(g, x, y):
+        mid = gs.Variable("mid", np.float32, (1, 2))
+        g.nodes += [gs.Node("Relu", inputs=[mid], outputs=[y]), gs.Node("Neg", inputs=[x], outputs=[mid])]
+    g = _graph(build)
+    verify_graph(g, "test")
+    assert [n.op for n in g.nodes] == ["Neg", "Relu"]
+
+
+def test_pipeline_checks_between_passes(setup):
+    """A pass that breaks the graph is caught right after it runs, naming it."""
+    enc, rk, dense, plan = setup
+
+    @register_pass("test-break-graph")
+    def _break(graph, ctx):
+        graph.nodes[0].inputs[0] = gs.Variable("ghost", np.float32)
+        return graph
+
+    try:
+        with pytest.raises(RuntimeError, match="test-break-graph"):
+            run_passes(dense, ["test-break-graph", "cleanup"], _ctx(dense, plan))
+    finally:
+        PASSES.pop("test-break-graph")
