@@ -147,3 +147,44 @@ def bias_only_forward(out_proj: nn.Linear) -> Callable:
         return out_proj.bias.expand(shape), None
 
     return forward
+
+
+def qkv_heads(attn: nn.Module, q: nn.Linear, k: nn.Linear, v: nn.Linear, out: nn.Linear, count_attr: str,
+              width: int) -> UnitGroup:
+    """The heads of an attention with separate q / k / v projections whose forward reads its head
+    count from ``attn.<count_attr>`` (and infers it from ``view(..., -1, head_dim)``).
+
+    Args:
+        attn: the module that holds the head count and runs the attention.
+        q, k, v: the producer projections (head h owns output features h·width .. (h+1)·width).
+        out: the output projection (consumer); with 0 heads it alone contributes, by its bias.
+        count_attr: the attribute of ``attn`` that holds the head count.
+        width: head dimension.
+    """
+
+    def resize(n: int) -> None:
+        setattr(attn, count_attr, n)
+        if n == 0:
+            attn.forward = bias_only_forward(out)
+
+    return UnitGroup(
+        kind=HEADS,
+        count=getattr(attn, count_attr),
+        width=width,
+        producers=[LinearRole(q, "out"), LinearRole(k, "out"), LinearRole(v, "out")],
+        consumer=LinearRole(out, "in"),
+        module=attn,
+        resize=resize,
+    )
+
+
+def mlp_neurons(module: nn.Module, fc1: nn.Linear, fc2: nn.Linear) -> UnitGroup:
+    """The neurons of a two-layer MLP ``fc2(act(fc1(x)))``: fc1's outputs, fc2's inputs."""
+    return UnitGroup(
+        kind=NEURONS,
+        count=fc1.out_features,
+        width=1,
+        producers=[LinearRole(fc1, "out")],
+        consumer=LinearRole(fc2, "in"),
+        module=module,
+    )

@@ -22,12 +22,10 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionM
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from elastic_export.adapters.base import (
-    HEADS,
-    NEURONS,
     InputSpec,
-    LinearRole,
     UnitGroup,
-    bias_only_forward,
+    mlp_neurons,
+    qkv_heads,
     register_block,
 )
 from elastic_export.adapters.hf_vision import HFVisionAdapter
@@ -38,30 +36,8 @@ from elastic_export.adapters.registry import ModelAdapter, register_adapter
 def describe_clip_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
     """Heads of ``layer.self_attn`` and neurons of ``layer.mlp``."""
     attn, mlp = layer.self_attn, layer.mlp
-
-    def resize(n: int) -> None:
-        attn.num_heads = n  # forward infers the head count (view(..., -1, head_dim))
-        if n == 0:
-            attn.forward = bias_only_forward(attn.out_proj)
-
-    heads = UnitGroup(
-        kind=HEADS,
-        count=attn.num_heads,
-        width=attn.head_dim,
-        producers=[LinearRole(attn.q_proj, "out"), LinearRole(attn.k_proj, "out"), LinearRole(attn.v_proj, "out")],
-        consumer=LinearRole(attn.out_proj, "in"),
-        module=attn,
-        resize=resize,
-    )
-    neurons = UnitGroup(
-        kind=NEURONS,
-        count=mlp.fc1.out_features,
-        width=1,
-        producers=[LinearRole(mlp.fc1, "out")],
-        consumer=LinearRole(mlp.fc2, "in"),
-        module=mlp,
-    )
-    return heads, neurons
+    return (qkv_heads(attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, "num_heads", attn.head_dim),
+            mlp_neurons(mlp, mlp.fc1, mlp.fc2))
 
 
 # --- text tower --------------------------------------------------------------------------------

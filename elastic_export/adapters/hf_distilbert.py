@@ -7,11 +7,9 @@ from transformers import DistilBertModel
 from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 
 from elastic_export.adapters.base import (
-    HEADS,
-    NEURONS,
-    LinearRole,
     UnitGroup,
-    bias_only_forward,
+    mlp_neurons,
+    qkv_heads,
     register_block,
 )
 from elastic_export.adapters.hf_bert import HFBertAdapter
@@ -22,30 +20,8 @@ from elastic_export.adapters.registry import register_adapter
 def describe_distilbert_block(block: nn.Module) -> tuple[UnitGroup, UnitGroup]:
     """Heads of ``block.attention`` and neurons of ``block.ffn`` (post-norm block, like BERT)."""
     attn, ffn = block.attention, block.ffn
-
-    def resize(n: int) -> None:
-        attn.n_heads = n  # forward infers the head count (view(..., -1, head_size))
-        if n == 0:
-            attn.forward = bias_only_forward(attn.out_lin)
-
-    heads = UnitGroup(
-        kind=HEADS,
-        count=attn.n_heads,
-        width=attn.attention_head_size,
-        producers=[LinearRole(attn.q_lin, "out"), LinearRole(attn.k_lin, "out"), LinearRole(attn.v_lin, "out")],
-        consumer=LinearRole(attn.out_lin, "in"),
-        module=attn,
-        resize=resize,
-    )
-    neurons = UnitGroup(
-        kind=NEURONS,
-        count=ffn.lin1.out_features,
-        width=1,
-        producers=[LinearRole(ffn.lin1, "out")],
-        consumer=LinearRole(ffn.lin2, "in"),
-        module=ffn,
-    )
-    return heads, neurons
+    return (qkv_heads(attn, attn.q_lin, attn.k_lin, attn.v_lin, attn.out_lin, "n_heads", attn.attention_head_size),
+            mlp_neurons(ffn, ffn.lin1, ffn.lin2))
 
 
 @register_adapter(DistilBertModel)

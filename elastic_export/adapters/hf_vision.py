@@ -11,32 +11,19 @@ from transformers.models.dinov2.modeling_dinov2 import Dinov2Layer, Dinov2SwiGLU
 from transformers.models.vit.modeling_vit import ViTLayer
 
 from elastic_export.adapters.base import (
-    HEADS,
     NEURONS,
     InputSpec,
     LinearRole,
     UnitGroup,
-    bias_only_forward,
+    mlp_neurons,
+    qkv_heads,
     register_block,
 )
 from elastic_export.adapters.registry import ModelAdapter, register_adapter
 
 
 def _hf_heads(attn: nn.Module) -> UnitGroup:
-    def resize(n: int) -> None:
-        attn.num_attention_heads = n
-        if n == 0:
-            attn.forward = bias_only_forward(attn.o_proj)
-
-    return UnitGroup(
-        kind=HEADS,
-        count=attn.num_attention_heads,
-        width=attn.head_dim,
-        producers=[LinearRole(attn.q_proj, "out"), LinearRole(attn.k_proj, "out"), LinearRole(attn.v_proj, "out")],
-        consumer=LinearRole(attn.o_proj, "in"),
-        module=attn,
-        resize=resize,
-    )
+    return qkv_heads(attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, "num_attention_heads", attn.head_dim)
 
 
 def _hf_neurons(mlp: nn.Module) -> UnitGroup:
@@ -50,14 +37,7 @@ def _hf_neurons(mlp: nn.Module) -> UnitGroup:
             module=mlp,
             swiglu=True,
         )
-    return UnitGroup(
-        kind=NEURONS,
-        count=mlp.fc2.in_features,
-        width=1,
-        producers=[LinearRole(mlp.fc1, "out")],
-        consumer=LinearRole(mlp.fc2, "in"),
-        module=mlp,
-    )
+    return mlp_neurons(mlp, mlp.fc1, mlp.fc2)
 
 
 @register_block(ViTLayer, Dinov2Layer)
