@@ -80,7 +80,8 @@ def ranking_options(fn):
 
 
 def export_options(fn):
-    """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision."""
+    """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision,
+    --ort-optimize."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -98,6 +99,10 @@ def export_options(fn):
         click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
                      help="fp16: also write an fp16 ONNX (fp32 norms, softmax and pooling; fp32 I/O) of the dense "
                           "model and every budget, next to the fp32 files, which always stay."),
+        click.option("--ort-optimize", is_flag=True, default=False,
+                     help="Also write onnxruntime-optimised copies (dense.opt.onnx, budget_*.opt.onnx: fused "
+                          "attention / SkipLayerNorm / Gelu where the patterns match), each checked against "
+                          "its source. For the CUDA provider; on CPU the plain files are as fast."),
     ]
     for o in reversed(opts):
         fn = o(fn)

@@ -41,8 +41,11 @@ def resolve(directory: Path, rel: str | None) -> Path | None:
 
 
 def write_manifest(directory: Path, manifest: dict) -> Path:
-    path = directory / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    """Write ``DIR/manifest.json`` atomically (a reader never sees half a manifest)."""
+    from elastic_export.fileio import atomic_write
+
+    path = Path(directory) / MANIFEST
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=2) + "\n"))
     return path
 
 
@@ -71,12 +74,14 @@ def load_manifest(directory: str | Path) -> dict:
             raise UserError(f"{path}: {key!r} must be a list of {{name, dtype, shape}} objects")
     resolve(directory, m["dense"].get("onnx"))
     resolve(directory, m["dense"].get("onnx_fp16"))
+    resolve(directory, m["dense"].get("onnx_optimized"))
     resolve(directory, m["ranking"].get("file"))
     for b in m["budgets"]:
         if not isinstance(b, dict):
             raise UserError(f"{path}: every budget must be an object")
         resolve(directory, b.get("onnx"))
         resolve(directory, b.get("onnx_fp16"))
+        resolve(directory, b.get("onnx_optimized"))
         resolve(directory, b.get("engine"))
     if m.get("elastic"):
         if not isinstance(m["elastic"], dict):

@@ -30,7 +30,8 @@ from elastic_export.fileio import check_creatable, umask
 from elastic_export.fp16 import add_fp16, check_precision
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
-from elastic_export.manifest import FORMAT, MANIFEST, io_specs, write_manifest
+from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
+from elastic_export.ort_optimize import optimize_artifacts
 from elastic_export.passes import build_elastic_model, slice_model
 from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
@@ -69,6 +70,7 @@ class Options:
     trust_remote_code: bool = False
     precision: str = "fp32"  # "fp16": also an fp16 twin of every ONNX file (elastic_export.fp16)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
+    ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
 
 
 def _jsonable(cfg: dict | None) -> dict | None:
@@ -292,6 +294,9 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
             "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method")},
         }
         write_manifest(tmp, manifest)
+        if opts.ort_optimize:
+            optimize_artifacts(tmp, update_manifest=True, echo=echo)
+            manifest = load_manifest(tmp)
         commit_out(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
