@@ -1,0 +1,243 @@
+"""onnxruntime sessions for the artifact directory: provider selection, session options, a timed runner.
+
+* :class:`SessionConfig` says which execution provider (``cpu``, ``cuda``, ``tensorrt``) and which
+  options (threads, graph optimisation level, TensorRT fp16 and engine cache, CUDA graphs, device,
+  memory arena).
+* :func:`make_session` builds an ``onnxruntime.InferenceSession`` from a file and a config; a
+  provider this onnxruntime build lacks is refused with a one-line :class:`UserError` that names
+  the ones it has (checked with ``onnxruntime.get_available_providers()``).
+* :class:`Runner` runs a session. On a GPU provider it binds the inputs on the device once
+  (:meth:`Runner.bind`) and keeps the outputs there, so :meth:`Runner.run_bound` times the
+  inference only, not the host/device copies; on CPU it is a plain ``session.run``.
+
+Imports neither torch nor anything that does: the runtime must work on a box without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from elastic_export.errors import UserError
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+OPT_LEVELS = ("disable", "basic", "extended", "all")
+
+
+def available_providers() -> list[str]:
+    """Short names (``cpu``, ``cuda``, ``tensorrt``) of the providers this onnxruntime build has."""
+    import onnxruntime as ort
+
+    have = set(ort.get_available_providers())
+    return [short for short, full in PROVIDERS.items() if full in have]
+
+
+@dataclass
+class SessionConfig:
+    """How to build an onnxruntime session.
+
+    Args:
+        provider: ``cpu``, ``cuda`` or ``tensorrt`` (TensorRT falls back to CUDA, then CPU, for
+            nodes it cannot take; CUDA falls back to CPU).
+        threads: intra-op threads (0: onnxruntime's default, one per physical core).
+        inter_threads: inter-op threads (0: default; only matters with parallel execution).
+        opt_level: graph optimisation level: ``disable``, ``basic``, ``extended`` or ``all``.
+        fp16: TensorRT provider: allow fp16 kernels (``trt_fp16_enable``).
+        engine_cache_dir: TensorRT provider: cache built engines in this directory
+            (``trt_engine_cache_enable`` + ``trt_engine_cache_path``); None: no cache.
+        cuda_graphs: capture and replay CUDA graphs (CUDA: ``enable_cuda_graph``, TensorRT:
+            ``trt_cuda_graph_enable``). Needs fixed input shapes and IOBinding (:class:`Runner`).
+        device_id: GPU index for the CUDA / TensorRT providers.
+        memory_arena: use onnxruntime's memory arena (CPU: ``enable_cpu_mem_arena``; CUDA: off
+            means ``arena_extend_strategy=kSameAsRequested``, growing only by what is asked).
+            Off trades some speed for a smaller resident set.
+        log_severity: onnxruntime log level (0 verbose .. 4 fatal; default 3, errors only).
+    """
+
+    provider: str = "cpu"
+    threads: int = 0
+    inter_threads: int = 0
+    opt_level: str = "all"
+    fp16: bool = False
+    engine_cache_dir: str | None = None
+    cuda_graphs: bool = False
+    device_id: int = 0
+    memory_arena: bool = True
+    log_severity: int = 3
+
+    def check(self) -> None:
+        """Refuse values that cannot work, with a one-line :class:`UserError`."""
+        if self.provider not in PROVIDERS:
+            raise UserError(f"provider {self.provider!r}: unknown; choose from {', '.join(PROVIDERS)}")
+        if self.opt_level not in OPT_LEVELS:
+            raise UserError(f"opt_level {self.opt_level!r}: unknown; choose from {', '.join(OPT_LEVELS)}")
+        for name in ("threads", "inter_threads", "device_id"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise UserError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.cuda_graphs and self.provider == "cpu":
+            raise UserError("cuda_graphs needs provider cuda or tensorrt")
+
+    @property
+    def on_device(self) -> bool:
+        """True for the GPU providers (inputs and outputs live on the device)."""
+        return self.provider in ("cuda", "tensorrt")
+
+    def providers(self) -> list[tuple[str, dict[str, Any]]]:
+        """The ``providers`` argument of ``InferenceSession``: (name, options) pairs, best first."""
+        cuda: dict[str, Any] = {"device_id": self.device_id}
+        if not self.memory_arena:
+            cuda["arena_extend_strategy"] = "kSameAsRequested"
+        if self.cuda_graphs and self.provider == "cuda":
+            cuda["enable_cuda_graph"] = "1"
+        out: list[tuple[str, dict[str, Any]]] = []
+        if self.provider == "tensorrt":
+            trt: dict[str, Any] = {"device_id": self.device_id, "trt_fp16_enable": bool(self.fp16)}
+            if self.engine_cache_dir:
+                Path(self.engine_cache_dir).mkdir(parents=True, exist_ok=True)
+                trt.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(self.engine_cache_dir))
+            if self.cuda_graphs:
+                trt["trt_cuda_graph_enable"] = True
+            out.append((PROVIDERS["tensorrt"], trt))
+        if self.provider in ("cuda", "tensorrt"):
+            out.append((PROVIDERS["cuda"], cuda))
+        out.append((PROVIDERS["cpu"], {}))
+        return out
+
+    def session_options(self):
+        """An ``onnxruntime.SessionOptions`` with the threads, optimisation level and arena set."""
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = self.inter_threads
+        so.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[self.opt_level]
+        so.enable_cpu_mem_arena = bool(self.memory_arena)
+        so.log_severity_level = self.log_severity
+        return so
+
+
+def check_provider(config: SessionConfig) -> None:
+    """Refuse a config whose provider this onnxruntime build does not have (one-line UserError)."""
+    config.check()
+    have = available_providers()
+    if config.provider not in have:
+        raise UserError(f"onnxruntime provider {config.provider!r} ({PROVIDERS[config.provider]}) is not available "
+                        f"in this onnxruntime build; available: {', '.join(have) or 'none'}")
+
+
+def make_session(path: str | Path, config: SessionConfig | None = None):
+    """An ``onnxruntime.InferenceSession`` for one ONNX file.
+
+    Args:
+        path: the ONNX file.
+        config: provider and options (default: :class:`SessionConfig` (), CPU).
+
+    Returns:
+        The session (thread-safe for ``run``).
+
+    Raises:
+        UserError: the provider is not in this onnxruntime build (the message names the available
+            ones), a config value is invalid, or the file is missing / cannot be loaded.
+    """
+    import onnxruntime as ort
+
+    config = config or SessionConfig()
+    check_provider(config)
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such ONNX file")
+    try:
+        return ort.InferenceSession(str(path), config.session_options(), providers=config.providers())
+    except Exception as e:  # onnxruntime raises its own exception types
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise UserError(f"{path}: onnxruntime cannot load it ({line})")
+
+
+class Runner:
+    """Runs one session; on GPU providers through IOBinding so host/device copies are not timed.
+
+    Use :meth:`run` for a plain call, or :meth:`bind` once + :meth:`run_bound` (the part to time)
+    + :meth:`outputs` to copy the results to the host. On CPU, ``bind`` keeps the feeds and
+    ``run_bound`` is ``session.run``.
+
+    Args:
+        session: an ``onnxruntime.InferenceSession``.
+        config: the config the session was made with (provider and device id).
+        output_names: the outputs to fetch (default: all of the session's, in order).
+
+    Not thread-safe once bound (one binding per runner); ``session.run`` itself is, so use one
+    runner per thread, or :meth:`run` with a fresh runner.
+    """
+
+    def __init__(self, session, config: SessionConfig | None = None, output_names: Sequence[str] | None = None) -> None:
+        self.session = session
+        self.config = config or SessionConfig()
+        self.output_names = list(output_names) if output_names else [o.name for o in session.get_outputs()]
+        self.input_names = [i.name for i in session.get_inputs()]
+        self._feeds: dict[str, np.ndarray] | None = None
+        self._binding = None
+        self._outputs: list[np.ndarray] | None = None
+
+    def bind(self, feeds: dict[str, np.ndarray]) -> None:
+        """Put the inputs where the session reads them (the device on GPU providers).
+
+        Args:
+            feeds: name -> array for every session input (extra names are ignored).
+
+        Raises:
+            UserError: an input the session needs is missing.
+        """
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise UserError(f"missing input {missing[0]!r}; the model takes {', '.join(self.input_names)}")
+        feeds = {n: np.ascontiguousarray(feeds[n]) for n in self.input_names}
+        if not self.config.on_device:
+            self._feeds = feeds
+            return
+        import onnxruntime as ort
+
+        binding = self.session.io_binding()
+        dev = self.config.device_id
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, "cuda", dev))
+        for name in self.output_names:
+            binding.bind_output(name, "cuda", dev)
+        self._binding = binding
+
+    def run_bound(self) -> None:
+        """Run on the bound inputs (no host/device copies on GPU providers)."""
+        if self._binding is not None:
+            self._binding.synchronize_inputs()
+            self.session.run_with_iobinding(self._binding)
+            self._binding.synchronize_outputs()
+        elif self._feeds is not None:
+            self._outputs = self.session.run(self.output_names, self._feeds)
+        else:
+            raise RuntimeError("Runner.run_bound before Runner.bind")
+
+    def outputs(self) -> list[np.ndarray]:
+        """The outputs of the last :meth:`run_bound`, on the host, in ``output_names`` order."""
+        if self._binding is not None:
+            return list(self._binding.copy_outputs_to_cpu())
+        if self._outputs is None:
+            raise RuntimeError("Runner.outputs before Runner.run_bound")
+        return self._outputs
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """bind + run_bound + outputs: the outputs in ``output_names`` order, on the host.
+
+        Args:
+            feeds: name -> array for every session input.
+        """
+        self.bind(feeds)
+        self.run_bound()
+        return self.outputs()

@@ -1,0 +1,271 @@
+"""elastic_export.runtime and elastic_export.targets.onnxruntime on real tiny artifacts (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from elastic_export.errors import UserError
+from elastic_export.runtime import (ElasticRuntime, FixedPolicy, LatencyProfile, LatencyTargetPolicy,
+                                    LoadAdaptivePolicy, load_profile, measure_profile, measure_switch_cost,
+                                    save_profile)
+from elastic_export.targets.onnxruntime import Runner, SessionConfig, available_providers, make_session
+from conftest import tiny_encoder
+
+BUDGETS = (0.2, 0.5, 0.8)
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> Path:
+    """A tiny BERT artifact directory: dense + 3 budgets + elastic.onnx (no verification: fast)."""
+    from elastic_export import pipeline
+
+    root = tmp_path_factory.mktemp("rt")
+    model = root / "tiny-bert"
+    tiny_encoder("hf-bert").module.save_pretrained(model)
+    out = root / "out"
+    pipeline.run(pipeline.Options(model=str(model), budgets=BUDGETS, out=str(out), seq_len=16, method="magnitude",
+                                  verify=False), echo=lambda s: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def feeds() -> dict[str, np.ndarray]:
+    ids = np.array([[5, 17, 300, 9, 2, 0, 0, 0], [7, 8, 9, 10, 11, 12, 13, 14]], dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": (ids > 0).astype(np.int64), "token_type_ids": np.zeros_like(ids)}
+
+
+@pytest.fixture(scope="module")
+def expected(art, feeds) -> dict[float, list[np.ndarray]]:
+    """Each budget's own ONNX file (plain onnxruntime session), sparsity 0.0 = dense.onnx."""
+    m = json.loads((art / "manifest.json").read_text())
+    files = {0.0: m["dense"]["onnx"], **{b["sparsity"]: b["onnx"] for b in m["budgets"]}}
+    return {s: ort.InferenceSession(str(art / f), providers=["CPUExecutionProvider"]).run(None, feeds)
+            for s, f in files.items()}
+
+
+@pytest.fixture(scope="module")
+def rt(art) -> ElasticRuntime:
+    return ElasticRuntime.from_dir(art, config=SessionConfig(threads=1))
+
+
+def _err(got: dict, want: list) -> float:
+    assert len(got) == len(want)
+    return max(float(np.abs(a - b).max()) for a, b in zip(got.values(), want))
+
+
+def test_per_budget_mode_matches_each_budget_file(rt, feeds, expected):
+    assert rt.sparsities == [0.0, *BUDGETS] and rt.budget == 0.0 and rt.mode == "per-budget"
+    assert list(rt.run(feeds)) == [o["name"] for o in rt.manifest["outputs"]]
+    for s in rt.sparsities:
+        assert _err(rt.run(feeds, sparsity=s), expected[s]) == 0.0  # the same file, the same session options
+        rt.set_budget(s)
+        assert rt.budget == s and _err(rt.run(feeds), expected[s]) == 0.0
+    rt.set_budget(0.0)
+    assert rt.file(0.0) == "dense.onnx" and rt.file(0.5).startswith("budget_")
+
+
+def test_elastic_mode_matches_each_budget_file(art, feeds, expected):
+    el = ElasticRuntime.from_dir(art, mode="elastic", providers=["CPUExecutionProvider"])
+    assert el.sparsities == list(BUDGETS)
+    for s in BUDGETS:
+        assert _err(el.run(feeds, sparsity=s), expected[s]) <= 1e-4
+    with pytest.raises(UserError, match="not a listed budget"):
+        el.set_budget(0.0)  # the elastic graph holds the budgets, not the dense model
+    assert el.memory_rss() > 0
+
+
+def test_set_budget_is_exact_and_cheap(rt):
+    with pytest.raises(UserError, match="0.35.*listed: 0, 0.2, 0.5, 0.8"):
+        rt.set_budget(0.35)
+    with pytest.raises(UserError, match="not a listed budget"):
+        rt.set_budget(1.0)
+    rt.set_budget(0.5000000001)  # float noise from JSON round trips is tolerated (6 decimals)
+    assert rt.budget == 0.5
+    assert measure_switch_cost(rt, n=2000) >= 0.0  # a number; no assertion on wall-clock time
+    assert rt.budget == 0.5
+    rt.set_budget(0.0)
+
+
+def test_concurrent_runs_at_different_budgets(rt, feeds, expected):
+    errors: list[str] = []
+
+    def worker(s: float) -> None:
+        for _ in range(15):
+            if _err(rt.run(feeds, sparsity=s), expected[s]) != 0.0:
+                errors.append(f"sparsity {s}")
+
+    def switcher() -> None:
+        for i in range(300):
+            rt.set_budget(rt.sparsities[i % 4])
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in rt.sparsities] + [threading.Thread(target=switcher)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    rt.set_budget(0.0)
+
+
+def _profile(p90: dict[float, float], p90_b8: dict[float, float] | None = None) -> LatencyProfile:
+    batches = {1: {s: {"p50_ms": v * 0.8, "p90_ms": v, "p99_ms": v * 1.2} for s, v in p90.items()}}
+    if p90_b8:
+        batches[8] = {s: {"p50_ms": v * 0.8, "p90_ms": v, "p99_ms": v * 1.2} for s, v in p90_b8.items()}
+    return LatencyProfile("onnxruntime", "cpu", batches)
+
+
+def test_latency_target_policy_picks_lowest_sparsity_meeting_p90(rt, tmp_path, feeds, expected):
+    prof = _profile({0.0: 10.0, 0.2: 8.0, 0.5: 5.0, 0.8: 3.0}, {0.0: 40.0, 0.2: 30.0, 0.5: 18.0, 0.8: 11.0})
+    save_profile(prof, tmp_path)
+    raw = json.loads((tmp_path / "latency_profile.json").read_text())
+    assert raw["batches"]["1"]["0.0"]["p90_ms"] == 10.0 and raw["batches"]["8"]["0.5"]["p90_ms"] == 18.0
+    prof = load_profile(tmp_path)
+    pol = LatencyTargetPolicy(prof, target_ms=8.5)
+    rt.set_policy(pol)
+    assert rt.choose(1) == 0.2  # 10 > 8.5 >= 8
+    assert rt.choose(4) == 0.8  # batch 4 -> the profiled batch 8: nothing meets 8.5 -> the sparsest
+    assert pol.missed == 1
+    assert rt.choose(64) == 0.8  # beyond the largest profiled batch: the largest
+    rt.set_policy(LatencyTargetPolicy(prof, target_ms=20.0))
+    assert rt.choose(1) == 0.0 and rt.choose(8) == 0.5
+    small = {k: v[:1] for k, v in feeds.items()}
+    assert _err(rt.run(small), [a[:1] for a in expected[0.0]]) <= 1e-5  # batch 1 -> dense
+    assert _err(rt.run(feeds), expected[0.5]) == 0.0  # batch 2 -> profiled batch 8 -> 0.5
+    rt.set_policy(FixedPolicy(0.8))
+    assert rt.choose(1) == 0.8
+    rt.set_budget(0.0)  # drops the policy
+    assert rt.policy is None and rt.choose(8) == 0.0
+    with pytest.raises(UserError, match="no p90_ms for sparsity 0.8"):
+        rt.set_policy(LatencyTargetPolicy(_profile({0.0: 1.0, 0.2: 1.0, 0.5: 1.0}), target_ms=5))
+    with pytest.raises(UserError, match="not a listed budget"):
+        rt.set_policy(FixedPolicy(0.3))
+
+
+def test_measure_profile_round_trips(rt, feeds, tmp_path):
+    prof = measure_profile(rt, {1: {k: v[:1] for k, v in feeds.items()}, 2: feeds}, repeats=3, warmup=1)
+    assert sorted(prof.batches) == [1, 2] and sorted(prof.batches[2]) == rt.sparsities
+    assert all(set(v) == {"p50_ms", "p90_ms", "p99_ms"} for v in prof.batches[1].values())
+    back = load_profile(save_profile(prof, tmp_path))
+    assert back.batches == prof.batches and back.provider == "cpu"
+
+
+def test_bad_profiles_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no latency profile"):
+        load_profile(tmp_path)
+    (tmp_path / "latency_profile.json").write_text("{not json")
+    with pytest.raises(UserError, match="unreadable"):
+        load_profile(tmp_path)
+    (tmp_path / "latency_profile.json").write_text(json.dumps({"batches": {"1": {"0.0": {"mean": 3}}}}))
+    with pytest.raises(UserError, match="malformed"):
+        load_profile(tmp_path)
+
+
+def test_load_adaptive_policy_with_hysteresis(rt):
+    pol = LoadAdaptivePolicy(up_depth=4, down_depth=1, down_after=3)
+    rt.set_policy(pol)
+    assert rt.observe(0) == 0.0
+    assert rt.observe(3) == 0.0  # between the thresholds: stay
+    assert rt.observe(5) == 0.2 and rt.observe(6) == 0.5 and rt.observe(9) == 0.8 and rt.observe(12) == 0.8
+    # flapping load between the thresholds never moves it down; calm must last down_after observations
+    for depth in (2, 3, 1, 2, 1, 1, 3):
+        assert rt.observe(depth) == 0.8
+    assert rt.observe(0) == 0.8 and rt.observe(0) == 0.8 and rt.observe(1) == 0.5
+    assert [rt.observe(0) for _ in range(6)] == [0.5, 0.5, 0.2, 0.2, 0.2, 0.0]
+    switches = pol.switches
+    for depth in [3, 2, 3, 2] * 10:  # oscillating load inside the band: no switches
+        rt.observe(depth)
+    assert pol.switches == switches and rt.budget == 0.0
+
+    # arrival-rate driven: service ms per level -> utilisation; jumps straight to the level that fits
+    svc = {0.0: 10.0, 0.2: 8.0, 0.5: 5.0, 0.8: 3.0}
+    pol = LoadAdaptivePolicy(service_ms=svc, down_after=2, high_utilization=0.85, low_utilization=0.6)
+    rt.set_policy(pol)
+    assert rt.observe(0, arrival_rate=50) == 0.0  # 0.5 utilisation at dense
+    assert rt.observe(0, arrival_rate=150) == 0.5  # 1.5 dense, 1.2 at 0.2, 0.75 at 0.5
+    assert rt.observe(0, arrival_rate=100) == 0.5  # 0.2 would be 0.8 > low 0.6: stay (hysteresis)
+    assert rt.observe(0, arrival_rate=70) == 0.5 and rt.observe(0, arrival_rate=70) == 0.2  # 0.56 <= 0.6, 2 calm
+    assert rt.observe(0, arrival_rate=70) == 0.2 and rt.observe(0, arrival_rate=70) == 0.2  # dense 0.7 > 0.6
+    rt.set_budget(0.0)
+    with pytest.raises(UserError, match="service_ms lacks"):
+        rt.set_policy(LoadAdaptivePolicy(service_ms={0.0: 1.0}))
+    with pytest.raises(UserError, match="up_depth > down_depth"):
+        LoadAdaptivePolicy(up_depth=1, down_depth=1)
+
+
+def test_bad_input_is_user_error(art, tmp_path, feeds):
+    with pytest.raises(UserError, match="no such artifact directory"):
+        ElasticRuntime.from_dir(tmp_path / "nope")
+    with pytest.raises(UserError, match="no manifest.json"):
+        ElasticRuntime.from_dir(tmp_path)
+    with pytest.raises(UserError, match="mode 'fast'"):
+        ElasticRuntime.from_dir(art, mode="fast")
+    with pytest.raises(UserError, match="backend 'openvino'"):
+        ElasticRuntime.from_dir(art, backend="openvino")
+    assert "cpu" in available_providers() and "cuda" not in available_providers()  # this CPU-only build
+    with pytest.raises(UserError, match=r"'cuda' .*not available.*available: cpu") as e:
+        ElasticRuntime.from_dir(art, providers=["CUDAExecutionProvider"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="'tensorrt' .*not available"):
+        make_session(art / "dense.onnx", SessionConfig(provider="tensorrt", fp16=True))
+    with pytest.raises(UserError, match="opt_level"):
+        make_session(art / "dense.onnx", SessionConfig(opt_level="max"))
+    with pytest.raises(UserError, match="no such ONNX file"):
+        make_session(art / "missing.onnx")
+    with pytest.raises(UserError, match="(?i)tensorrt"):  # no TensorRT here, and no engines in the manifest
+        ElasticRuntime.from_dir(art, backend="tensorrt")
+    rt = ElasticRuntime.from_dir(art, config=SessionConfig(threads=1, opt_level="basic", memory_arena=False))
+    with pytest.raises(UserError, match="unknown|not a listed budget"):
+        rt.run(feeds, sparsity=0.35)
+    with pytest.raises(UserError, match="missing input 'attention_mask'"):
+        rt.run({"input_ids": feeds["input_ids"]})
+    broken = tmp_path / "broken"
+    shutil.copytree(art, broken)
+    m = json.loads((broken / "manifest.json").read_text())
+    m["elastic"] = None
+    (broken / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(UserError, match="no elastic graph"):
+        ElasticRuntime.from_dir(broken, mode="elastic")
+    (broken / m["budgets"][0]["onnx"]).unlink()
+    with pytest.raises(UserError, match="no such ONNX file"):
+        ElasticRuntime.from_dir(broken)
+
+
+def test_runner_plain_and_bound(art, feeds, expected):
+    cfg = SessionConfig(threads=1)
+    runner = Runner(make_session(art / "dense.onnx", cfg), cfg)
+    assert _err(dict(enumerate(runner.run(feeds))), expected[0.0]) == 0.0
+    runner.bind(feeds)
+    runner.run_bound()
+    assert _err(dict(enumerate(runner.outputs())), expected[0.0]) == 0.0
+    with pytest.raises(UserError, match="missing input"):
+        runner.bind({})
+
+
+def test_runtime_imports_and_runs_without_torch(art):
+    """runtime.py and targets/onnxruntime.py must not need torch (edge boxes without it)."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        import numpy as np
+        from elastic_export.runtime import ElasticRuntime
+        from elastic_export.targets.onnxruntime import SessionConfig
+        rt = ElasticRuntime.from_dir({str(art)!r}, config=SessionConfig(threads=1))
+        ids = np.array([[5, 17, 300, 9]], dtype=np.int64)
+        out = rt.run({{"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}},
+                     sparsity=0.5)
+        assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
+        print("ok", list(out), out["last_hidden_state"].shape)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)  # the repository root
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("ok ['last_hidden_state'")
