@@ -312,6 +312,68 @@ def verify_cmd(directory, batch, seq_len, seed, model, use_torch, atol, rtol_fp1
     click.echo(report.summary())
 
 
+
+@cli.command("bench")
+@click.argument("directory", metavar="DIR")
+@click.option("--backend", default="onnxruntime", show_default=True,
+              help="onnxruntime (the ONNX files) or tensorrt (the manifest's engines; see `build --target tensorrt`).")
+@click.option("--provider", default="cpu", show_default=True, help="onnxruntime execution provider: cpu, cuda or tensorrt.")
+@click.option("--batches", default="1,32", show_default=True, help="Batch sizes, comma-separated.")
+@click.option("--seq-len", type=int, default=None, help="Text: tokens per input [default: the manifest's token count].")
+@click.option("--repeats", type=int, default=20, show_default=True, help="Timed runs (and timed switches) per budget and batch.")
+@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed runs per budget and batch first.")
+@click.option("--threads", type=int, default=0, show_default=True, help="onnxruntime intra-op threads (0: its default).")
+@click.option("--out", default=None, type=click.Path(), help="Results JSON [default: DIR/bench.json]; PNGs go next to it.")
+@click.option("--plot/--no-plot", default=True, show_default=True,
+              help="Write <stem>_throughput.png, <stem>_latency.png and <stem>_speedup.png next to the JSON.")
+@click.option("--profile/--no-profile", default=True, show_default=True,
+              help="Write DIR/latency_profile.json (p50/p90/p99 ms and throughput per batch and budget).")
+def bench_cmd(directory, backend, provider, batches, seq_len, repeats, warmup, threads, out, plot, profile):
+    """Time the dense model and every budget of DIR at each batch size: throughput, latency
+    p50/p90/p99 and the cost of switching budget; write JSON, plots and the latency profile."""
+    from elastic_export.bench import BenchConfig, bench, format_table, parse_batches
+
+    config = BenchConfig(backend=backend, provider=provider, batches=parse_batches(batches), seq_len=seq_len,
+                         repeats=repeats, warmup=warmup, threads=threads)
+    result, written = bench(directory, config, out=out, plot=plot, profile=profile, echo=_echo)
+    click.echo(format_table(result))
+    for path in [written.json, *written.plots] + ([written.profile] if written.profile else []):
+        click.echo(f"wrote {path}")
+
+@cli.command("build")
+@click.argument("directory", metavar="DIR")
+@click.option("--target", type=click.Choice(["tensorrt", "triton"]), required=True,
+              help="tensorrt: one engine per budget (+ dense.engine); triton: a Triton model repository.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="fp16: BuilderFlag.FP16 where TensorRT has it (10), else a strongly typed network from the "
+                   "directory's fp16 ONNX (11; export with --precision fp16).")
+@click.option("--min-batch", type=int, default=1, show_default=True, help="Smallest batch of the profile.")
+@click.option("--opt-batch", type=int, default=32, show_default=True, help="Batch TensorRT tunes kernels for.")
+@click.option("--max-batch", type=int, default=128, show_default=True, help="Largest batch of the profile.")
+@click.option("--min-tokens", type=int, default=None, help="Text: fewest tokens [default: 1].")
+@click.option("--opt-tokens", type=int, default=None, help="Text: tokens tuned for [default: manifest tokens].")
+@click.option("--max-tokens", type=int, default=None, help="Text: most tokens [default: manifest tokens].")
+@click.option("--workspace-gb", type=float, default=4.0, show_default=True, help="Builder workspace limit (GiB).")
+@click.option("--timing-cache", default=None, type=click.Path(), metavar="PATH",
+              help="Timing cache shared by all builds [default: DIR/tensorrt.timing.cache].")
+@click.option("--no-dense", is_flag=True, default=False, help="Do not build dense.engine.")
+def build_cmd(directory, target, precision, min_batch, opt_batch, max_batch, min_tokens, opt_tokens, max_tokens,
+              workspace_gb, timing_cache, no_dense):
+    """Add deployment artifacts to an artifact DIR and update its manifest."""
+    if target == "triton":
+        raise UserError("--target triton: not implemented yet (issue 7)")
+    from elastic_export.targets.tensorrt import build_engines
+
+    manifest = build_engines(directory, precision=precision, min_batch=min_batch, opt_batch=opt_batch,
+                             max_batch=max_batch, min_tokens=min_tokens, opt_tokens=opt_tokens,
+                             max_tokens=max_tokens, workspace_gb=workspace_gb, timing_cache=timing_cache,
+                             dense=not no_dense, echo=_echo)
+    for entry in [manifest["dense"], *manifest["budgets"]]:
+        if entry.get("engine"):
+            click.echo(entry["engine"])
+    click.echo(f"wrote {Path(directory) / 'manifest.json'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps bad input to one line and exit code 2 (a failed check: exit 1)."""
     from elastic_export.errors import CheckFailed

@@ -1,0 +1,778 @@
+"""TensorRT engines from an artifact directory: one engine per budget (and the dense model).
+
+``build_engines(DIR)`` parses each budget's ONNX with TensorRT's ONNX parser, builds one engine
+with a dynamic-batch optimisation profile (text: dynamic tokens too), writes it as
+``budget_sXXX.engine`` / ``dense.engine`` next to the ONNX and records it in the manifest
+(``budgets[].engine``, ``dense.engine`` and a top-level ``tensorrt`` entry). :func:`load_engine`
+returns a :class:`TrtRunner` that runs an engine with named tensors (TensorRT >= 10 API).
+
+**FP16.** Decided by feature checks on the imported ``tensorrt`` module, never by its version
+string (Polygraphy's ``try_set_flag`` style):
+
+* the builder config has ``BuilderFlag.FP16`` (TensorRT 10): the fp32 ONNX is built with that flag
+  and TensorRT picks fp16 kernels where it wants them;
+* no ``BuilderFlag.FP16`` but ``NetworkDefinitionCreationFlag.STRONGLY_TYPED`` (TensorRT 11, where
+  the precision flags are gone): the directory's fp16 ONNX (``onnx_fp16`` in the manifest, written
+  by ``--precision fp16``: fp16 types with explicit Casts, fp32 norms / softmax / tail) is parsed into
+  a strongly typed network, which runs in exactly the precision its types say.
+
+**Edge devices.** This module and everything it imports (numpy, onnx via the manifest helpers,
+tqdm) work without torch: copy an artifact directory to a Jetson / edge box with TensorRT and
+``cuda-python`` and build there. The runner uses ``cuda-python`` (``cuda.bindings.runtime`` or the
+older ``cuda.cudart``) for device memory and falls back to torch CUDA tensors only when
+``cuda-python`` is absent and torch is present.
+
+**Atomicity.** Engines are first written to temporary files in the directory; only when every
+engine has been built are they renamed to their final names and the manifest rewritten
+(atomically, :func:`elastic_export.manifest.write_manifest`). A failed build leaves the previous
+engines and manifest as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from elastic_export.errors import UserError
+from elastic_export.fileio import atomic_write
+from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
+
+INSTALL_HINT = 'pip install -e ".[tensorrt]" on a machine with a CUDA GPU'
+DEFAULT_MIN_BATCH, DEFAULT_OPT_BATCH, DEFAULT_MAX_BATCH = 1, 32, 128
+DEFAULT_WORKSPACE_GB = 4.0
+TIMING_CACHE = "tensorrt.timing.cache"
+DENSE_ENGINE = "dense.engine"
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+BUILDER_FLAG, STRONGLY_TYPED = "builder-flag", "strongly-typed"
+
+Shape = tuple[int, ...]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+# --- what is available ----------------------------------------------------------------------------
+def import_tensorrt():
+    """The ``tensorrt`` module, or a one-line :class:`UserError` naming what is missing.
+
+    Raises:
+        UserError: tensorrt is not installed, cannot be imported, or lacks the named-tensor API of
+            TensorRT >= 10.
+    """
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise UserError(f"TensorRT engines need the tensorrt package and a CUDA GPU: tensorrt is not installed "
+                        f"({INSTALL_HINT})") from None
+    except Exception as e:  # a broken install: missing libnvinfer, CUDA driver, ...
+        raise UserError(f"TensorRT engines need the tensorrt package and a CUDA GPU: tensorrt cannot be imported "
+                        f"({_first_line(e)})") from None
+    if not (hasattr(trt, "ICudaEngine") and hasattr(trt.ICudaEngine, "get_tensor_name")
+            and hasattr(trt, "IExecutionContext") and hasattr(trt.IExecutionContext, "execute_async_v3")):
+        raise UserError("this tensorrt lacks the named-tensor API (get_tensor_name / execute_async_v3) of "
+                        f"TensorRT >= 10; {INSTALL_HINT}")
+    return trt
+
+
+def _cudart():
+    """cuda-python's runtime module (``cuda.bindings.runtime``, or the older ``cuda.cudart``), or None."""
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+        return cudart
+    except Exception:
+        pass
+    try:
+        from cuda import cudart  # type: ignore[attr-defined]  # older cuda-python
+        return cudart
+    except Exception:
+        return None
+
+
+def cuda_device_count() -> int | None:
+    """CUDA devices visible, via cuda-python, else torch when it is installed; None when neither can tell."""
+    cudart = _cudart()
+    if cudart is not None:
+        try:
+            err, count = cudart.cudaGetDeviceCount()
+            return int(count) if int(err) == 0 and count is not None else 0
+        except Exception:
+            pass
+    if _torch_present():
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return None
+
+
+def _torch_present() -> bool:
+    """True when torch is importable (never imports it when ``sys.modules['torch'] is None``)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def tensorrt_unavailable() -> str | None:
+    """Why engines cannot be built or run here (one line), or None when they can."""
+    try:
+        import_tensorrt()
+    except UserError as e:
+        return str(e)
+    count = cuda_device_count()
+    if count == 0:
+        return "TensorRT engines need a CUDA GPU: no CUDA device is visible"
+    return None
+
+
+# --- FP16: feature checks -------------------------------------------------------------------------
+def fp16_mode(trt: Any, have_fp16_onnx: bool) -> str:
+    """How this ``tensorrt`` builds fp16 engines: :data:`BUILDER_FLAG` or :data:`STRONGLY_TYPED`.
+
+    Args:
+        trt: the tensorrt module (or any object with its ``BuilderFlag`` /
+            ``NetworkDefinitionCreationFlag`` attributes).
+        have_fp16_onnx: whether the directory has an fp16 ONNX for the dense model and every budget.
+
+    Returns:
+        ``builder-flag`` where ``trt.BuilderFlag.FP16`` exists (TensorRT 10); else ``strongly-typed``
+        where ``trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED`` exists (TensorRT 11).
+
+    Raises:
+        UserError: strongly typed is the only way but the fp16 ONNX files are missing, or neither
+            feature exists.
+    """
+    if hasattr(getattr(trt, "BuilderFlag", None), "FP16"):
+        return BUILDER_FLAG
+    if hasattr(getattr(trt, "NetworkDefinitionCreationFlag", None), "STRONGLY_TYPED"):
+        if not have_fp16_onnx:
+            raise UserError("this TensorRT has no FP16 builder flag, so fp16 engines are built strongly typed from the "
+                            "fp16 ONNX files, which this directory lacks: re-export with --precision fp16")
+        return STRONGLY_TYPED
+    raise UserError("this TensorRT has neither BuilderFlag.FP16 nor a STRONGLY_TYPED network flag; "
+                    "cannot build fp16 engines")
+
+
+def try_set_flag(config: Any, flags: Any, name: str) -> bool:
+    """Set builder flag ``name`` on ``config`` if this TensorRT has it (Polygraphy's ``try_set_flag``).
+
+    Args:
+        config: an ``IBuilderConfig`` (anything with ``set_flag``).
+        flags: ``trt.BuilderFlag`` (or None).
+        name: flag name, e.g. ``FP16``.
+
+    Returns:
+        True when the flag exists and was set; False when it does not exist or setting it failed.
+    """
+    flag = getattr(flags, name, None)
+    if flag is None:
+        return False
+    try:
+        config.set_flag(flag)
+    except Exception:  # a flag that exists but is rejected (deprecated / unsupported here)
+        return False
+    return True
+
+
+def network_flags(trt: Any, strongly_typed: bool) -> int:
+    """Creation flags of the network: STRONGLY_TYPED when asked, EXPLICIT_BATCH where it still exists
+    (required before TensorRT 10, ignored by 10, gone after)."""
+    flags = 0
+    ndcf = getattr(trt, "NetworkDefinitionCreationFlag", None)
+    explicit = getattr(ndcf, "EXPLICIT_BATCH", None)
+    if explicit is not None and not strongly_typed:
+        flags |= 1 << int(explicit)
+    if strongly_typed:
+        flags |= 1 << int(ndcf.STRONGLY_TYPED)
+    return flags
+
+
+# --- optimisation profiles ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Profile:
+    """min / opt / max shape of every input of one optimisation profile."""
+
+    shapes: dict[str, tuple[Shape, Shape, Shape]]
+
+    def to_json(self) -> dict[str, dict[str, list[int]]]:
+        return {k: {"min": list(a), "opt": list(b), "max": list(c)} for k, (a, b, c) in self.shapes.items()}
+
+
+def _check_range(what: str, lo: int, mid: int, hi: int) -> None:
+    for v in (lo, mid, hi):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"{what}: min / opt / max must be positive integers, got {lo} / {mid} / {hi}")
+    if not lo <= mid <= hi:
+        raise UserError(f"{what}: need min <= opt <= max, got {lo} / {mid} / {hi}")
+
+
+def compute_profile(manifest: dict, *, min_batch: int = DEFAULT_MIN_BATCH, opt_batch: int = DEFAULT_OPT_BATCH,
+                    max_batch: int = DEFAULT_MAX_BATCH, min_tokens: int | None = None,
+                    opt_tokens: int | None = None, max_tokens: int | None = None) -> Profile:
+    """The optimisation profile for the manifest's inputs.
+
+    Args:
+        manifest: a loaded manifest (``inputs`` with symbolic dims, ``tokens``, ``preprocess``).
+        min_batch: smallest batch the engine accepts.
+        opt_batch: the batch TensorRT tunes its kernels for.
+        max_batch: largest batch.
+        min_tokens: text: fewest tokens per row (default 1).
+        opt_tokens: text: tokens tuned for (default: the manifest's ``tokens``).
+        max_tokens: text: most tokens per row (default: the manifest's ``tokens``).
+
+    Returns:
+        Axis 0 of every input is the batch; axis 1 of token inputs (``input_ids``, ``attention_mask``,
+        ``token_type_ids``, or any 2-D integer input) is the token count; fixed dims stay; symbolic
+        image sizes come from ``preprocess.input_size``.
+
+    Raises:
+        UserError: an inconsistent range or an input dim that cannot be resolved.
+    """
+    _check_range("batch", min_batch, opt_batch, max_batch)
+    tokens = manifest.get("tokens") if isinstance(manifest.get("tokens"), int) and manifest["tokens"] > 0 else None
+    shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
+    for spec in manifest["inputs"]:
+        name, dims = spec["name"], list(spec.get("shape") or [])
+        if not dims:
+            raise UserError(f"{MANIFEST}: input {name!r} has no shape")
+        text = name in TEXT_INPUTS or (len(dims) == 2 and spec.get("dtype") in ("int64", "int32"))
+        lo, mid, hi = [min_batch], [opt_batch], [max_batch]
+        for axis, d in enumerate(dims[1:], start=1):
+            if isinstance(d, int) and d > 0:
+                lo.append(d), mid.append(d), hi.append(d)
+            elif text and axis == 1:
+                mx = max_tokens if max_tokens is not None else tokens
+                if mx is None:
+                    raise UserError(f"{MANIFEST}: no 'tokens'; give the token range (--min/--opt/--max tokens)")
+                op = opt_tokens if opt_tokens is not None else min(mx, tokens or mx)
+                mn = min_tokens if min_tokens is not None else 1
+                _check_range("tokens", mn, op, mx)
+                lo.append(mn), mid.append(op), hi.append(mx)
+            elif len(dims) == 4 and axis in (2, 3):
+                size = (manifest.get("preprocess") or {}).get("input_size")
+                if not (isinstance(size, list) and len(size) == 3 and all(isinstance(v, int) for v in size)):
+                    raise UserError(f"{MANIFEST}: input {name!r} has a symbolic image size and no preprocess.input_size")
+                v = int(size[axis - 1])
+                lo.append(v), mid.append(v), hi.append(v)
+            else:
+                raise UserError(f"{MANIFEST}: input {name!r} dim {axis} ({d!r}) cannot be given a profile range")
+        shapes[name] = (tuple(lo), tuple(mid), tuple(hi))
+    return Profile(shapes)
+
+
+# --- what to build --------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One engine to build.
+
+    Args:
+        key: ``dense`` or the budget's index in the manifest.
+        label: ``dense`` or the sparsity, for progress messages.
+        onnx: the ONNX file parsed (relative to the directory).
+        engine: the engine file written (relative to the directory).
+    """
+
+    key: str | int
+    label: str
+    onnx: str
+    engine: str
+
+
+def engine_name(onnx_name: str) -> str:
+    """``budget_s010.onnx`` / ``budget_s010.fp16.onnx`` -> ``budget_s010.engine``."""
+    stem = onnx_name[:-5] if onnx_name.endswith(".onnx") else onnx_name
+    if stem.endswith(".fp16"):
+        stem = stem[:-5]
+    return stem + ".engine"
+
+
+def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool, dense: bool = True) -> list[Job]:
+    """The engines to build, with their ONNX sources checked to exist.
+
+    Args:
+        directory: the artifact directory.
+        manifest: its loaded manifest.
+        use_fp16_onnx: parse the ``onnx_fp16`` files (strongly typed fp16) instead of ``onnx``.
+        dense: also build ``dense.engine``.
+
+    Raises:
+        UserError: a listed ONNX file is missing (or an fp16 one is not listed).
+    """
+    key = "onnx_fp16" if use_fp16_onnx else "onnx"
+    entries: list[tuple[str | int, str, dict]] = [("dense", "dense", manifest["dense"])] if dense else []
+    entries += [(i, f"{b.get('sparsity', i)}", b) for i, b in enumerate(manifest["budgets"])]
+    jobs = []
+    for k, label, entry in entries:
+        rel = entry.get(key)
+        if not isinstance(rel, str):
+            raise UserError(f"{directory / MANIFEST}: {label} has no {key!r} file"
+                            + (" (re-export with --precision fp16)" if use_fp16_onnx else ""))
+        path = resolve(directory, rel)
+        if path is None or not path.is_file():
+            raise UserError(f"{directory}: {rel} is listed in the manifest but missing")
+        eng = DENSE_ENGINE if k == "dense" else engine_name(entry["onnx"] if isinstance(entry.get("onnx"), str) else rel)
+        jobs.append(Job(k, label, rel, eng))
+    return jobs
+
+
+def record_engines(directory: str | Path, manifest: dict, engines: Mapping[str | int, str], info: dict) -> dict:
+    """Put built engines into the manifest and write it atomically.
+
+    Args:
+        directory: the artifact directory.
+        manifest: the loaded manifest (updated in place and returned).
+        engines: ``dense`` or budget index -> engine file (relative to the directory; must exist).
+        info: the top-level ``tensorrt`` entry (version, precision, profiles, ...).
+
+    Returns:
+        The updated manifest. Budgets without an engine in ``engines`` get ``engine: null`` (engines
+        of an earlier build would no longer match ``tensorrt``).
+
+    Raises:
+        UserError: an engine file is missing or outside the directory.
+    """
+    d = Path(directory)
+    for key, rel in engines.items():
+        path = resolve(d, rel)
+        if path is None or not path.is_file():
+            raise UserError(f"{d}: engine {rel} was not written")
+        if key != "dense" and not (isinstance(key, int) and 0 <= key < len(manifest["budgets"])):
+            raise UserError(f"engine {rel}: no budget {key!r} in the manifest")
+    manifest["dense"]["engine"] = engines.get("dense")
+    for i, b in enumerate(manifest["budgets"]):
+        b["engine"] = engines.get(i)
+    manifest["tensorrt"] = info
+    write_manifest(d, manifest)
+    return manifest
+
+
+# --- building -------------------------------------------------------------------------------------
+def _load_timing_cache(config: Any, data: bytes, echo: Callable[[str], None]) -> Any:
+    """A timing cache from ``data`` (empty: a fresh one) set on ``config``; a stale one is replaced."""
+    try:
+        cache = config.create_timing_cache(data)
+        if cache is not None and config.set_timing_cache(cache, ignore_mismatch=False):
+            return cache
+    except Exception as e:  # a cache from another TensorRT version / GPU
+        echo(f"timing cache not usable ({_first_line(e)}); starting a new one")
+    cache = config.create_timing_cache(b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    return cache
+
+
+def _set_workspace(trt: Any, config: Any, workspace_bytes: int | None) -> None:
+    if workspace_bytes is None:
+        return
+    if hasattr(config, "set_memory_pool_limit") and hasattr(getattr(trt, "MemoryPoolType", None), "WORKSPACE"):
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
+    elif hasattr(config, "max_workspace_size"):  # pragma: no cover - TensorRT < 8.4
+        config.max_workspace_size = int(workspace_bytes)
+
+
+def _parse(trt: Any, builder: Any, logger: Any, path: Path, strongly_typed: bool) -> Any:
+    network = builder.create_network(network_flags(trt, strongly_typed))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(path)):  # from the file, so external data next to it is found
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise UserError(f"{path.name}: TensorRT's ONNX parser failed: {errors[0].splitlines()[0] if errors else '?'}")
+    return network, parser
+
+
+def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: int = DEFAULT_MIN_BATCH,
+                  opt_batch: int = DEFAULT_OPT_BATCH, max_batch: int = DEFAULT_MAX_BATCH,
+                  min_tokens: int | None = None, opt_tokens: int | None = None, max_tokens: int | None = None,
+                  workspace_gb: float | None = DEFAULT_WORKSPACE_GB, timing_cache: str | Path | None = None,
+                  dense: bool = True, opt_level: int | None = None, progress: bool = True,
+                  echo: Callable[[str], None] = lambda s: None) -> dict:
+    """Build one TensorRT engine per budget (and the dense model) and record them in the manifest.
+
+    Args:
+        directory: an artifact directory (with ``manifest.json``).
+        precision: ``fp32`` or ``fp16`` (see the module docstring for how fp16 is chosen).
+        min_batch: smallest batch of the optimisation profile.
+        opt_batch: batch TensorRT tunes for.
+        max_batch: largest batch.
+        min_tokens: text: fewest tokens (default 1).
+        opt_tokens: text: tokens tuned for (default: manifest ``tokens``).
+        max_tokens: text: most tokens (default: manifest ``tokens``).
+        workspace_gb: builder workspace limit in GiB (None: TensorRT's default).
+        timing_cache: timing cache file shared by all builds, read if it exists and saved after every
+            engine (default: ``DIR/tensorrt.timing.cache``).
+        dense: also build ``dense.engine``.
+        opt_level: ``builder_optimization_level`` (0-5; None: TensorRT's default, 3), where the config
+            has it. Lower builds faster with possibly slower engines.
+        progress: show a tqdm bar on stderr.
+        echo: progress messages.
+
+    Returns:
+        The updated manifest.
+
+    Raises:
+        UserError: a bad directory / option, TensorRT or a GPU missing (checked before anything is
+            written), or a failed parse / build (nothing of this run is left behind).
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
+    if precision not in ("fp32", "fp16"):
+        raise UserError(f"--precision {precision}: choose fp32 or fp16")
+    if workspace_gb is not None and not workspace_gb > 0:
+        raise UserError(f"--workspace-gb must be positive, got {workspace_gb}")
+    manifest = load_manifest(d)
+    profile = compute_profile(manifest, min_batch=min_batch, opt_batch=opt_batch, max_batch=max_batch,
+                              min_tokens=min_tokens, opt_tokens=opt_tokens, max_tokens=max_tokens)
+    plan_jobs(d, manifest, use_fp16_onnx=False, dense=dense)  # sources exist before TensorRT is touched
+    cache_path = Path(timing_cache) if timing_cache is not None else d / TIMING_CACHE
+    if cache_path.exists() and not cache_path.is_file():
+        raise UserError(f"--timing-cache {cache_path}: not a file")
+
+    trt = import_tensorrt()
+    if cuda_device_count() == 0:
+        raise UserError("TensorRT engines need a CUDA GPU: no CUDA device is visible")
+    mode = None
+    if precision == "fp16":
+        have16 = all(isinstance(e.get("onnx_fp16"), str) for e in [manifest["dense"], *manifest["budgets"]])
+        mode = fp16_mode(trt, have16)
+    jobs = plan_jobs(d, manifest, use_fp16_onnx=mode == STRONGLY_TYPED, dense=dense)
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    if builder is None:
+        raise UserError("TensorRT cannot create a builder (no usable CUDA GPU?)")
+    cache_data = cache_path.read_bytes() if cache_path.is_file() else b""
+    workspace = None if workspace_gb is None else int(workspace_gb * (1 << 30))
+    written: dict[str | int, Path] = {}
+    engines: dict[str | int, str] = {}
+    times: dict[str, float] = {}
+    cache = None
+    from tqdm import tqdm
+
+    try:
+        bar = tqdm(jobs, desc="TensorRT engines", unit="engine", disable=not progress, file=sys.stderr)
+        for job in bar:
+            bar.set_postfix_str(job.label)
+            t0 = time.perf_counter()
+            network, _parser = _parse(trt, builder, logger, resolve(d, job.onnx), mode == STRONGLY_TYPED)
+            config = builder.create_builder_config()
+            _set_workspace(trt, config, workspace)
+            if opt_level is not None and hasattr(config, "builder_optimization_level"):
+                config.builder_optimization_level = int(opt_level)
+            if mode == BUILDER_FLAG and not try_set_flag(config, trt.BuilderFlag, "FP16"):
+                raise UserError("this TensorRT rejected BuilderFlag.FP16; re-export with --precision fp16 so the "
+                                "strongly typed fp16 ONNX can be used")
+            cache = _load_timing_cache(config, cache.serialize() if cache is not None else cache_data, echo)
+            trt_profile = builder.create_optimization_profile()
+            for i in range(network.num_inputs):
+                name = network.get_input(i).name
+                if name not in profile.shapes:
+                    raise UserError(f"{job.onnx}: input {name!r} is not in the manifest's inputs")
+                trt_profile.set_shape(name, *profile.shapes[name])
+            config.add_optimization_profile(trt_profile)
+            plan = builder.build_serialized_network(network, config)
+            if plan is None:
+                raise UserError(f"{job.onnx}: TensorRT failed to build an engine (see the log above)")
+            tmp = d / f".{job.engine}.partial"
+            atomic_write(tmp, lambda p, plan=plan: _write_bytes(p, plan))
+            written[job.key] = tmp
+            engines[job.key] = job.engine
+            cache_bytes = config.get_timing_cache().serialize()
+            atomic_write(cache_path, lambda p, b=cache_bytes: _write_bytes(p, b))
+            times[str(job.key)] = round(time.perf_counter() - t0, 2)
+            echo(f"built {job.engine} from {job.onnx} in {times[str(job.key)]:.1f}s")
+            del network, config, plan
+        for key, tmp in written.items():
+            os.replace(tmp, d / engines[key])
+        written.clear()
+    finally:
+        for tmp in written.values():
+            Path(tmp).unlink(missing_ok=True)
+    info = {
+        "version": getattr(trt, "__version__", None),
+        "precision": precision,
+        "fp16_mode": mode,
+        "profiles": [profile.to_json()],
+        "workspace_bytes": workspace,
+        "builder_optimization_level": opt_level,
+        "timing_cache": _relative(d, cache_path),
+        "build_seconds": times,
+    }
+    return record_engines(d, manifest, engines, info)
+
+
+def _write_bytes(path: str | Path, data: Any) -> None:
+    with open(path, "wb") as f:
+        f.write(data)  # IHostMemory / bytes: anything with the buffer protocol
+
+
+def _relative(directory: Path, path: Path) -> str | None:
+    """``path`` relative to ``directory`` when inside it (the manifest's rule), else None."""
+    try:
+        return str(path.resolve().relative_to(directory.resolve()))
+    except ValueError:
+        return None
+
+
+# --- running --------------------------------------------------------------------------------------
+def _check_cuda(result: Any) -> Any:
+    """Unpack a cuda-python call's ``(err, *values)``; raise on an error code."""
+    err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA error {err!r}")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+class _CudaPythonMemory:
+    """Device buffers and a stream through cuda-python."""
+
+    def __init__(self, cudart: Any) -> None:
+        self.rt = cudart
+        self.stream = _check_cuda(cudart.cudaStreamCreate())
+        self.buffers: dict[str, tuple[int, int]] = {}  # name -> (pointer, capacity in bytes)
+        self.keep: list[np.ndarray] = []
+
+    def stream_handle(self) -> int:
+        return int(self.stream)
+
+    def ensure(self, name: str, nbytes: int) -> int:
+        ptr, cap = self.buffers.get(name, (0, -1))
+        if cap < nbytes:
+            if ptr:
+                _check_cuda(self.rt.cudaFree(ptr))
+            ptr = int(_check_cuda(self.rt.cudaMalloc(max(nbytes, 1))))
+            self.buffers[name] = (ptr, max(nbytes, 1))
+        return ptr
+
+    def upload(self, name: str, array: np.ndarray) -> int:
+        ptr = self.ensure(name, array.nbytes)
+        self.keep.append(array)  # alive until the next synchronize
+        kind = self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        _check_cuda(self.rt.cudaMemcpyAsync(ptr, array.ctypes.data, array.nbytes, kind, self.stream))
+        return ptr
+
+    def download(self, name: str, shape: Shape, dtype: np.dtype) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        kind = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        _check_cuda(self.rt.cudaMemcpyAsync(out.ctypes.data, self.buffers[name][0], out.nbytes, kind, self.stream))
+        return out
+
+    def synchronize(self) -> None:
+        _check_cuda(self.rt.cudaStreamSynchronize(self.stream))
+        self.keep.clear()
+
+    def close(self) -> None:
+        for ptr, _ in self.buffers.values():
+            self.rt.cudaFree(ptr)
+        self.buffers.clear()
+        if self.stream is not None:
+            self.rt.cudaStreamDestroy(self.stream)
+            self.stream = None
+
+
+class _TorchMemory:
+    """Device buffers and a stream through torch CUDA tensors (used when cuda-python is absent)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.stream = torch.cuda.Stream()
+        self.buffers: dict[str, Any] = {}
+        self.pending: list[tuple[Any, np.ndarray]] = []
+
+    def stream_handle(self) -> int:
+        return int(self.stream.cuda_stream)
+
+    def ensure(self, name: str, nbytes: int) -> int:
+        t = self.buffers.get(name)
+        if t is None or t.numel() < nbytes:
+            t = self.buffers[name] = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device="cuda")
+        return t.data_ptr()
+
+    def upload(self, name: str, array: np.ndarray) -> int:
+        self.ensure(name, array.nbytes)
+        src = self.torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        with self.torch.cuda.stream(self.stream):
+            self.buffers[name][: array.nbytes].copy_(src, non_blocking=False)
+        return self.buffers[name].data_ptr()
+
+    def download(self, name: str, shape: Shape, dtype: np.dtype) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        with self.torch.cuda.stream(self.stream):
+            self.torch.from_numpy(out.reshape(-1).view(np.uint8)).copy_(self.buffers[name][: out.nbytes])
+        return out
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self.buffers.clear()
+
+
+def _memory(backend: str) -> Any:
+    if backend not in ("auto", "cuda-python", "torch"):
+        raise ValueError(f"backend {backend!r}: choose auto, cuda-python or torch")
+    if backend in ("auto", "cuda-python"):
+        cudart = _cudart()
+        if cudart is not None:
+            return _CudaPythonMemory(cudart)
+        if backend == "cuda-python":
+            raise UserError("cuda-python is not installed (pip install cuda-python)")
+    if _torch_present():
+        return _TorchMemory()
+    raise UserError("running a TensorRT engine needs cuda-python (pip install cuda-python) or torch with CUDA")
+
+
+@dataclass
+class TrtRunner:
+    """One deserialized engine and its execution context; runs with named tensors (TensorRT >= 10).
+
+    Args:
+        engine: the ``ICudaEngine``.
+        context: its ``IExecutionContext``.
+        memory: device buffers and stream (cuda-python, or torch).
+        inputs: input tensor names, in engine order.
+        outputs: output tensor names, in engine order.
+    """
+
+    engine: Any
+    context: Any
+    memory: Any
+    trt: Any
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    def _dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name)))
+
+    def _prepare(self, feeds: Mapping[str, np.ndarray]) -> dict[str, Shape]:
+        """Upload the inputs, set their shapes and every tensor address; returns the output shapes."""
+        missing = [n for n in self.inputs if n not in feeds]
+        if missing:
+            raise UserError(f"engine input {missing[0]!r} is not in the feeds")
+        for name in self.inputs:
+            arr = np.ascontiguousarray(feeds[name], dtype=self._dtype(name))
+            if not self.context.set_input_shape(name, tuple(arr.shape)):
+                raise UserError(f"input {name} shape {tuple(arr.shape)} is outside the engine's profile")
+            self.context.set_tensor_address(name, self.memory.upload(name, arr))
+        shapes = {}
+        for name in self.outputs:
+            shape = tuple(int(v) for v in self.context.get_tensor_shape(name))
+            if any(v < 0 for v in shape):
+                raise UserError(f"output {name} has an unresolved shape {shape}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * self._dtype(name).itemsize
+            self.context.set_tensor_address(name, self.memory.ensure(name, nbytes))
+            shapes[name] = shape
+        return shapes
+
+    def _execute(self) -> None:
+        if not self.context.execute_async_v3(self.memory.stream_handle()):
+            raise RuntimeError("TensorRT execution failed")
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Iterable[str] | None = None) -> list[np.ndarray]:
+        """Run once.
+
+        Args:
+            feeds: input name -> array (cast to the engine's input types).
+            outputs: names to return (default: every output, in engine order).
+
+        Returns:
+            The outputs as numpy arrays (in the engine's output types).
+        """
+        shapes = self._prepare(feeds)
+        self._execute()
+        names = list(outputs) if outputs is not None else self.outputs
+        unknown = [n for n in names if n not in shapes]
+        if unknown:
+            raise UserError(f"engine has no output {unknown[0]!r}")
+        result = [self.memory.download(n, shapes[n], self._dtype(n)) for n in names]
+        self.memory.synchronize()
+        return result
+
+    def time(self, feeds: Mapping[str, np.ndarray], iters: int = 20, warmup: int = 3,
+             prepare_each: bool = False) -> list[float]:
+        """Seconds per execution, each synchronised.
+
+        Args:
+            feeds: inputs.
+            iters: timed runs.
+            warmup: untimed runs first.
+            prepare_each: False: inputs uploaded once, only the execution is timed; True: every run
+                also sets the input shapes, uploads the inputs and sets the tensor addresses (the
+                per-request work of a server, e.g. right after switching to this engine).
+        """
+        self._prepare(feeds)
+        self.memory.synchronize()
+        out = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            if prepare_each:
+                self._prepare(feeds)
+            self._execute()
+            self.memory.synchronize()
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        """Free the device buffers (the engine and context go with the object)."""
+        self.memory.close()
+
+    def __enter__(self) -> "TrtRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def load_engine(path: str | Path, backend: str = "auto") -> TrtRunner:
+    """Deserialize an engine file into a :class:`TrtRunner`.
+
+    Args:
+        path: a ``.engine`` file built by :func:`build_engines` (same TensorRT version and GPU). Its
+            outputs are returned in the order of the ``manifest.json`` next to it, where there is one.
+        backend: device memory through ``cuda-python``, ``torch``, or ``auto`` (cuda-python first).
+
+    Raises:
+        UserError: TensorRT / CUDA missing, or the file does not deserialize.
+    """
+    trt = import_tensorrt()
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: no such engine file")
+    logger = trt.Logger(trt.Logger.ERROR)
+    memory = _memory(backend)  # creates the CUDA context before TensorRT needs it
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(p.read_bytes())
+    if engine is None:
+        memory.close()
+        raise UserError(f"{path}: TensorRT cannot deserialize it (built by another TensorRT version or GPU?)")
+    context = engine.create_execution_context()
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+    outputs = _manifest_order(p, [n for n in names if n not in inputs])
+    runner = TrtRunner(engine, context, memory, trt, inputs, outputs)
+    runner._runtime = runtime  # the runtime must outlive the engine
+    return runner
+
+
+def _manifest_order(engine_path: Path, outputs: list[str]) -> list[str]:
+    """``outputs`` in the order of the manifest next to the engine (the ONNX output order the runtime
+    zips its results with), when that manifest lists exactly these outputs; else unchanged."""
+    import json
+
+    try:
+        names = [o["name"] for o in json.loads((engine_path.parent / MANIFEST).read_text())["outputs"]]
+    except Exception:  # no manifest there, or not one of ours: keep the engine's order
+        return outputs
+    return names if sorted(names) == sorted(outputs) else outputs

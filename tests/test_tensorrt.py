@@ -1,0 +1,384 @@
+"""TensorRT target (``elastic_export.targets.tensorrt``) and ``elastic-export build``.
+
+CPU parts run everywhere: optimisation profiles from manifests, the FP16 feature checks (against
+small stand-in objects that have or lack the attributes), engine names and sources, the manifest
+update, the CLI's refusal without TensorRT, and importing the module without torch. Building and
+running real engines needs TensorRT and a CUDA GPU and is skipped, with that reason, without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from elastic_export.errors import UserError
+from elastic_export.manifest import FORMAT, load_manifest
+from elastic_export.targets import tensorrt as T
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+GPU_REASON = "needs TensorRT and a CUDA GPU"
+
+
+# --- stand-in artifact directories (no export needed) ---------------------------------------------
+def _text_manifest() -> dict:
+    return {
+        "format": FORMAT, "model": {"source": "x", "architecture": "bert", "fingerprint": "f"},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
+                   {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "sequence"]}],
+        "outputs": [{"name": "last_hidden_state", "dtype": "float32", "shape": ["batch", "sequence", 32]}],
+        "tokens": 64, "precisions": ["fp32"],
+        "dense": {"onnx": "dense.onnx", "onnx_fp16": None},
+        "budgets": [{"sparsity": 0.1, "onnx": "budget_s010.onnx", "onnx_fp16": None, "engine": None,
+                     "heads_per_layer": [4], "neurons_per_layer": [64]},
+                    {"sparsity": 0.5, "onnx": "budget_s050.onnx", "onnx_fp16": None, "engine": None,
+                     "heads_per_layer": [2], "neurons_per_layer": [32]}],
+        "elastic": None, "ranking": {"file": "ranking.safetensors", "method": "random"},
+    }
+
+
+def _vision_manifest(symbolic: bool = False) -> dict:
+    m = _text_manifest()
+    m["inputs"] = [{"name": "pixel_values", "dtype": "float32",
+                    "shape": ["batch", 3, "height", "width"] if symbolic else ["batch", 3, 224, 224]}]
+    m["preprocess"] = {"input_size": [3, 224, 224]}
+    m["tokens"] = 197
+    return m
+
+
+def _fake_dir(root: Path, manifest: dict | None = None, fp16: bool = False) -> Path:
+    m = manifest or _text_manifest()
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in [m["dense"], *m["budgets"]]:
+        (root / entry["onnx"]).write_bytes(b"not really onnx")
+        if fp16:
+            entry["onnx_fp16"] = entry["onnx"][:-5] + ".fp16.onnx"
+            (root / entry["onnx_fp16"]).write_bytes(b"not really onnx either")
+    (root / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
+    return root
+
+
+def _snapshot(d: Path) -> dict[str, tuple[str, int]]:
+    return {str(p.relative_to(d)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# --- profiles -------------------------------------------------------------------------------------
+def test_profile_text_defaults_from_manifest_tokens():
+    p = T.compute_profile(_text_manifest(), min_batch=1, opt_batch=8, max_batch=32)
+    assert p.shapes == {"input_ids": ((1, 1), (8, 64), (32, 64)), "attention_mask": ((1, 1), (8, 64), (32, 64))}
+    j = p.to_json()
+    assert j["input_ids"] == {"min": [1, 1], "opt": [8, 64], "max": [32, 64]}
+    json.dumps(j)
+
+
+def test_profile_text_custom_tokens():
+    p = T.compute_profile(_text_manifest(), min_batch=2, opt_batch=4, max_batch=4, min_tokens=8, opt_tokens=16,
+                          max_tokens=128)
+    assert p.shapes["attention_mask"] == ((2, 8), (4, 16), (4, 128))
+
+
+def test_profile_vision_fixed_and_symbolic_size():
+    for symbolic in (False, True):
+        p = T.compute_profile(_vision_manifest(symbolic), min_batch=1, opt_batch=128, max_batch=128)
+        assert p.shapes == {"pixel_values": ((1, 3, 224, 224), (128, 3, 224, 224), (128, 3, 224, 224))}
+
+
+@pytest.mark.parametrize("kw", [dict(min_batch=4, opt_batch=2, max_batch=8), dict(min_batch=0),
+                                dict(max_batch=8, opt_batch=16), dict(min_tokens=32, opt_tokens=16)])
+def test_profile_bad_ranges_refused(kw):
+    with pytest.raises(UserError, match="min"):
+        T.compute_profile(_text_manifest(), **kw)
+
+
+def test_profile_unresolvable_dim_refused():
+    m = _vision_manifest(symbolic=True)
+    del m["preprocess"]
+    with pytest.raises(UserError, match="image size"):
+        T.compute_profile(m)
+
+
+# --- FP16 feature checks (our decision logic, on stand-in modules) ---------------------------------
+TRT10 = SimpleNamespace(BuilderFlag=SimpleNamespace(FP16=0, TF32=1),
+                        NetworkDefinitionCreationFlag=SimpleNamespace(EXPLICIT_BATCH=0, STRONGLY_TYPED=1))
+TRT11 = SimpleNamespace(BuilderFlag=SimpleNamespace(TF32=1),
+                        NetworkDefinitionCreationFlag=SimpleNamespace(STRONGLY_TYPED=1))
+NEITHER = SimpleNamespace(BuilderFlag=SimpleNamespace(), NetworkDefinitionCreationFlag=SimpleNamespace())
+
+
+def test_fp16_mode_builder_flag_where_present():
+    assert T.fp16_mode(TRT10, have_fp16_onnx=False) == T.BUILDER_FLAG
+    assert T.fp16_mode(TRT10, have_fp16_onnx=True) == T.BUILDER_FLAG
+
+
+def test_fp16_mode_strongly_typed_without_flag():
+    assert T.fp16_mode(TRT11, have_fp16_onnx=True) == T.STRONGLY_TYPED
+    with pytest.raises(UserError, match="--precision fp16"):
+        T.fp16_mode(TRT11, have_fp16_onnx=False)
+    with pytest.raises(UserError, match="neither"):
+        T.fp16_mode(NEITHER, have_fp16_onnx=True)
+    with pytest.raises(UserError, match="neither"):
+        T.fp16_mode(SimpleNamespace(), have_fp16_onnx=True)
+
+
+class _Config:
+    def __init__(self, reject: bool = False) -> None:
+        self.flags: list = []
+        self.reject = reject
+
+    def set_flag(self, flag) -> None:
+        if self.reject:
+            raise TypeError("deprecated flag")
+        self.flags.append(flag)
+
+
+def test_try_set_flag():
+    c = _Config()
+    assert T.try_set_flag(c, TRT10.BuilderFlag, "FP16") and c.flags == [0]
+    assert not T.try_set_flag(c, TRT11.BuilderFlag, "FP16") and c.flags == [0]
+    assert not T.try_set_flag(c, None, "FP16")
+    assert not T.try_set_flag(_Config(reject=True), TRT10.BuilderFlag, "FP16")
+
+
+def test_network_flags():
+    assert T.network_flags(TRT10, strongly_typed=False) == 1 << 0
+    assert T.network_flags(TRT10, strongly_typed=True) == 1 << 1
+    assert T.network_flags(TRT11, strongly_typed=False) == 0
+    assert T.network_flags(TRT11, strongly_typed=True) == 1 << 1
+
+
+# --- jobs and the manifest update -----------------------------------------------------------------
+def test_engine_names():
+    assert T.engine_name("budget_s010.onnx") == "budget_s010.engine"
+    assert T.engine_name("budget_s010.fp16.onnx") == "budget_s010.engine"
+    assert T.engine_name("dense.onnx") == "dense.engine"
+
+
+def test_plan_jobs(tmp_path):
+    d = _fake_dir(tmp_path / "a", fp16=True)
+    m = load_manifest(d)
+    jobs = T.plan_jobs(d, m, use_fp16_onnx=False)
+    assert [(j.key, j.onnx, j.engine) for j in jobs] == [
+        ("dense", "dense.onnx", "dense.engine"), (0, "budget_s010.onnx", "budget_s010.engine"),
+        (1, "budget_s050.onnx", "budget_s050.engine")]
+    jobs16 = T.plan_jobs(d, m, use_fp16_onnx=True, dense=False)
+    assert [(j.onnx, j.engine) for j in jobs16] == [("budget_s010.fp16.onnx", "budget_s010.engine"),
+                                                   ("budget_s050.fp16.onnx", "budget_s050.engine")]
+    (d / "budget_s050.onnx").unlink()
+    with pytest.raises(UserError, match="budget_s050.onnx is listed in the manifest but missing"):
+        T.plan_jobs(d, m, use_fp16_onnx=False)
+    d2 = _fake_dir(tmp_path / "b")
+    with pytest.raises(UserError, match="onnx_fp16"):
+        T.plan_jobs(d2, load_manifest(d2), use_fp16_onnx=True)
+
+
+def test_record_engines_writes_manifest_atomically(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    m = load_manifest(d)
+    for name in ("dense.engine", "budget_s010.engine", "budget_s050.engine"):
+        (d / name).write_bytes(b"plan")
+    info = {"version": "10.x", "precision": "fp16", "fp16_mode": T.BUILDER_FLAG,
+            "profiles": [T.compute_profile(m).to_json()], "timing_cache": T.TIMING_CACHE}
+    T.record_engines(d, m, {"dense": "dense.engine", 0: "budget_s010.engine", 1: "budget_s050.engine"}, info)
+    again = load_manifest(d)  # passes the manifest's own checks (engine paths inside the directory)
+    assert again["dense"]["engine"] == "dense.engine"
+    assert [b["engine"] for b in again["budgets"]] == ["budget_s010.engine", "budget_s050.engine"]
+    assert again["tensorrt"]["precision"] == "fp16"
+    assert again["tensorrt"]["profiles"][0]["input_ids"]["max"] == [128, 64]
+    assert not [p for p in d.iterdir() if p.name.endswith(".tmp")]
+    # a partial rebuild drops engines it did not build (they would not match ``tensorrt`` any more)
+    T.record_engines(d, again, {0: "budget_s010.engine"}, info)
+    assert [b["engine"] for b in load_manifest(d)["budgets"]] == ["budget_s010.engine", None]
+
+
+def test_record_engines_refuses_missing_or_escaping(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    before = _snapshot(d)
+    m = load_manifest(d)
+    with pytest.raises(UserError, match="not written"):
+        T.record_engines(d, m, {0: "budget_s010.engine"}, {})
+    with pytest.raises(UserError, match="leaves the artifact directory"):
+        T.record_engines(d, m, {0: "../elsewhere.engine"}, {})
+    (d / "x.engine").write_bytes(b"plan")
+    with pytest.raises(UserError, match="no budget"):
+        T.record_engines(d, m, {7: "x.engine"}, {})
+    (d / "x.engine").unlink()
+    assert _snapshot(d) == before
+
+
+def test_build_engines_checks_input_before_tensorrt(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    before = _snapshot(d)
+    with pytest.raises(UserError, match="min <= opt <= max"):
+        T.build_engines(d, min_batch=8, opt_batch=4, max_batch=16)
+    with pytest.raises(UserError, match="fp32 or fp16"):
+        T.build_engines(d, precision="int8")
+    with pytest.raises(UserError, match="no such directory"):
+        T.build_engines(tmp_path / "nope")
+    assert _snapshot(d) == before
+
+
+# --- CLI without TensorRT -------------------------------------------------------------------------
+def _cli_without_tensorrt(*args: str) -> subprocess.CompletedProcess:
+    code = ("import sys; sys.modules['tensorrt'] = None\n"
+            "from elastic_export.cli import main\n"
+            f"main({list(args)!r})\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+
+
+def test_cli_build_refuses_without_tensorrt(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    before = _snapshot(d)
+    r = _cli_without_tensorrt("build", "--target", "tensorrt", str(d), "--precision", "fp16")
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert "tensorrt is not installed" in lines[0] and 'pip install -e ".[tensorrt]"' in lines[0]
+    assert "CUDA GPU" in lines[0]
+    assert _snapshot(d) == before and not (d / T.TIMING_CACHE).exists()
+
+
+def test_cli_build_triton_not_implemented(tmp_path):
+    from elastic_export.cli import main
+
+    d = _fake_dir(tmp_path / "a")
+    before = _snapshot(d)
+    r = subprocess.run([sys.executable, "-m", "elastic_export", "build", "--target", "triton", str(d)],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --target triton: not implemented yet (issue 7)"
+    assert _snapshot(d) == before
+    assert main  # the in-process entry point exists too
+
+
+# --- no torch on the edge device ------------------------------------------------------------------
+def test_imports_and_refuses_without_torch(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    code = f"""
+import sys
+sys.modules['torch'] = None  # importing torch now raises ImportError
+sys.modules['tensorrt'] = None
+import elastic_export.targets.tensorrt as T
+from elastic_export.errors import UserError
+p = T.compute_profile(T.load_manifest({str(d)!r}), max_batch=4, opt_batch=2)
+assert p.shapes['input_ids'][2] == (4, 64), p
+assert T._torch_present() is False
+why = T.tensorrt_unavailable()
+assert why and 'tensorrt is not installed' in why, why
+try:
+    T.build_engines({str(d)!r}, progress=False)
+except UserError as e:
+    assert 'tensorrt is not installed' in str(e)
+else:
+    raise SystemExit('no refusal')
+try:
+    T.load_engine('x.engine')
+except UserError:
+    pass
+bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]
+assert all(sys.modules[m] is None for m in bad), bad
+print('ok')
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+# --- GPU: real engines ----------------------------------------------------------------------------
+_WHY = T.tensorrt_unavailable()
+gpu = pytest.mark.skipif(_WHY is not None, reason=f"{GPU_REASON} ({_WHY})")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from elastic_export.pipeline import Options, run
+
+    root = tmp_path_factory.mktemp("trt")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=72)
+    BertModel(cfg).save_pretrained(str(root / "bert"))
+    out = root / "out"
+    run(Options(model=str(root / "bert"), budgets=(0.3, 0.6), out=str(out), method="magnitude", seq_len=16,
+                precision="fp16", elastic_graph=False), echo=lambda s: None)
+    return out
+
+
+def _feeds(batch: int, seq: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    mask = np.ones((batch, seq), np.int64)
+    mask[1:, seq // 2:] = 0
+    return {"input_ids": rng.integers(5, 512, (batch, seq), dtype=np.int64), "attention_mask": mask,
+            "token_type_ids": np.zeros((batch, seq), np.int64)}
+
+
+def _ort(path: Path, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    return [o.name for o in sess.get_outputs()], sess.run(None, {n: feeds[n] for n in names})
+
+
+@gpu
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-3), ("fp16", 1e-2)])
+def test_engines_match_onnx(artifacts, tmp_path, precision, tol):
+    import shutil
+
+    from elastic_export.fp16 import relative_error
+
+    d = Path(shutil.copytree(artifacts, tmp_path / precision))
+    m = T.build_engines(d, precision=precision, min_batch=1, opt_batch=2, max_batch=4, max_tokens=16,
+                        workspace_gb=1, progress=False)
+    assert (d / T.TIMING_CACHE).is_file() and m["tensorrt"]["precision"] == precision
+    assert load_manifest(d)["dense"]["engine"] == "dense.engine"
+    for entry in [m["dense"], *m["budgets"]]:
+        with T.load_engine(d / entry["engine"]) as runner:
+            for batch, seq in ((1, 16), (3, 9)):
+                feeds = _feeds(batch, seq)
+                names, want = _ort(d / entry["onnx"], feeds)
+                got = runner.run({n: feeds[n] for n in runner.inputs}, outputs=names)
+                assert [g.shape for g in got] == [w.shape for w in want]
+                if precision == "fp32":
+                    err = max(float(np.abs(np.asarray(g, np.float64) - w).max()) for g, w in zip(got, want))
+                    assert err <= tol, (entry["engine"], err)
+                else:
+                    assert relative_error(want, [np.asarray(g, np.float32) for g in got]) <= tol
+            with pytest.raises(UserError, match="outside the engine's profile"):
+                runner.run({n: v for n, v in _feeds(8, 16).items() if n in runner.inputs})
+
+
+@gpu
+def test_cli_build_and_timing_cache_reuse(artifacts, tmp_path):
+    import shutil
+
+    d = Path(shutil.copytree(artifacts, tmp_path / "cli"))
+    r = subprocess.run([sys.executable, "-m", "elastic_export", "build", "--target", "tensorrt", str(d),
+                        "--max-batch", "4", "--opt-batch", "2", "--workspace-gb", "1"],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr
+    m = load_manifest(d)
+    assert all((d / b["engine"]).is_file() for b in m["budgets"])
+    assert m["tensorrt"]["timing_cache"] == T.TIMING_CACHE and (d / T.TIMING_CACHE).stat().st_size > 0
+
+
+def test_output_order_follows_manifest(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    m = json.loads((d / "manifest.json").read_text())
+    m["outputs"] = [{"name": "last_hidden_state"}, {"name": "sentence_embedding"}]
+    (d / "manifest.json").write_text(json.dumps(m))
+    engine = d / "dense.engine"
+    assert T._manifest_order(engine, ["sentence_embedding", "last_hidden_state"]) == ["last_hidden_state",
+                                                                                       "sentence_embedding"]
+    assert T._manifest_order(engine, ["other"]) == ["other"]
+    assert T._manifest_order(tmp_path / "nowhere" / "x.engine", ["b", "a"]) == ["b", "a"]
