@@ -323,64 +323,30 @@ def _guard(check: Check, fn: Callable[[], Check]) -> Check:
 
 # --- TensorRT ------------------------------------------------------------------------------------
 def tensorrt_unavailable() -> str | None:
-    """Why engines cannot be run here, or None when they can."""
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return "tensorrt is not installed"
-    except Exception as e:  # a broken install (missing libnvinfer, ...)
-        return f"tensorrt cannot be imported: {_first_line(e)}"
-    import torch
+    """Why engines cannot be run here, or None when they can (no torch needed)."""
+    from elastic_export.targets.tensorrt import tensorrt_unavailable as why
 
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    return None
+    return why()
 
 
 def run_engine(path: Path, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
-    """Run a serialized TensorRT engine once (TensorRT >= 10 named-tensor API, torch CUDA buffers).
+    """Run a serialized TensorRT engine once through :func:`elastic_export.targets.tensorrt.load_engine`.
 
     Args:
-        path: the ``.engine`` / ``.plan`` file.
+        path: the ``.engine`` file.
         feeds: inputs by name (numpy, cast to the engine's input types).
         outputs: output names to return.
     """
-    import tensorrt as trt
-    import torch
+    from elastic_export.targets.tensorrt import load_engine
 
-    logger = trt.Logger(trt.Logger.ERROR)
-    engine = trt.Runtime(logger).deserialize_cuda_engine(path.read_bytes())
-    if engine is None:
-        raise _Failed(CORRUPT, "TensorRT cannot deserialize it (built by another TensorRT version or GPU?)")
-    context = engine.create_execution_context()
-    buffers: dict[str, torch.Tensor] = {}
-    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-    for name in names:
-        if engine.get_tensor_mode(name) != trt.TensorIOMode.INPUT:
-            continue
-        if name not in feeds:
-            raise _Failed(CORRUPT, f"engine input {name!r} is not in the manifest")
-        dtype = torch.from_numpy(np.zeros(0, trt.nptype(engine.get_tensor_dtype(name)))).dtype
-        t = torch.from_numpy(np.ascontiguousarray(feeds[name])).to("cuda", dtype).contiguous()
-        if not context.set_input_shape(name, tuple(t.shape)):
-            raise _Failed(CORRUPT, f"input {name} shape {tuple(t.shape)} is outside the engine's profile")
-        context.set_tensor_address(name, t.data_ptr())
-        buffers[name] = t
-    for name in names:
-        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            continue
-        dtype = torch.from_numpy(np.zeros(0, trt.nptype(engine.get_tensor_dtype(name)))).dtype
-        t = torch.empty(tuple(context.get_tensor_shape(name)), dtype=dtype, device="cuda")
-        context.set_tensor_address(name, t.data_ptr())
-        buffers[name] = t
-    stream = torch.cuda.Stream()
-    if not context.execute_async_v3(stream.cuda_stream):
-        raise _Failed(CORRUPT, "TensorRT execution failed")
-    stream.synchronize()
-    missing = [o for o in outputs if o not in buffers]
+    try:
+        runner = load_engine(path)
+    except UserError as e:
+        raise _Failed(CORRUPT, str(e))
+    missing = [o for o in outputs if o not in runner.outputs]
     if missing:
         raise _Failed(CORRUPT, f"engine has no output {missing[0]!r}")
-    return [buffers[o].float().cpu().numpy() for o in outputs]
+    return [np.asarray(a, dtype=np.float32) for a in runner.run(feeds, outputs)]
 
 
 # --- torch ---------------------------------------------------------------------------------------
@@ -535,7 +501,8 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
     elastic = manifest.get("elastic")
     if elastic:
         _check_elastic(report, d, elastic, budgets, refs, feeds, outputs, atol)
-    _check_engines(report, d, budgets, refs, feeds, outputs, rtol_fp16)
+    dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
+    _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
     if use_torch:
         _check_torch(report, d, manifest, model, feeds, budgets, dense_out, refs, outputs, atol, seq_len)
     return report
@@ -580,7 +547,8 @@ def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, fee
         rel = b.get("engine")
         if rel is None:
             continue
-        check = Check(f"{b['sparsity']:.2f}", str(rel), "engine", "masked dense", tol=f"rel {rtol:.0e}")
+        check = Check(b.get("label", f"{b['sparsity']:.2f}"), str(rel), "engine",
+                      "dense" if b.get("label") == "dense" else "masked dense", tol=f"rel {rtol:.0e}")
         path = resolve(d, rel) if isinstance(rel, str) else None
         if path is None or not path.is_file():
             check.status, check.detail = MISSING, f"{rel} is listed in the manifest but missing"
