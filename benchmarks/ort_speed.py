@@ -52,6 +52,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from elastic_export.bench import time_calls  # noqa: E402
 from elastic_export.budgets import parse_budgets  # noqa: E402
 from elastic_export.errors import UserError  # noqa: E402
 from elastic_export.loader import DEFAULT_MODEL  # noqa: E402
@@ -261,14 +262,7 @@ def time_runs(sess, feeds: dict[str, np.ndarray], *, warmup: int, repeats: int, 
         def once() -> None:
             sess.run(None, feeds)
 
-    for _ in range(warmup):
-        once()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        once()
-        out.append(time.perf_counter() - t)
-    return out
+    return time_calls(once, warmup=warmup, repeats=repeats)
 
 
 def measure(path: Path, manifest: dict, batch: int, args: argparse.Namespace, fusion_report: bool) -> dict:

@@ -1,0 +1,427 @@
+"""``elastic-export bench DIR``: speed of the dense model and every budget of an artifact directory.
+
+For every budget (dense included) and every batch size it measures, through one runtime that holds
+all budgets at once:
+
+* **latency** p50 / p90 / p99 (ms) of ``repeats`` timed runs after ``warmup`` untimed ones, and
+  **throughput** (inputs / s = batch / p50);
+* **switch cost**: the time to switch the runtime's budget and run the first inference right after
+  a run at another budget (the budgets are visited round-robin, so each switch comes from the
+  previous budget), against the steady-state p50 of the same budget.
+
+Results go to a JSON file (default ``DIR/bench.json``), PNG plots named after its stem
+(``<stem>_throughput.png``, ``<stem>_latency.png``, ``<stem>_speedup.png``), a printed table, and
+``DIR/latency_profile.json``, the latency table a runtime selector reads for its latency-target
+policy::
+
+    {"backend": "onnxruntime", "provider": "cpu",
+     "batches": {"1": {"0.0": {"p50_ms": .., "p90_ms": .., "p99_ms": .., "throughput": ..}, ...}, ...}}
+
+(sparsity keys are ``str(float(sparsity))``; the dense model is ``"0.0"``).
+
+The runtime is :class:`elastic_export.runtime.ElasticRuntime` (per-budget mode: dense.onnx and every
+budget's file, sessions from ``elastic_export.targets.onnxruntime``; or the manifest's TensorRT
+engines), so what is timed is what a server built on it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from elastic_export.errors import UserError
+from elastic_export.fileio import atomic_write, check_creatable
+from elastic_export.manifest import load_manifest, resolve
+
+FORMAT = "elastic-export-bench/1"
+PROFILE = "latency_profile.json"
+BACKENDS = ("onnxruntime", "tensorrt")
+PROVIDERS = ("cpu", "cuda", "tensorrt")
+PLOTS = ("throughput", "latency", "speedup")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure and how.
+
+    Args:
+        backend: ``onnxruntime`` (the ONNX files) or ``tensorrt`` (the manifest's engines).
+        provider: onnxruntime execution provider: ``cpu``, ``cuda`` or ``tensorrt``.
+        batches: batch sizes.
+        seq_len: text: tokens per input (None: the manifest's token count N, the one its GFLOPs use).
+        repeats: timed runs per (budget, batch), and timed switches per (budget, batch).
+        warmup: untimed runs per (budget, batch) before the timed ones.
+        threads: onnxruntime intra-op threads (0: onnxruntime's default).
+    """
+
+    backend: str = "onnxruntime"
+    provider: str = "cpu"
+    batches: tuple[int, ...] = (1, 32)
+    seq_len: int | None = None
+    repeats: int = 20
+    warmup: int = 3
+    threads: int = 0
+
+    def check(self) -> None:
+        """Refuse bad values with a one-line :class:`UserError`."""
+        if self.backend not in BACKENDS:
+            raise UserError(f"--backend {self.backend}: choose one of {', '.join(BACKENDS)}")
+        if self.provider not in PROVIDERS:
+            raise UserError(f"--provider {self.provider}: choose one of {', '.join(PROVIDERS)}")
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise UserError(f"--batches: give positive integers, got {','.join(map(str, self.batches))}")
+        for name, value, low in (("--repeats", self.repeats, 1), ("--warmup", self.warmup, 0),
+                                 ("--threads", self.threads, 0)):
+            if value < low:
+                raise UserError(f"{name} must be >= {low}, got {value}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise UserError(f"--seq-len must be a positive integer, got {self.seq_len}")
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    """``"1,32"`` -> ``(1, 32)`` (duplicates dropped, order kept).
+
+    Args:
+        text: comma-separated positive integers.
+
+    Returns:
+        The batch sizes.
+    """
+    try:
+        values = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise UserError(f"--batches {text}: give comma-separated positive integers, e.g. 1,32")
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"--batches {text}: give comma-separated positive integers, e.g. 1,32")
+    return tuple(dict.fromkeys(values))
+
+
+# --- timing (also used by benchmarks/ort_speed.py) ----------------------------------------------
+def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call of ``fn``: ``warmup`` untimed calls, then ``repeats`` timed ones.
+
+    Args:
+        fn: the call to time (one inference).
+        warmup: untimed calls first.
+        repeats: timed calls.
+
+    Returns:
+        ``repeats`` durations in seconds, in call order.
+    """
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def latency_stats(samples: list[float], batch: int) -> dict[str, float]:
+    """p50 / p90 / p99 / mean / min / max in ms and throughput (inputs / s at the p50).
+
+    Args:
+        samples: seconds per run.
+        batch: inputs per run.
+
+    Returns:
+        ``{"p50_ms", "p90_ms", "p99_ms", "mean_ms", "min_ms", "max_ms", "throughput"}``.
+    """
+    ms = np.asarray(samples, dtype=np.float64) * 1e3
+    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))  # linear: p50 <= p90 <= p99
+    return {"p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": float(ms.mean()), "min_ms": float(ms.min()),
+            "max_ms": float(ms.max()), "throughput": batch / (p50 / 1e3)}
+
+
+# --- the runtime --------------------------------------------------------------------------------
+def preflight(config: BenchConfig) -> None:
+    """Refuse (one line) an onnxruntime provider this build lacks, or a TensorRT backend that
+    cannot run here, before anything is loaded or measured.
+
+    Args:
+        config: backend and provider.
+    """
+    config.check()
+    if config.backend == "tensorrt":
+        try:
+            from elastic_export.targets.tensorrt import INSTALL_HINT, tensorrt_unavailable
+        except ImportError as e:
+            raise UserError(f"--backend tensorrt: elastic_export.targets.tensorrt cannot be imported ({e})")
+        why = tensorrt_unavailable()
+        if why:
+            raise UserError(f"--backend tensorrt: {why}; {INSTALL_HINT}")
+        return
+    from elastic_export.targets.onnxruntime import SessionConfig, check_provider
+
+    try:
+        check_provider(SessionConfig(provider=config.provider, threads=config.threads))
+    except UserError as e:
+        raise UserError(f"--provider {config.provider}: {e}")
+
+
+def open_runtime(directory: Path, config: BenchConfig):
+    """``ElasticRuntime.from_dir`` for this config: every budget (and the dense model) loaded once.
+
+    Args:
+        directory: artifact directory.
+        config: backend, provider, threads.
+
+    Returns:
+        The :class:`elastic_export.runtime.ElasticRuntime`.
+    """
+    from elastic_export.runtime import ElasticRuntime
+    from elastic_export.targets.onnxruntime import SessionConfig
+
+    preflight(config)
+    if config.backend == "tensorrt":
+        return ElasticRuntime.from_dir(directory, backend="tensorrt")
+    return ElasticRuntime.from_dir(directory, backend="onnxruntime",
+                                   config=SessionConfig(provider=config.provider, threads=config.threads,
+                                                        opt_level="all"))
+
+
+# --- measuring ----------------------------------------------------------------------------------
+def sample_feeds(directory: Path, manifest: dict, batch: int, seq_len: int | None) -> dict[str, np.ndarray]:
+    """Inputs for one run (``elastic_export.verify.sample_inputs``) at ``seq_len`` tokens
+    (default: the manifest's token count, the N its GFLOPs are computed for)."""
+    import onnx
+
+    from elastic_export.verify import sample_inputs
+
+    dense = onnx.load(str(resolve(directory, manifest["dense"]["onnx"])), load_external_data=False)
+    tokens = manifest.get("tokens") if isinstance(manifest.get("tokens"), int) else None
+    return sample_inputs(manifest, dense, batch=batch, seq_len=seq_len or tokens or 128)
+
+
+def _graphs(manifest: dict) -> list[dict]:
+    """Dense first, then every budget: {sparsity, achieved_sparsity, gflops}."""
+    rows = [{"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": float(manifest["dense"]["gflops"])}]
+    rows += [{"sparsity": float(b["sparsity"]), "achieved_sparsity": float(b.get("achieved_sparsity", b["sparsity"])),
+              "gflops": float(b["gflops"])} for b in manifest["budgets"]]
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, core count, load average, onnxruntime version, platform."""
+    import onnxruntime as ort
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
+            "onnxruntime": ort.__version__, "platform": platform.platform()}
+
+
+def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], None] = lambda s: None) -> dict:
+    """Measure every budget (dense included) at every batch size.
+
+    Args:
+        directory: artifact directory (with ``manifest.json``).
+        config: what to measure.
+        echo: progress lines.
+
+    Returns:
+        The result: ``{"format", "dir", "model", "backend", "provider", "runtime", "settings", "machine",
+        "rows": [{sparsity, achieved_sparsity, gflops, flop_ratio, batch, p50_ms, p90_ms, p99_ms, mean_ms,
+        min_ms, max_ms, throughput, speedup, switch_ms, switch_p90_ms, switch_overhead_ms}, ...]}``.
+    """
+    config.check()
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: no such directory")
+    manifest = load_manifest(directory)
+    echo(f"loading {1 + len(manifest['budgets'])} models ({config.backend}, {config.provider})")
+    runtime = open_runtime(directory, config)
+    dense_gflops = float(manifest["dense"]["gflops"])
+    graphs = [g for g in _graphs(manifest) if round(g["sparsity"], 6) in runtime.sparsities]
+    base = graphs[0]["sparsity"]  # the dense model, unless the backend has no dense engine
+    text = any(spec["name"] == "input_ids" for spec in manifest["inputs"])
+    seq_len = (config.seq_len or manifest.get("tokens")) if text else None
+    rows: list[dict] = []
+    for batch in config.batches:
+        feeds = sample_feeds(directory, manifest, batch, config.seq_len)
+        steady: dict[float, dict] = {}
+        for g in graphs:
+            echo(f"batch {batch}, sparsity {g['sparsity']:g} ({g['gflops']:.3f} GFLOPs): steady state")
+            runtime.set_budget(g["sparsity"])
+            samples = time_calls(lambda: runtime.run(feeds), warmup=config.warmup, repeats=config.repeats)
+            steady[g["sparsity"]] = latency_stats(samples, batch)
+        switches: dict[float, list[float]] = {g["sparsity"]: [] for g in graphs}
+        echo(f"batch {batch}: switch cost ({config.repeats} rounds over {len(graphs)} budgets)")
+        if len(graphs) > 1:
+            runtime.set_budget(graphs[-1]["sparsity"])
+            runtime.run(feeds)
+            for _ in range(config.repeats):
+                for g in graphs:  # each timed switch comes right after a run at the previous budget
+                    t = time.perf_counter()
+                    runtime.set_budget(g["sparsity"])
+                    runtime.run(feeds)
+                    switches[g["sparsity"]].append(time.perf_counter() - t)
+        base_tp = steady[base]["throughput"]
+        for g in graphs:
+            st = steady[g["sparsity"]]
+            sw = np.asarray(switches[g["sparsity"]]) * 1e3
+            switch_ms = float(np.median(sw)) if sw.size else None  # None: nothing to switch from
+            rows.append({**g, "flop_ratio": dense_gflops / g["gflops"], "batch": batch, **st,
+                         "speedup": st["throughput"] / base_tp, "switch_ms": switch_ms,
+                         "switch_p90_ms": float(np.percentile(sw, 90)) if sw.size else None,
+                         "switch_overhead_ms": None if switch_ms is None else switch_ms - st["p50_ms"]})
+    return {"format": FORMAT, "dir": str(directory), "model": manifest["model"].get("source"),
+            "architecture": manifest["model"].get("architecture"), "backend": runtime.backend,
+            "provider": runtime.provider, "runtime": f"ElasticRuntime ({runtime.mode})", "speedup_over": base,
+            "settings": {**asdict(config), "batches": list(config.batches), "seq_len": seq_len,
+                         "gflops_tokens": manifest.get("tokens")},
+            "machine": machine(), "rows": rows}
+
+
+# --- outputs ------------------------------------------------------------------------------------
+def latency_profile(result: dict) -> dict:
+    """The latency-target table a runtime selector reads (see the module docstring).
+
+    Args:
+        result: :func:`run_bench`'s result.
+
+    Returns:
+        ``{"backend", "provider", "batches": {str(batch): {str(float(sparsity)): {p50_ms, p90_ms, p99_ms,
+        throughput}}}}``.
+    """
+    batches: dict[str, dict[str, dict[str, float]]] = {}
+    for r in result["rows"]:
+        batches.setdefault(str(r["batch"]), {})[str(float(r["sparsity"]))] = {
+            k: float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "throughput")}
+    return {"backend": result["backend"], "provider": result["provider"], "batches": batches}
+
+
+def plot_paths(out: str | Path) -> dict[str, Path]:
+    """PNG paths named after the JSON's stem: ``<stem>_throughput.png`` etc."""
+    out = Path(out)
+    return {k: out.with_name(f"{out.stem}_{k}.png") for k in PLOTS}
+
+
+def write_plots(result: dict, out: str | Path) -> list[Path]:
+    """Throughput vs GFLOPs and latency (p50) vs GFLOPs (one line per batch size), and speedup vs
+    FLOP ratio with the y = x line (Agg backend, no display needed).
+
+    Args:
+        result: :func:`run_bench`'s result.
+        out: the JSON path; the PNGs go next to it (:func:`plot_paths`).
+
+    Returns:
+        The PNG paths written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    paths = plot_paths(out)
+    title = f"{result.get('model') or result['dir']} ({result['backend']}/{result['provider']})"
+    batches = sorted({r["batch"] for r in result["rows"]})
+    specs = {"throughput": ("GFLOPs per input", "throughput (inputs / s)", "gflops", "throughput"),
+             "latency": ("GFLOPs per input", "latency p50 (ms)", "gflops", "p50_ms"),
+             "speedup": ("FLOP ratio (dense / budget)", "throughput speedup over dense", "flop_ratio", "speedup")}
+    written = []
+    for kind, (xlabel, ylabel, xkey, ykey) in specs.items():
+        fig = Figure(figsize=(5.6, 4.2), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for batch in batches:
+            pts = sorted((r[xkey], r[ykey]) for r in result["rows"] if r["batch"] == batch)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=f"batch {batch}")
+        if kind == "speedup":
+            top = max([1.0] + [r["flop_ratio"] for r in result["rows"]] + [r["speedup"] for r in result["rows"]])
+            ax.plot([1.0, top], [1.0, top], linestyle="--", color="gray", label="y = x")
+        elif len(batches) > 1:  # batch sizes differ by orders of magnitude in latency
+            ax.set_yscale("log")
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize="small")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+        written.append(atomic_write(paths[kind], lambda tmp: fig.savefig(tmp, format="png", dpi=110)))
+    return written
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write ``data`` as indented JSON, atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def format_table(result: dict) -> str:
+    """The printed table: one row per (batch, budget)."""
+    head = ["batch", "budget", "GFLOPs", "FLOP ratio", "p50 ms", "p90 ms", "p99 ms", "inputs/s", "speedup",
+            "switch ms", "switch - p50"]
+    rows = [head]
+    for r in result["rows"]:
+        rows.append([str(r["batch"]), "dense" if r["sparsity"] == 0.0 else f"{r['sparsity']:.2f}",
+                     f"{r['gflops']:.3f}", f"{r['flop_ratio']:.2f}", f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}",
+                     f"{r['p99_ms']:.2f}", f"{r['throughput']:.1f}", f"{r['speedup']:.2f}",
+                     "-" if r["switch_ms"] is None else f"{r['switch_ms']:.2f}",
+                     "-" if r["switch_overhead_ms"] is None else f"{r['switch_overhead_ms']:+.2f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+@dataclass
+class BenchOutputs:
+    """Where :func:`bench` wrote things.
+
+    Args:
+        json: the results JSON.
+        plots: the PNGs.
+        profile: ``DIR/latency_profile.json`` (None with ``--no-profile``).
+    """
+
+    json: Path
+    plots: list[Path] = field(default_factory=list)
+    profile: Path | None = None
+
+
+def bench(directory: str | Path, config: BenchConfig, *, out: str | Path | None = None, plot: bool = True,
+          profile: bool = True, echo: Callable[[str], None] = lambda s: None) -> tuple[dict, BenchOutputs]:
+    """Measure, then write the JSON, the plots and the latency profile.
+
+    Args:
+        directory: artifact directory.
+        config: what to measure.
+        out: results JSON (default ``DIR/bench.json``).
+        plot: write the PNGs next to the JSON.
+        profile: write ``DIR/latency_profile.json``.
+        echo: progress lines.
+
+    Returns:
+        (result, where it was written).
+    """
+    config.check()
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: no such directory")
+    out_path = Path(out) if out is not None else directory / "bench.json"
+    if out_path.is_dir():
+        raise UserError(f"--out {out_path}: is a directory; give a file name, e.g. {out_path / 'bench.json'}")
+    check_creatable(out_path, "--out")
+    preflight(config)
+    result = run_bench(directory, config, echo)
+    written = BenchOutputs(json=write_json(out_path, result))
+    if plot:
+        written.plots = write_plots(result, out_path)
+    if profile:
+        from elastic_export.runtime import save_profile
+
+        written.profile = save_profile(latency_profile(result), directory)
+    return result, written
