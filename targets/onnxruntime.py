@@ -55,6 +55,9 @@ class SessionConfig:
             means ``arena_extend_strategy=kSameAsRequested``, growing only by what is asked).
             Off trades some speed for a smaller resident set.
         log_severity: onnxruntime log level (0 verbose .. 4 fatal; default 3, errors only).
+        spin: let idle intra-op threads spin-wait for work (onnxruntime's default). Turn it off
+            when many sessions share few cores (every budget loaded at once), so idle sessions do
+            not take CPU from the one that runs.
     """
 
     provider: str = "cpu"
@@ -67,6 +70,7 @@ class SessionConfig:
     device_id: int = 0
     memory_arena: bool = True
     log_severity: int = 3
+    spin: bool = True
 
     def check(self) -> None:
         """Refuse values that cannot work, with a one-line :class:`UserError`."""
@@ -122,6 +126,9 @@ class SessionConfig:
         }[self.opt_level]
         so.enable_cpu_mem_arena = bool(self.memory_arena)
         so.log_severity_level = self.log_severity
+        if not self.spin:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         return so
 
 

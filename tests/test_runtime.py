@@ -251,6 +251,14 @@ def test_runner_plain_and_bound(art, feeds, expected):
         runner.bind({})
 
 
+def test_sessions_without_spinning_give_the_same_outputs(art, feeds, expected):
+    cfg = SessionConfig(threads=2, spin=False)
+    so = cfg.session_options()
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    runner = Runner(make_session(art / "dense.onnx", cfg), cfg)
+    assert _err(dict(enumerate(runner.run(feeds))), expected[0.0]) == 0.0
+
+
 def test_runtime_imports_and_runs_without_torch(art):
     """runtime.py and targets/onnxruntime.py must not need torch (edge boxes without it)."""
     code = textwrap.dedent(f"""
