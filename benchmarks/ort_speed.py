@@ -39,7 +39,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -52,7 +51,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.bench import time_calls  # noqa: E402
+from elastic_export.bench import machine, time_calls  # noqa: E402
 from elastic_export.budgets import parse_budgets  # noqa: E402
 from elastic_export.errors import UserError  # noqa: E402
 from elastic_export.loader import DEFAULT_MODEL  # noqa: E402
@@ -367,21 +366,6 @@ def bench_dirs(dirs: dict[int, Path], batches: list[int], variants: list[str], a
                              "ops": res["ops"], "heads_per_layer": it["heads_per_layer"],
                              "neurons_per_layer": it["neurons_per_layer"]})
     return {"dense": dense_rows, "rows": rows}
-
-
-def machine() -> dict:
-    import onnxruntime as ort
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
-            "onnxruntime": ort.__version__, "platform": platform.platform()}
 
 
 # --- reporting ----------------------------------------------------------------------------------
