@@ -281,9 +281,13 @@ def _pool_text(outputs: dict[str, np.ndarray], mask: np.ndarray) -> np.ndarray:
     return (h * w).sum(1) / np.maximum(w.sum(1), 1e-9)
 
 
+IMAGE_EMBEDDINGS = ("image_embeds", "pooler_output")  # in order of preference (CLIP projection first)
+
+
 def _pool_image(outputs: dict[str, np.ndarray]) -> np.ndarray:
-    if "pooler_output" in outputs:
-        return outputs["pooler_output"]
+    for name in IMAGE_EMBEDDINGS:
+        if name in outputs:
+            return outputs[name]
     return outputs["last_hidden_state"].mean(1)
 
 
@@ -525,7 +529,7 @@ def _eval_image(art: Artifact, folder: Path | None, split: float | None, batch_s
                 datasets: dict, echo) -> list[dict]:
     if "pixel_values" not in art.input_names:
         raise UserError(f"{art.given}: image artifacts need a pixel_values input, have {art.input_names}")
-    want = ["pooler_output"] if "pooler_output" in art.output_names else ["last_hidden_state"]
+    want = next(([n] for n in IMAGE_EMBEDDINGS if n in art.output_names), ["last_hidden_state"])
     if want[0] not in art.output_names:
         raise UserError(f"{art.given}: no pooler_output or last_hidden_state output")
     cfg = preprocess_config(art)

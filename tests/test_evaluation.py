@@ -279,3 +279,15 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, text_dirs, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_image_embedding_prefers_the_projection():
+    """A CLIP vision tower with projection is evaluated on ``image_embeds``, not ``pooler_output``."""
+    import numpy as np
+
+    from elastic_export.evaluation import _pool_image
+
+    emb, pooled, tokens = np.ones((2, 4)), np.zeros((2, 8)), np.full((2, 5, 8), 3.0)
+    assert _pool_image({"image_embeds": emb, "pooler_output": pooled, "last_hidden_state": tokens}) is emb
+    assert _pool_image({"pooler_output": pooled, "last_hidden_state": tokens}) is pooled
+    assert np.array_equal(_pool_image({"last_hidden_state": tokens}), np.full((2, 8), 3.0))
