@@ -144,29 +144,32 @@ def commit_out(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def max_error(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, path: Path, feeds: dict) -> float:
-    """Max abs difference between the ONNX file (onnxruntime) and the hard-masked torch model."""
+def masked_outputs(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, feeds: dict) -> list[np.ndarray]:
+    """The hard-masked torch model's outputs for one budget: the reference every artifact meets."""
+    with torch.no_grad(), hard_mask(encoder.blocks(), ranked_keep(plan, ranking)):
+        return [t.numpy() for t in encoder.export_module()(*feeds.values())]
+
+
+def max_error(path: Path, feeds: dict, want: list[np.ndarray]) -> float:
+    """Max abs difference between the ONNX file (onnxruntime) and reference outputs ``want``."""
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
-    with torch.no_grad(), hard_mask(encoder.blocks(), ranked_keep(plan, ranking)):
-        want = encoder.export_module()(*feeds.values())
-    return max(float(np.abs(a - b.numpy()).max()) for a, b in zip(got, want))
+    return max(float(np.abs(a - b).max()) for a, b in zip(got, want))
 
 
-def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], ranking: Ranking, encoder: Encoder,
-                  directory: Path, feeds: dict | None, echo: Callable[[str], None] = print) -> dict:
+def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Path, feeds: dict | None,
+                  refs: list[list[np.ndarray]] | None, echo: Callable[[str], None] = print) -> dict:
     """Write the elastic graph (``elastic.onnx``: weights once, ``budget_index`` selects the budget).
 
     Args:
         dense: the dense rank-permuted export.
         plans: the budgets, in manifest order (budget index b = ``plans[b]``).
-        ranking: the ranking the plans come from (for the hard-masked reference).
-        encoder: the model (for the hard-masked reference).
         directory: where to write ``elastic.onnx``.
-        feeds: sample inputs; when given, every budget index is run in onnxruntime and compared
-            with the hard-masked torch model (max abs error must be ≤ 1e-4).
+        feeds: sample inputs; when given with ``refs``, every budget index is run in onnxruntime
+            and compared with the hard-masked torch model (max abs error must be ≤ 1e-4).
+        refs: :func:`masked_outputs` of every plan on ``feeds``.
 
     Returns:
         The manifest's ``elastic`` entry: {onnx, budget_input, budgets (sparsities in index order),
@@ -179,15 +182,13 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], ranking: Rank
                                 budget_input=BUDGET_INPUT)
     onnx.save(model, str(directory / ELASTIC_FILE))
     worst = None
-    if feeds is not None:
+    if feeds is not None and refs is not None:
         sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
         np_feeds = {k: v.numpy() for k, v in feeds.items()}
         worst = 0.0
-        for b, plan in enumerate(plans):
+        for b, (plan, want) in enumerate(zip(plans, refs)):
             got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
-            with torch.no_grad(), hard_mask(encoder.blocks(), ranked_keep(plan, ranking)):
-                want = encoder.export_module()(*feeds.values())
-            err = max(float(np.abs(a - w.numpy()).max()) for a, w in zip(got, want))
+            err = max(float(np.abs(a - w).max()) for a, w in zip(got, want))
             if err > 1e-4:
                 raise RuntimeError(f"elastic graph, budget {plan.sparsity}: differs from the masked model by {err:.2e}")
             worst = max(worst, err)
@@ -247,10 +248,13 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
             model = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer, full_check=not opts.verify)
             onnx.save(model, str(tmp / names[-1]))
         echo(f"sliced {len(plans)} budgets from the dense ONNX in {time.time() - t0:.1f}s")
+        # the hard-masked torch outputs of every budget, once: the per-budget files and the
+        # elastic graph are both checked against them
+        refs = [masked_outputs(encoder, plan, ranking, feeds) for plan in plans] if opts.verify else None
         rows = []
-        for plan, name in zip(tqdm(plans, desc="verifying budgets", unit="budget", leave=False,
-                                   disable=not (opts.verify or opts.precision == "fp16")), names):
-            err = max_error(encoder, plan, ranking, tmp / name, feeds) if opts.verify else None
+        for i, (plan, name) in enumerate(zip(tqdm(plans, desc="verifying budgets", unit="budget", leave=False,
+                                                  disable=not (opts.verify or opts.precision == "fp16")), names)):
+            err = max_error(tmp / name, feeds, refs[i]) if refs is not None else None
             if err is not None and err > 1e-4:
                 raise RuntimeError(f"budget {plan.sparsity}: ONNX differs from the masked model by {err:.2e}")
             if opts.precision == "fp16":
@@ -258,7 +262,7 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
             rows.append((plan, name, err))
         elastic = None
         if opts.elastic_graph:
-            elastic = write_elastic(dense, plans, ranking, encoder, tmp, feeds if opts.verify else None, echo)
+            elastic = write_elastic(dense, plans, tmp, feeds, refs, echo)
         manifest = {
             "format": FORMAT,
             "tool": f"elastic-export {__version__}",
