@@ -32,7 +32,7 @@ from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
 from elastic_export.ort_optimize import optimize_artifacts
-from elastic_export.passes import build_elastic_model, slice_model
+from elastic_export.passes import BudgetSlicer, build_elastic_model
 from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
@@ -241,12 +241,13 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
             fp16["dense.onnx"] = add_fp16(dense, tmp, "dense.onnx", np_feeds)
         t0 = time.time()
         names = []
+        slicer = BudgetSlicer(dense)
         for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
             names.append(f"budget_{budget_tag(plan.sparsity)}.onnx")
             # with --verify, onnxruntime loads and checks every file below, so the passes skip
-            # the serialising onnx.checker (they still check the graph in memory after each pass)
-            model = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer, full_check=not opts.verify)
-            onnx.save(model, str(tmp / names[-1]))
+            # onnx.checker (they still check the graph in memory after each pass)
+            slicer.save(plan.heads_per_layer, plan.neurons_per_layer, tmp / names[-1], full_check=not opts.verify)
+        del slicer
         echo(f"sliced {len(plans)} budgets from the dense ONNX in {time.time() - t0:.1f}s")
         # the hard-masked torch outputs of every budget, once: the per-budget files and the
         # elastic graph are both checked against them

@@ -8,7 +8,9 @@ Passes read the unit map the dense export stored in the model (``elastic_export.
 per-layer unit counts of a budget; they never go back to torch.
 """
 
-from elastic_export.passes.base import Pass, PassContext, PASSES, register_pass, run_passes, slice_model  # noqa: F401
+from elastic_export.passes.base import (  # noqa: F401
+    BudgetSlicer, Pass, PassContext, PASSES, apply_passes, register_pass, run_passes, slice_model,
+)
 from elastic_export.passes import drop_empty, slice_weights, head_reshapes, cleanup  # noqa: F401,E402
 from elastic_export.passes.elastic_graph import ELASTIC_PIPELINE, build_elastic_model, get_elastic  # noqa: F401,E402
 

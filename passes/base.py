@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -110,6 +111,18 @@ def _sorted_inputs_defined(graph: gs.Graph, after: str, raise_missing: bool) -> 
     return True
 
 
+def apply_passes(graph: gs.Graph, names: list[str], ctx: PassContext, check: bool = True) -> gs.Graph:
+    """Run the named passes on ``graph`` in order; :func:`verify_graph` after each (``check``) or
+    after the last one only."""
+    for i, name in enumerate(names):
+        if name not in PASSES:
+            raise KeyError(f"unknown pass {name!r}; known: {', '.join(PASSES)}")
+        graph = PASSES[name].run(graph, ctx)
+        if check or i == len(names) - 1:
+            verify_graph(graph, name)
+    return graph
+
+
 def run_passes(model: onnx.ModelProto, names: list[str], ctx: PassContext, check: bool = True,
                full_check: bool = True) -> onnx.ModelProto:
     """Run the named passes in order, verifying the graph after each one.
@@ -122,17 +135,42 @@ def run_passes(model: onnx.ModelProto, names: list[str], ctx: PassContext, check
         full_check: also run :func:`verify` (``onnx.checker``, which serialises the model) on the
             result. Off for the per-budget fast path, where onnxruntime loads every file anyway.
     """
-    graph = gs.import_onnx(model)
-    for i, name in enumerate(names):
-        if name not in PASSES:
-            raise KeyError(f"unknown pass {name!r}; known: {', '.join(PASSES)}")
-        graph = PASSES[name].run(graph, ctx)
-        if check or i == len(names) - 1:
-            verify_graph(graph, name)
-    out = gs.export_onnx(graph)
+    out = gs.export_onnx(apply_passes(gs.import_onnx(model), names, ctx, check))
     if full_check:
         verify(out, names[-1] if names else "none")
     return out
+
+
+def _budget_context(units: list[dict], heads: list[int], neurons: list[int]) -> PassContext:
+    """The pass context of one budget, after checking its counts against the unit map."""
+    if len(heads) != len(units) or len(neurons) != len(units):
+        raise UserError(f"plan has {len(heads)} layers but the ONNX model has {len(units)}")
+    for i, layer in enumerate(units):
+        for kind, want in (("heads", heads[i]), ("neurons", neurons[i])):
+            if not 0 <= want <= layer[kind]["count"]:
+                raise UserError(f"layer {i} has {layer[kind]['count']} {kind}; cannot keep {want}")
+    return PassContext(units, list(heads), list(neurons))
+
+
+def _sliced_units(ctx: PassContext) -> list[dict]:
+    """The unit map of a sliced model: each layer's counts become the kept counts."""
+    out = []
+    for i, layer in enumerate(ctx.units):
+        entry = {}
+        for kind in ("heads", "neurons"):
+            k = ctx.target(kind, i)
+            entry[kind] = dict(layer[kind], count=k) if k else {"count": 0, "width": layer[kind]["width"]}
+        out.append(entry)
+    return out
+
+
+def _dense_units(dense: onnx.ModelProto) -> list[dict]:
+    from elastic_export.export import get_units
+
+    try:
+        return get_units(dense)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"corrupt elastic-export unit map in the ONNX model ({e})")
 
 
 def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], names: list[str] | None = None,
@@ -140,7 +178,7 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
     """Dense rank-permuted ONNX -> the ONNX of one budget (per-layer head and neuron counts).
 
     The result keeps the dense model's opset, inputs, outputs and metadata; its unit map is
-    updated to the new counts.
+    updated to the new counts. To write many budgets to files, :class:`BudgetSlicer` is faster.
 
     Args:
         dense: the dense export (with its unit map).
@@ -148,35 +186,67 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
         neurons: neurons to keep per layer.
         names: passes to run (default: the budget pipeline).
         full_check: ``onnx.checker`` and strict shape inference on the result (the expensive
-            part: both serialise the weights). The pipeline's fast path turns it off; every
-            pass is still checked in memory, and onnxruntime loads each file to verify it.
+            part: both serialise the weights). Every pass is checked in memory either way.
     """
-    from elastic_export.export import get_units, set_units
+    from elastic_export.export import set_units
     from elastic_export.passes import BUDGET_PIPELINE
 
-    try:
-        units = get_units(dense)
-    except (ValueError, KeyError) as e:
-        raise UserError(f"corrupt elastic-export unit map in the ONNX model ({e})")
-    if len(heads) != len(units) or len(neurons) != len(units):
-        raise UserError(f"plan has {len(heads)} layers but the ONNX model has {len(units)}")
-    for i, layer in enumerate(units):
-        for kind, want in (("heads", heads[i]), ("neurons", neurons[i])):
-            if not 0 <= want <= layer[kind]["count"]:
-                raise UserError(f"layer {i} has {layer[kind]['count']} {kind}; cannot keep {want}")
-    ctx = PassContext(units, list(heads), list(neurons))
+    ctx = _budget_context(_dense_units(dense), heads, neurons)
     out = run_passes(dense, names or BUDGET_PIPELINE, ctx, full_check=full_check)
     del out.graph.value_info[:]
-    new_units = []
-    for i, layer in enumerate(units):
-        entry = {}
-        for kind in ("heads", "neurons"):
-            entry[kind] = dict(layer[kind], count=ctx.target(kind, i)) if ctx.target(kind, i) else {"count": 0, "width": layer[kind]["width"]}
-        new_units.append(entry)
-    set_units(out, new_units)
+    set_units(out, _sliced_units(ctx))
     if full_check:
         onnx.shape_inference.infer_shapes(out, strict_mode=True)  # raises on inconsistent shapes
     return out
+
+
+class BudgetSlicer:
+    """Writes the ONNX file of any number of budgets from one dense model, fast.
+
+    The dense model is imported into onnx-graphsurgeon once; each budget runs the pass pipeline on
+    a shallow copy of that graph (weights shared until a pass slices them) and is written by
+    :func:`~elastic_export.passes.serialize.save_graph`, which streams sliced weights from their
+    own memory and serialises each untouched dense weight once for all budgets. The file loads
+    back equal to :func:`slice_model`'s model.
+
+    Args:
+        dense: the dense export (with its unit map); not modified.
+        names: passes to run (default: the budget pipeline).
+    """
+
+    def __init__(self, dense: onnx.ModelProto, names: list[str] | None = None) -> None:
+        from elastic_export.passes import BUDGET_PIPELINE
+        from elastic_export.passes.serialize import TensorCache, model_skeleton
+
+        self.units = _dense_units(dense)
+        self.names = list(names or BUDGET_PIPELINE)
+        self._graph = gs.import_onnx(dense)
+        self._skeleton = model_skeleton(dense)
+        self._cache = TensorCache()
+
+    def save(self, heads: list[int], neurons: list[int], path: str | Path, full_check: bool = False) -> None:
+        """Slice one budget and write it to ``path``.
+
+        Args:
+            heads: heads to keep per layer.
+            neurons: neurons to keep per layer.
+            path: the ``.onnx`` file to write.
+            full_check: also run ``onnx.checker`` with strict shape inference on the written file.
+        """
+        from elastic_export.export import set_units
+        from elastic_export.passes.serialize import save_graph
+
+        ctx = _budget_context(self.units, heads, neurons)
+        graph = apply_passes(self._graph.copy(), self.names, ctx, check=True)
+        skeleton = onnx.ModelProto()
+        skeleton.CopyFrom(self._skeleton)
+        set_units(skeleton, _sliced_units(ctx))
+        save_graph(graph, skeleton, path, self._cache)
+        if full_check:
+            try:
+                onnx.checker.check_model(str(path), full_check=True)
+            except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+                raise RuntimeError(f"budget file {Path(path).name} is invalid: {str(e).splitlines()[0]}") from e
 
 
 def feature_positions(units: int, count: int, width: int, groups: int = 1) -> np.ndarray:

@@ -10,7 +10,7 @@ from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import tiny_encoder
 from elastic_export.errors import UserError
 from elastic_export.export import get_units
-from elastic_export.passes import PASSES, PassContext, run_passes, slice_model
+from elastic_export.passes import PASSES, BudgetSlicer, PassContext, run_passes, slice_model
 from elastic_export.passes.base import register_pass, verify, verify_graph
 
 
@@ -119,6 +119,59 @@ def test_fast_path_writes_the_same_model(setup):
     full = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer)
     assert fast.SerializeToString() == full.SerializeToString()
     onnx.checker.check_model(fast, full_check=True)
+
+
+def test_budget_slicer_files_load_back_equal_to_slice_model(setup, tmp_path):
+    """The streamed file of every budget (incl. empty sub-blocks and the dense widths) is the
+    model slice_model builds, byte for byte once loaded; the dense model is left untouched."""
+    enc, rk, dense, plan = setup
+    before = dense.SerializeToString()
+    layers = len(plan.heads_per_layer)
+    full = [u["heads"]["count"] for u in get_units(dense)], [u["neurons"]["count"] for u in get_units(dense)]
+    cases = [(plan.heads_per_layer, plan.neurons_per_layer), full, ([0] * layers, [0] * layers),
+             (plan.heads_per_layer, plan.neurons_per_layer)]  # again: the shared weight cache is reused
+    slicer = BudgetSlicer(dense)
+    for i, (heads, neurons) in enumerate(cases):
+        path = tmp_path / f"b{i}.onnx"
+        slicer.save(heads, neurons, path, full_check=True)
+        want = slice_model(dense, heads, neurons)
+        assert onnx.load(str(path)).SerializeToString() == want.SerializeToString(), i
+    assert dense.SerializeToString() == before
+    got = run_onnx(onnx.load(str(tmp_path / "b0.onnx")), enc.sample_inputs(batch=2, seed=3))
+    assert max_err(got, masked_torch(enc, plan, rk, enc.sample_inputs(batch=2, seed=3))) < 1e-4
+
+
+def test_budget_slicer_refuses_bad_counts(setup, tmp_path):
+    enc, rk, dense, plan = setup
+    with pytest.raises(UserError, match="cannot keep"):
+        BudgetSlicer(dense).save([99] * len(plan.heads_per_layer), plan.neurons_per_layer, tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.int32, np.bool_, np.uint8, np.float64])
+def test_save_graph_matches_graphsurgeon_export(tmp_path, dtype):
+    """Streamed initializers of every dtype (and 0-d, empty-name-free) load back as gs.export_onnx writes them."""
+    from elastic_export.passes.serialize import TensorCache, model_skeleton, save_graph
+
+    x = gs.Variable("x", np.float32, (2, 3))
+    w = gs.Constant("w", (np.arange(6).reshape(2, 3) % 2).astype(dtype))
+    s = gs.Constant("s", np.array(3, dtype=dtype))
+    wf = gs.Variable("wf", np.float32, None)
+    sf = gs.Variable("sf", np.float32, None)
+    y = gs.Variable("y", np.float32, (2, 3))
+    g = gs.Graph(inputs=[x], outputs=[y], opset=17,
+                 nodes=[gs.Node("Cast", inputs=[w], outputs=[wf], attrs={"to": onnx.TensorProto.FLOAT}),
+                        gs.Node("Cast", inputs=[s], outputs=[sf], attrs={"to": onnx.TensorProto.FLOAT}),
+                        gs.Node("Add", inputs=[x, wf], outputs=[(t := gs.Variable("t", np.float32, None))]),
+                        gs.Node("Mul", inputs=[t, sf], outputs=[y])])
+    want = gs.export_onnx(g)
+    del want.graph.value_info[:]
+    want.metadata_props.add(key="k", value="v")
+    path = tmp_path / "m.onnx"
+    save_graph(g, model_skeleton(want), path, TensorCache())
+    got = onnx.load(str(path))
+    assert got.SerializeToString() == want.SerializeToString()
+    onnx.checker.check_model(got, full_check=True)
 
 
 def _graph(nodes_fn):

@@ -114,7 +114,7 @@ def test_reuse_ranking_and_replace_previous_output(tmp_path):
     second = pipeline.run(opts, echo=lambda s: None)  # a previous artifact set is replaced
     assert [b["sparsity"] for b in second["budgets"]] == [0.3]
     assert sorted(p.name for p in out.iterdir()) == ["budget_s030.onnx", "dense.onnx", "elastic.onnx",
-                                                     "manifest.json", "ranking.safetensors"]
+                                                     "manifest.json", "ranking.safetensors", "report.html"]
     assert (out / "ranking.safetensors").read_bytes() == saved.read_bytes()
 
 
@@ -128,7 +128,7 @@ def test_failed_run_keeps_previous_output(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("simulated crash during slicing")
 
-    monkeypatch.setattr(pipeline, "slice_model", boom)
+    monkeypatch.setattr(pipeline.BudgetSlicer, "save", boom)
     opts.budgets = (0.4,)
     with pytest.raises(RuntimeError, match="simulated"):
         pipeline.run(opts, echo=lambda s: None)
