@@ -225,8 +225,20 @@ def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code):
 @model_options
 @ranking_options
 @click.option("--out", default="ranking.safetensors", show_default=True, type=click.Path(), help="Ranking file.")
-def rank_cmd(out, **kw):
-    """Rank every unit and write the ranking file."""
+@click.option("--weights-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="Frozen weights while ranking (scores, masks and losses stay fp32); bf16 halves the memory "
+                   "of large models.")
+@click.option("--checkpoint-activations", is_flag=True, default=False,
+              help="Recompute each block's activations in the backward pass (activation checkpointing): "
+                   "less memory for about one more forward pass per step.")
+def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
+    """Rank every unit and write the ranking file.
+
+    Under `torchrun --nproc-per-node N -m elastic_export rank ...` every calibration batch is split
+    across the N processes (gloo on CPU, NCCL with --device cuda) and the result equals the
+    one-process ranking; rank 0 writes the file.
+    """
+    from elastic_export import distributed as ddp
     from elastic_export.inventory import build_inventory
     from elastic_export.loader import load_encoder
     from elastic_export.pipeline import Options, rank_encoder
@@ -236,12 +248,22 @@ def rank_cmd(out, **kw):
         raise UserError(f"--out {out}: is a directory; give a file name, e.g. {Path(out) / 'ranking.safetensors'}")
     elastic = _elastic_config(kw)
     model_kw = {k: kw.pop(k) for k in ("model", "pretrained", "seq_len", "image_size", "trust_remote_code")}
-    enc = load_encoder(model_kw.pop("model"), **model_kw)
-    inv = build_inventory(enc)
-    opts = Options(elastic=elastic, checkpoint=str(out) + ".checkpoint", **kw)
-    ranking = rank_encoder(enc, inv, opts, _echo)
-    save_ranking(ranking, out)
-    click.echo(f"wrote {out}")
+    with ddp.session(kw["device"]) as device:
+        kw["device"] = device
+        echo = _echo if ddp.is_main() else (lambda msg: None)
+        enc = load_encoder(model_kw.pop("model"), **model_kw)
+        inv = build_inventory(enc)
+        fingerprint = enc.fingerprint() if weights_dtype != "fp32" else None  # of the fp32 weights
+        ddp.cast_weights(enc.module, weights_dtype)
+        opts = Options(elastic=elastic, checkpoint=str(out) + ".checkpoint", **kw)
+        with ddp.checkpointed(enc.blocks(), checkpoint_activations):
+            ranking = rank_encoder(enc, inv, opts, echo)
+        if fingerprint is not None:
+            ranking.meta["fingerprint"] = fingerprint
+            ranking.meta["hyperparameters"]["weights_dtype"] = weights_dtype
+        if ddp.is_main():
+            save_ranking(ranking, out)
+            click.echo(f"wrote {out}")
 
 
 @cli.command("eval")

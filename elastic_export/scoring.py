@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from elastic_export import distributed as ddp
 from elastic_export.adapters import HEADS, NEURONS, UnitGroup
 from elastic_export.calibration import Calibration
 from elastic_export.encoder import Encoder
@@ -69,7 +70,7 @@ def unit_view(x: torch.Tensor, group: UnitGroup) -> torch.Tensor:
 
 def contribution_energy(x: torch.Tensor, group: UnitGroup) -> torch.Tensor:
     """Per token and unit: ‖c_u‖² where c_u is unit u's share of the consumer's output. (B, N, U)."""
-    W = group.consumer.linear.weight  # (D, U*w)
+    W = group.consumer.linear.weight.to(x.dtype)  # (D, U*w); fp32 statistics with bf16/fp16 weights
     if group.width == 1:
         return x.pow(2) * W.pow(2).sum(0)
     B, N = x.shape[:2]
@@ -91,7 +92,9 @@ def _per_flop(inventory: Inventory, values: dict[tuple[int, str], torch.Tensor])
 def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable, desc: str):
     """Run the calibration batches and sum ``stat(x, group, weights) -> (U,)`` per unit group.
 
+    Under torch.distributed each process runs its share of every batch and the sums are added up.
     Returns the sums, the per-block residual energy and the token count."""
+    ddp.check_batches(calibration.batches)
     blocks = encoder.blocks()
     sums: dict = {(b.index, k): 0.0 for b in blocks for k in (HEADS, NEURONS)}
     stream = torch.zeros(len(blocks), dtype=torch.float64)
@@ -100,27 +103,33 @@ def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable
 
     def sink(layer, kind, group, x):
         w = token_weights(state["feeds"], x.shape[:2])
-        sums[(layer, kind)] += stat(x.detach(), group, w).double().cpu()
+        sums[(layer, kind)] += stat(x.detach().float(), group, w).double().cpu()
 
     handles = []
     for b in blocks:
         def pre(mod, args, kwargs, i=b.index):
             h = args[0] if args else next(iter(kwargs.values()))
             w = token_weights(state["feeds"], h.shape[:2])
-            stream[i] += (h.detach().pow(2).sum(-1) * w).sum().double().cpu()
+            stream[i] += (h.detach().float().pow(2).sum(-1) * w).sum().double().cpu()
 
         handles.append(b.block.register_forward_pre_hook(pre, with_kwargs=True))
     fn = encoder.export_module()
+    dtype = ddp.model_dtype(encoder.module)
     try:
         with torch.no_grad(), capture_inputs(blocks, sink):
-            for feeds in tqdm(calibration.batches, desc=desc, unit="batch", leave=False):
-                feeds = {k: v.to(dev) for k, v in feeds.items()}
+            for feeds in tqdm(calibration.batches, desc=desc, unit="batch", leave=False, disable=not ddp.is_main()):
+                feeds = ddp.place(ddp.shard(feeds), dev, dtype)
                 state["feeds"] = feeds
                 state["tokens"] += float(token_weights(feeds, next(iter(feeds.values())).shape[:2]).sum())
                 fn(*feeds.values())
     finally:
         for h in handles:
             h.remove()
+    if ddp.active():  # add up every process's share, in rank order
+        parts = ddp.gather_objects((sums, stream, state["tokens"]))
+        sums = {k: sum(p[0][k] for p in parts) for k in sums}
+        stream = sum(p[1] for p in parts)
+        state["tokens"] = sum(p[2] for p in parts)
     return sums, stream, state["tokens"]
 
 
@@ -166,6 +175,12 @@ def _zero_vectors(encoder: Encoder):
 
 @register_method("fisher")
 def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0, **_) -> Scores:
+    """Squared mask gradients, summed over the calibration data.
+
+    Under torch.distributed each process takes its share of every batch: per-sample squared
+    gradients (labelled data) are summed over processes; the gradient of a batch's random
+    projection is summed over processes *before* it is squared, as in one process."""
+    ddp.check_batches(calibration.batches)
     blocks = encoder.blocks()
     dev = _device(encoder)
     masks = {(b.index, k): torch.ones(b.group(k).count, device=dev, requires_grad=True) for b in blocks
@@ -175,12 +190,16 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
     fn = encoder.export_module()
     names = encoder.output_names()
     labels = calibration.labels if "logits" in names else None
+    dtype = ddp.model_dtype(encoder.module)
     with frozen_weights(encoder.module), unit_masks(blocks, lambda layer, kind: masks[(layer, kind)]):
-        for bi, feeds in enumerate(tqdm(calibration.batches, desc="scoring (fisher)", unit="batch", leave=False)):
-            feeds = {k: v.to(dev) for k, v in feeds.items()}
-            outputs = fn(*feeds.values())
+        batches = tqdm(calibration.batches, desc="scoring (fisher)", unit="batch", leave=False,
+                       disable=not ddp.is_main())
+        for bi, feeds in enumerate(batches):
+            n, part = ddp.batch_size(feeds), ddp.share(ddp.batch_size(feeds))
+            feeds = ddp.place(ddp.shard(feeds), dev, dtype)
+            outputs = ddp.as_fp32(fn(*feeds.values()))
             if labels is not None:  # squared gradient of each sample's cross-entropy
-                ce = torch.nn.functional.cross_entropy(outputs[names.index("logits")], labels[bi].to(dev),
+                ce = torch.nn.functional.cross_entropy(outputs[names.index("logits")], labels[bi][part].to(dev),
                                                        reduction="none")
                 for j in range(ce.shape[0]):
                     grads = torch.autograd.grad(ce[j], list(masks.values()), retain_graph=True)
@@ -189,10 +208,16 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
                 continue
             emb = encoder.embedding(outputs, feeds)
             for _ in range(2):  # two random projections per batch
-                r = torch.randn(emb.shape, generator=g).to(dev)
+                r = torch.randn((n, *emb.shape[1:]), generator=g)[part].to(dev)  # the global batch's draw
                 grads = torch.autograd.grad((emb * r).sum(), list(masks.values()), retain_graph=True)
+                if ddp.active():  # the whole batch's gradient, then its square
+                    flat = ddp.all_reduce_(torch.cat([gr.detach().reshape(-1) for gr in grads]))
+                    grads = flat.split([gr.numel() for gr in grads])
                 for key, grad in zip(masks, grads):
                     fisher[key] += grad.detach().double().cpu().pow(2)
+    if ddp.active() and labels is not None:  # per-sample squares: add up every process's sum
+        for v in fisher.values():
+            ddp.all_reduce_(v)
     return _per_flop(inventory, fisher)
 
 

@@ -12,6 +12,13 @@ the batch), so all targets are visited equally often.
 
 Checkpoints (safetensors: scores and optimiser state, step in the metadata) are written every few
 steps; ``resume=True`` continues a killed run and ends with the identical ranking.
+
+Under torch.distributed (``torchrun``, see :mod:`elastic_export.distributed`) each process takes its
+share of every global batch; each loss term is weighted by the process's share of the batch (of its
+samples, or of its real tokens for the token term) and the score gradients are summed over the
+processes, so every process applies the single-process update. The similarity-structure term
+compares each embedding with a fixed dense index of all calibration samples, so it is per-sample;
+the index itself is gathered from every process once. Only rank 0 writes checkpoints.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from elastic_export import distributed as ddp
 from elastic_export.adapters import HEADS, NEURONS
 from elastic_export.calibration import Calibration
 from elastic_export.encoder import Encoder
@@ -187,8 +195,19 @@ def optimise_ranking(
     checkpoint: Path | None = None,
     resume: bool = False,
 ) -> tuple[Scores, list[float]]:
-    """Run the soft-mask optimisation; returns the final scores and the loss per step."""
+    """Run the soft-mask optimisation; returns the final scores and the loss per step.
+
+    Args:
+        encoder: the model (frozen; fp32, bf16 or fp16 weights: outputs are cast to fp32 for the loss).
+        inventory: its units and costs.
+        calibration: the global calibration batches (each process takes its share under torch.distributed).
+        initial: the starting scores.
+        config: hyperparameters.
+        checkpoint: where rank 0 writes a checkpoint every ``config.checkpoint_every`` steps.
+        resume: continue from ``checkpoint`` when it exists.
+    """
     names = _check_loss(encoder, config, calibration)
+    ddp.check_batches(calibration.batches)
     kind = loss_kind(names, config, calibration)
     units = _Units.of(inventory)
     dev = next(encoder.module.parameters()).device
@@ -208,6 +227,15 @@ def optimise_ranking(
     targets = list(config.targets)
     per_step = min(config.targets_per_step, len(targets))
     batches = calibration.batches
+    sizes = [ddp.batch_size(b) for b in batches]
+    parts = [ddp.share(n) for n in sizes]
+    fracs = [(p.stop - p.start) / n for p, n in zip(parts, sizes)]  # this process's share of each batch
+    tok_fracs = fracs
+    if ddp.active() and config.token_weight and "attention_mask" in batches[0]:
+        local = torch.tensor([float(b["attention_mask"][p].sum()) for b, p in zip(batches, parts)], dtype=torch.float64)
+        total = ddp.all_reduce_(local.clone())
+        tok_fracs = [float(a / t) if t > 0 else f for a, t, f in zip(local, total, fracs)]
+    dtype = ddp.model_dtype(encoder.module)
     fn = encoder.export_module()
     cost = units.cost
     use_kl = kind in ("kl", "ce")  # both work on the logits
@@ -222,8 +250,9 @@ def optimise_ranking(
             t["tokens"] = F.normalize(outputs[hidden_at], dim=-1)
         return t
 
-    def distill_loss(outputs, feeds, dense_t, reps, target=None):
-        got = distill_targets(outputs, feeds)
+    def distill_loss(outputs, feeds, dense_t, reps, target=None, frac=1.0, tok_frac=1.0):
+        """The loss of this process's share, weighted by its share (1.0: the whole batch)."""
+        got = distill_targets(ddp.as_fp32(outputs), feeds)
         if target is not None:
             loss = F.nll_loss(got["logp"], target.to(got["logp"].device).repeat(reps))
         elif use_kl:
@@ -231,23 +260,30 @@ def optimise_ranking(
             loss = (ref.exp() * (ref - got["logp"])).sum(-1).mean()
         else:
             loss = (1.0 - (got["emb"] * dense_t["emb"].repeat(reps, 1)).sum(-1)).mean()
+        if frac != 1.0:
+            loss = loss * frac
         if "rel" in dense_t:
             logq = F.log_softmax(got["emb"] @ bank.T / config.relational_temperature, dim=-1)
             ref = dense_t["rel"].repeat(reps, 1)
-            loss = loss + config.relational_weight * (ref.exp() * (ref - logq)).sum(-1).mean()
+            rel = (ref.exp() * (ref - logq)).sum(-1).mean()
+            loss = loss + config.relational_weight * (rel * frac if frac != 1.0 else rel)
         if "tokens" in got:
             cos = (got["tokens"] * dense_t["tokens"].repeat(reps, 1, 1)).sum(-1)
             w = feeds.get("attention_mask")
             w = torch.ones_like(cos) if w is None else w.to(cos.dtype)
-            loss = loss + config.token_weight * ((1.0 - cos) * w).sum() / w.sum().clamp(min=1.0)
+            tok = ((1.0 - cos) * w).sum() / w.sum().clamp(min=1.0)
+            loss = loss + config.token_weight * (tok * tok_frac if tok_frac != 1.0 else tok)
         return loss
 
     with torch.no_grad():  # the distillation targets: the frozen dense model's outputs
         dense = []
         for b in batches:
-            feeds = {k: v.to(dev) for k, v in b.items()}
-            dense.append(distill_targets(fn(*feeds.values()), feeds))
+            feeds = ddp.place(ddp.shard(b), dev, dtype)
+            dense.append(distill_targets(ddp.as_fp32(fn(*feeds.values())), feeds))
         bank = torch.cat([d["emb"] for d in dense])  # the dense index of the calibration samples
+        if ddp.active():  # every process's share of every batch, in the global order
+            shares = ddp.gather_objects([d["emb"].cpu() for d in dense])
+            bank = torch.cat([r[i] for i in range(len(batches)) for r in shares]).to(dev)
         if config.relational_weight and not use_kl:
             for d in dense:
                 d["rel"] = F.log_softmax(d["emb"] @ bank.T / config.relational_temperature, dim=-1)
@@ -261,12 +297,12 @@ def optimise_ranking(
     b1, b2, eps = 0.9, 0.999, 1e-8
     with frozen_weights(encoder.module):
         bar = tqdm(range(start, config.steps), desc="ranking (elastic)", unit="step", initial=start,
-                   total=config.steps, leave=False)
+                   total=config.steps, leave=False, disable=not ddp.is_main())
         for step in bar:
             epoch, pos = divmod(step, len(batches))
             perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(config.seed * 7919 + epoch))
             bi = int(perm[pos])
-            feeds = {k: v.to(dev) for k, v in batches[bi].items()}
+            feeds = ddp.place(ddp.shard(batches[bi]), dev, dtype)
             chosen = [targets[(step * per_step + j) % len(targets)] for j in range(per_step)]
             scores = s.clone().requires_grad_(True)
             t = cutoffs(scores, cost, chosen)
@@ -274,8 +310,12 @@ def optimise_ranking(
             rep = {k: torch.cat([v] * per_step) for k, v in feeds.items()}
             with unit_masks(blocks, mask_for, groups=per_step):
                 loss = distill_loss(fn(*rep.values()), rep, dense[bi], per_step,
-                                    None if labels is None else labels[bi])
-            (grad,) = torch.autograd.grad(loss, scores)
+                                    None if labels is None else labels[bi][parts[bi]], fracs[bi], tok_fracs[bi])
+                (grad,) = torch.autograd.grad(loss, scores)  # inside: checkpointed blocks recompute with masks
+            loss = loss.detach()
+            if ddp.active():  # the global batch's gradient and loss: sum of the weighted shares
+                both = ddp.all_reduce_(torch.cat([grad.reshape(-1), loss.reshape(1).to(grad.dtype)]))
+                grad, loss = both[:-1], both[-1]
             with torch.no_grad():
                 k = step + 1
                 m1.mul_(b1).add_(grad, alpha=1 - b1)
@@ -284,9 +324,12 @@ def optimise_ranking(
             value = float(loss.detach())
             losses.append(value)
             bar.set_postfix(loss=f"{value:.4f}")
-            if checkpoint is not None and config.checkpoint_every and k % config.checkpoint_every == 0 and k < config.steps:
+            if (checkpoint is not None and config.checkpoint_every and k % config.checkpoint_every == 0
+                    and k < config.steps and ddp.is_main()):
                 _save_checkpoint(checkpoint, {"scores": s, "m1": m1, "m2": m2}, dict(meta, step=k))
-    if checkpoint is not None and checkpoint.exists():
+    s = ddp.broadcast_(s)  # every process holds rank 0's scores (they agree already)
+    ddp.barrier()  # nobody is still reading a checkpoint
+    if checkpoint is not None and checkpoint.exists() and ddp.is_main():
         checkpoint.unlink()
     return units.split(s), losses
 
