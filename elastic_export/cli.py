@@ -371,19 +371,45 @@ def bench_cmd(directory, backend, provider, batches, seq_len, repeats, warmup, t
                    "directory's fp16 ONNX (11; export with --precision fp16).")
 @click.option("--min-batch", type=int, default=1, show_default=True, help="Smallest batch of the profile.")
 @click.option("--opt-batch", type=int, default=32, show_default=True, help="Batch TensorRT tunes kernels for.")
-@click.option("--max-batch", type=int, default=128, show_default=True, help="Largest batch of the profile.")
+@click.option("--max-batch", type=int, default=128, show_default=True,
+              help="Largest batch of the profile (triton: max_batch_size [default: 128, or the engines' maximum]).")
 @click.option("--min-tokens", type=int, default=None, help="Text: fewest tokens [default: 1].")
 @click.option("--opt-tokens", type=int, default=None, help="Text: tokens tuned for [default: manifest tokens].")
 @click.option("--max-tokens", type=int, default=None, help="Text: most tokens [default: manifest tokens].")
 @click.option("--workspace-gb", type=float, default=4.0, show_default=True, help="Builder workspace limit (GiB).")
 @click.option("--timing-cache", default=None, type=click.Path(), metavar="PATH",
               help="Timing cache shared by all builds [default: DIR/tensorrt.timing.cache].")
-@click.option("--no-dense", is_flag=True, default=False, help="Do not build dense.engine.")
+@click.option("--no-dense", is_flag=True, default=False, help="Do not build dense.engine (triton: do not serve the dense model).")
+@click.option("--triton-name", default="elastic", show_default=True,
+              help="Triton: the router model's name; budget models are NAME_s010, ...")
+@click.option("--triton-instances", type=int, default=1, show_default=True,
+              help="Triton: instances of each model (per GPU on a GPU).")
+@click.option("--triton-kind", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="Triton: instance kind of the budget models (auto: KIND_AUTO, the GPUs where there are any).")
+@click.option("--triton-default-sparsity", type=float, default=None,
+              help="Triton: budget the router serves when a request names none [default: the densest served].")
+@click.option("--triton-queue-delay-us", type=int, default=100, show_default=True,
+              help="Triton: dynamic batcher max_queue_delay_microseconds.")
+@click.option("--triton-platform", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
+              show_default=True, help="Triton: auto serves an engine where the manifest lists one, else the ONNX.")
 def build_cmd(directory, target, precision, min_batch, opt_batch, max_batch, min_tokens, opt_tokens, max_tokens,
-              workspace_gb, timing_cache, no_dense):
+              workspace_gb, timing_cache, no_dense, triton_name, triton_instances, triton_kind,
+              triton_default_sparsity, triton_queue_delay_us, triton_platform):
     """Add deployment artifacts to an artifact DIR and update its manifest."""
     if target == "triton":
-        raise UserError("--target triton: not implemented yet (issue 7)")
+        from elastic_export.targets.triton import build_repository
+
+        given = click.get_current_context().get_parameter_source("max_batch") != click.core.ParameterSource.DEFAULT
+        manifest = build_repository(directory, name=triton_name, max_batch=max_batch if given else None,
+                                    instances=triton_instances, kind=triton_kind,
+                                    default_sparsity=triton_default_sparsity, queue_delay_us=triton_queue_delay_us,
+                                    precision=precision, dense=not no_dense, platform=triton_platform, echo=_echo)
+        for m in manifest["triton"]["models"]:
+            click.echo(f"{manifest['triton']['dir']}/{m['name']} ({m['platform']}, sparsity {m['sparsity']:g})")
+        click.echo(f"{manifest['triton']['dir']}/{manifest['triton']['router']} (router, python backend, "
+                   f"default sparsity {manifest['triton']['default_sparsity']:g})")
+        click.echo(f"wrote {Path(directory) / 'manifest.json'}")
+        return
     from elastic_export.targets.tensorrt import build_engines
 
     manifest = build_engines(directory, precision=precision, min_batch=min_batch, opt_batch=opt_batch,

@@ -246,20 +246,6 @@ def test_cli_build_refuses_without_tensorrt(tmp_path):
     assert _snapshot(d) == before and not (d / T.TIMING_CACHE).exists()
 
 
-def test_cli_build_triton_not_implemented(tmp_path):
-    from elastic_export.cli import main
-
-    d = _fake_dir(tmp_path / "a")
-    before = _snapshot(d)
-    r = subprocess.run([sys.executable, "-m", "elastic_export", "build", "--target", "triton", str(d)],
-                       capture_output=True, text=True, env=ENV, timeout=120)
-    assert r.returncode == 2
-    assert r.stderr.strip() == "error: --target triton: not implemented yet (issue 7)"
-    assert _snapshot(d) == before
-    assert main  # the in-process entry point exists too
-
-
-# --- no torch on the edge device ------------------------------------------------------------------
 def test_imports_and_refuses_without_torch(tmp_path):
     d = _fake_dir(tmp_path / "a")
     code = f"""

@@ -1,0 +1,477 @@
+"""A Triton Inference Server model repository from an artifact directory.
+
+``build_repository(DIR)`` writes ``DIR/triton/``:
+
+* one model per budget (and the dense model), named ``<name>_s010`` ... from the budget tag, each
+  ``<model>/1/model.onnx`` (platform ``onnxruntime_onnx``) or ``<model>/1/model.plan``
+  (``tensorrt_plan``, where the manifest lists an engine) plus a ``config.pbtxt``: the manifest's
+  inputs / outputs with the batch dim stripped (``max_batch_size`` > 0), dynamic batching and an
+  instance group. Model files are hard links to the directory's files where the filesystem allows,
+  copies otherwise;
+* a router model ``<name>`` (Python backend, business-logic scripting): the same inputs plus an
+  optional ``sparsity`` input (or a ``sparsity`` request parameter); it forwards each request to the
+  budget model chosen by :func:`elastic_export.targets.triton_router.choose_budget`, whose source
+  is copied into the router's ``model.py``, and answers with that model's outputs (plus
+  ``served_sparsity`` on request). No sparsity asked for: the configured default budget.
+
+``elastic.onnx`` is not served: its ``budget_index`` input has no batch dim, so Triton's dynamic
+batcher cannot batch it; the per-budget models batch, and the router picks among them.
+
+The repository is written to a temporary directory next to it and moved into place only when
+complete (a previous ``triton/`` is replaced), then recorded in the manifest (``triton`` entry,
+written atomically). Imports neither torch nor Triton: the configs are written as text and parse
+with Triton's own ``ModelConfig`` protobuf schema (``tritonclient``, the ``triton`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from elastic_export.budgets import budget_tag
+from elastic_export.errors import UserError
+from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
+
+TRITON_DIR = "triton"
+DEFAULT_NAME = "elastic"
+DEFAULT_MAX_BATCH = 128
+DEFAULT_INSTANCES = 1
+DEFAULT_QUEUE_DELAY_US = 100
+KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
+PLATFORMS = ("auto", "onnxruntime", "tensorrt")
+SPARSITY_INPUT = "sparsity"
+SERVED_OUTPUT = "served_sparsity"
+ROUTER_LOGIC = Path(__file__).with_name("triton_router.py")
+ROUTER_HEADER = '"""elastic-export router'
+_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
+          "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One budget model of the repository.
+
+    Args:
+        name: Triton model name (``<name>_s010``).
+        sparsity: the budget's sparsity (0.0: the dense model).
+        platform: ``onnxruntime_onnx`` or ``tensorrt_plan``.
+        source: the file served, relative to the artifact directory.
+    """
+
+    name: str
+    sparsity: float
+    platform: str
+    source: str
+
+    @property
+    def filename(self) -> str:
+        return "model.plan" if self.platform == "tensorrt_plan" else "model.onnx"
+
+
+# --- config text ----------------------------------------------------------------------------------
+def triton_dims(shape: Sequence[Any], what: str) -> list[int]:
+    """Triton ``dims`` of a manifest shape: the batch dim (first) dropped, symbolic dims as -1.
+
+    Raises:
+        UserError: no dims, or a first dim that is a fixed number (not batchable).
+    """
+    dims = list(shape or [])
+    if not dims or isinstance(dims[0], int):
+        raise UserError(f"{MANIFEST}: {what} shape {dims} has no symbolic batch dim; Triton's batching needs one")
+    return [d if isinstance(d, int) and not isinstance(d, bool) and d > 0 else -1 for d in dims[1:]]
+
+
+def triton_type(dtype: str, what: str) -> str:
+    """Triton data type (``TYPE_FP32`` ...) of a manifest dtype (``float32`` ...)."""
+    if dtype not in _TYPES:
+        raise UserError(f"{MANIFEST}: {what} dtype {dtype!r} has no Triton type")
+    return _TYPES[dtype]
+
+
+def _tensors(key: str, specs: Sequence[dict], extra: str = "") -> str:
+    items = []
+    for spec in specs:
+        what = f"{key} {spec['name']!r}"
+        items.append(f'  {{\n    name: "{spec["name"]}"\n    data_type: {triton_type(spec.get("dtype"), what)}\n'
+                     f'    dims: {triton_dims(spec.get("shape"), what)}\n  }}')
+    if extra:
+        items.append(extra)
+    return f"{key} [\n" + ",\n".join(items) + "\n]\n"
+
+
+def _instances(kind: str, count: int) -> str:
+    return f"instance_group [\n  {{\n    kind: {kind}\n    count: {count}\n  }}\n]\n"
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid protobuf text-format string literal
+
+
+def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[dict], *, max_batch: int,
+                 kind: str, instances: int, queue_delay_us: int) -> str:
+    """``config.pbtxt`` of one budget model.
+
+    Args:
+        model: the model.
+        inputs: manifest input specs (name, dtype, shape with a symbolic batch dim).
+        outputs: manifest output specs.
+        max_batch: ``max_batch_size``.
+        kind: ``KIND_AUTO`` / ``KIND_CPU`` / ``KIND_GPU``.
+        instances: instances per device.
+        queue_delay_us: the dynamic batcher's ``max_queue_delay_microseconds``.
+    """
+    return (f'name: "{model.name}"\nplatform: "{model.platform}"\nmax_batch_size: {max_batch}\n'
+            + _tensors("input", inputs) + _tensors("output", outputs)
+            + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
+            + _instances(kind, instances)
+            + f'parameters {{\n  key: "sparsity"\n  value {{ string_value: "{model.sparsity!r}" }}\n}}\n')
+
+
+def router_config(name: str, models: Sequence[ServedModel], default: float, inputs: Sequence[dict],
+                  outputs: Sequence[dict], *, max_batch: int, instances: int, queue_delay_us: int) -> str:
+    """``config.pbtxt`` of the router (Python backend). Its ``parameters`` carry the budget table
+    (``budget_models``: JSON ``[[sparsity, model name], ...]``) and ``default_sparsity``, so editing
+    them changes the routing without touching ``model.py``."""
+    table = json.dumps([[m.sparsity, m.name] for m in models])
+    sparsity_in = (f'  {{\n    name: "{SPARSITY_INPUT}"\n    data_type: TYPE_FP32\n    dims: [1]\n'
+                   f'    optional: true\n  }}')
+    served_out = f'  {{\n    name: "{SERVED_OUTPUT}"\n    data_type: TYPE_FP32\n    dims: [1]\n  }}'
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch}\n'
+            + _tensors("input", inputs, sparsity_in) + _tensors("output", outputs, served_out)
+            + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
+            + _instances("KIND_CPU", instances)
+            + f'parameters [\n  {{\n    key: "budget_models"\n    value {{ string_value: {_quote(table)} }}\n  }},\n'
+            + f'  {{\n    key: "default_sparsity"\n    value {{ string_value: "{default!r}" }}\n  }}\n]\n')
+
+
+_ROUTER_MODEL = '''
+
+# --- the router (Triton Python backend, business-logic scripting) -------------------------------
+import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SPARSITY_INPUT = "{sparsity_input}"
+SERVED_OUTPUT = "{served_output}"
+
+
+def _error(message):
+    code = getattr(getattr(pb_utils, "TritonError", None), "INVALID_ARG", None)
+    try:
+        return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    except TypeError:  # an older backend without error codes
+        return pb_utils.TritonError(message)
+
+
+class TritonPythonModel:
+    """Forwards each request to the budget model its requested sparsity selects."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {{k: v.get("string_value", "") for k, v in config.get("parameters", {{}}).items()}}
+        self.models = {{float(s): str(n) for s, n in json.loads(params["budget_models"])}}
+        self.sparsities = sorted(self.models)
+        self.default = choose_budget(float(params["default_sparsity"]), self.sparsities, self.sparsities[0])
+        self.inputs = [t["name"] for t in config["input"] if t["name"] != SPARSITY_INPUT]
+        self.outputs = [t["name"] for t in config["output"] if t["name"] != SERVED_OUTPUT]
+
+    async def execute(self, requests):
+        # every request is forwarded at once, so the budget models' dynamic batchers see them together
+        return list(await asyncio.gather(*(self._forward(r) for r in requests)))
+
+    async def _forward(self, request):
+        try:
+            tensor = pb_utils.get_input_tensor_by_name(request, SPARSITY_INPUT)
+            values = None if tensor is None else tensor.as_numpy().reshape(-1).tolist()
+            params = request.parameters() if hasattr(request, "parameters") else None
+            sparsity = choose_budget(requested_sparsity(values, params), self.sparsities, self.default)
+        except BudgetError as e:
+            return pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e)))
+        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.inputs) if t is not None]
+        wanted = set(request.requested_output_names()) if hasattr(request, "requested_output_names") else set()
+        names = [n for n in self.outputs if not wanted or n in wanted]
+        forward = pb_utils.InferenceRequest(model_name=self.models[sparsity], requested_output_names=names,
+                                            inputs=inputs)
+        response = await forward.async_exec()
+        if response.has_error():
+            return pb_utils.InferenceResponse(output_tensors=[], error=response.error())
+        tensors = [pb_utils.get_output_tensor_by_name(response, n) for n in names]
+        if not wanted or SERVED_OUTPUT in wanted:
+            batch = inputs[0].as_numpy().shape[0] if inputs else 1
+            tensors.append(pb_utils.Tensor(SERVED_OUTPUT, np.full((batch, 1), sparsity, dtype=np.float32)))
+        return pb_utils.InferenceResponse(output_tensors=[t for t in tensors if t is not None])
+
+    def finalize(self):
+        pass
+'''
+
+
+def router_source() -> str:
+    """The router's ``model.py``: the budget-choice module's text, verbatim, then the model class."""
+    logic = ROUTER_LOGIC.read_text()
+    head = (ROUTER_HEADER + " for Triton's Python backend (generated by elastic_export/targets/triton.py).\n"
+            'Budget choice: elastic_export/targets/triton_router.py, copied below."""\n\n')
+    body = logic.split('"""', 2)[2].lstrip("\n") if logic.startswith('"""') else logic
+    return head + body + _ROUTER_MODEL.format(sparsity_input=SPARSITY_INPUT, served_output=SERVED_OUTPUT)
+
+
+# --- what to serve --------------------------------------------------------------------------------
+def _check_name(name: str) -> None:
+    if not name or not set(name) <= _NAME_CHARS or name.startswith("."):
+        raise UserError(f"--triton-name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
+
+
+def plan_models(directory: Path, manifest: dict, *, name: str = DEFAULT_NAME, precision: str = "fp32",
+                dense: bool = True, platform: str = "auto") -> list[ServedModel]:
+    """The budget models to serve, sources checked to exist, densest first.
+
+    Args:
+        directory: the artifact directory.
+        manifest: its loaded manifest.
+        name: model name prefix (budget models are ``<name>_<tag>``; the router is ``<name>``).
+        precision: ``fp32`` (the ``onnx`` files) or ``fp16`` (``onnx_fp16``; ONNX only).
+        dense: also serve the dense model (sparsity 0.0).
+        platform: ``auto`` (an engine where the manifest lists one, else the ONNX), ``onnxruntime``
+            (always the ONNX), ``tensorrt`` (engines only; every served model needs one).
+
+    Raises:
+        UserError: a bad option or a missing file.
+    """
+    _check_name(name)
+    if precision not in ("fp32", "fp16"):
+        raise UserError(f"--precision {precision}: choose fp32 or fp16")
+    if platform not in PLATFORMS:
+        raise UserError(f"--triton-platform {platform}: choose {', '.join(PLATFORMS)}")
+    entries = ([(0.0, manifest["dense"])] if dense else []) + [(float(b.get("sparsity", -1)), b)
+                                                                for b in manifest["budgets"]]
+    if not entries:
+        raise UserError(f"{directory}: the manifest lists no budgets to serve")
+    models = []
+    for sparsity, entry in entries:
+        label = "dense model" if entry is manifest["dense"] else f"budget {sparsity:g}"
+        engine = entry.get("engine") if platform != "onnxruntime" else None
+        if platform == "tensorrt" and not engine:
+            raise UserError(f"--triton-platform tensorrt: the {label} has no engine; run "
+                            f"`elastic-export build --target tensorrt {directory}` first")
+        if engine:
+            kind, rel = "tensorrt_plan", engine
+        else:
+            rel = entry.get("onnx_fp16") if precision == "fp16" else entry.get("onnx")
+            kind = "onnxruntime_onnx"
+            if not rel:
+                raise UserError(f"--precision {precision}: the {label} has no "
+                                f"{'fp16 ONNX (export with --precision fp16)' if precision == 'fp16' else 'ONNX'}")
+        path = resolve(directory, rel)
+        if path is None or not path.is_file():
+            raise UserError(f"{directory}: {rel} (the {label}) is missing")
+        models.append(ServedModel(f"{name}_{budget_tag(sparsity)}", sparsity, kind, rel))
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise UserError(f"{directory}: two budgets share the tag of {names}")
+    return sorted(models, key=lambda m: m.sparsity)
+
+
+def _io(directory: Path, manifest: dict, models: Sequence[ServedModel]) -> tuple[list[dict], list[dict]]:
+    """Inputs and outputs to declare: the manifest's, or the fp16 ONNX's own (its float types may differ)."""
+    fp16 = [m for m in models if m.platform == "onnxruntime_onnx" and m.source.endswith(".fp16.onnx")]
+    if not fp16:
+        return manifest["inputs"], manifest["outputs"]
+    import onnx
+
+    from elastic_export.manifest import io_specs
+
+    g = onnx.load(str(resolve(directory, fp16[0].source)), load_external_data=False).graph
+    return io_specs(g.input), io_specs(g.output)
+
+
+def _engine_max_batch(manifest: dict) -> int | None:
+    """The largest batch every engine's profile accepts (from the manifest's ``tensorrt`` entry)."""
+    try:
+        profile = manifest["tensorrt"]["profiles"][0]
+        return min(int(v["max"][0]) for v in profile.values())
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return None
+
+
+# --- building -------------------------------------------------------------------------------------
+def _place(src: Path, dst: Path) -> str:
+    """Hard-link ``src`` to ``dst`` (same filesystem), else copy it; returns ``link`` or ``copy``."""
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError:
+        shutil.copyfile(src, dst)
+        return "copy"
+
+
+def _check_replaceable(directory: Path, manifest: dict) -> None:
+    """Refuse to replace a ``triton/`` this tool did not write (not recorded in the manifest, not empty)."""
+    target = directory / TRITON_DIR
+    if not target.exists() and not target.is_symlink():
+        return
+    if not target.is_dir() or target.is_symlink():
+        raise UserError(f"{target}: exists and is not a directory; move it away first")
+    ours = isinstance(manifest.get("triton"), dict) and manifest["triton"].get("dir") == TRITON_DIR
+    ours = ours or any(p.read_text(errors="replace").startswith(ROUTER_HEADER) for p in target.glob("*/1/model.py"))
+    if not ours and any(target.iterdir()):
+        raise UserError(f"{target}: exists and was not written by elastic-export; move it away first")
+
+
+def validate_config(text: str) -> Any:
+    """Parse ``config.pbtxt`` text with Triton's own ``ModelConfig`` schema (``tritonclient``).
+
+    Returns:
+        The ``ModelConfig`` message.
+
+    Raises:
+        UserError: tritonclient is not installed, or the text does not parse.
+    """
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise UserError(f"validating Triton configs needs tritonclient (pip install -e \".[triton]\"): {e}") from None
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise UserError(f"config does not parse with Triton's ModelConfig schema: {e}") from None
+
+
+def _can_validate() -> bool:
+    try:
+        validate_config('name: "x"')
+        return True
+    except UserError:
+        return False
+
+
+def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_batch: int | None = None,
+                     instances: int = DEFAULT_INSTANCES, kind: str = "auto", default_sparsity: float | None = None,
+                     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, precision: str = "fp32", dense: bool = True,
+                     platform: str = "auto", echo: Callable[[str], None] = lambda s: None) -> dict:
+    """Write ``DIR/triton/`` (one model per budget + the router) and record it in the manifest.
+
+    Args:
+        directory: an artifact directory (with ``manifest.json``).
+        name: the router's name and the budget models' prefix.
+        max_batch: ``max_batch_size`` of every model (default: 128, or the engines' profile maximum
+            when engines are served).
+        instances: instances of each model (per GPU with ``KIND_GPU`` / ``KIND_AUTO`` on a GPU).
+        kind: ``auto`` (Triton places each model on the GPUs where there are any, else the CPU),
+            ``cpu`` or ``gpu``. Engines always run on the GPU; the router always on the CPU.
+        default_sparsity: the budget the router serves when a request names none (a requested
+            sparsity is mapped as the router maps requests); default: the densest served model.
+        queue_delay_us: the dynamic batcher's ``max_queue_delay_microseconds``.
+        precision: ``fp32`` or ``fp16`` (the directory's fp16 ONNX files).
+        dense: also serve the dense model (as sparsity 0.0).
+        platform: ``auto``, ``onnxruntime`` or ``tensorrt`` (see :func:`plan_models`).
+        echo: progress messages.
+
+    Returns:
+        The updated manifest (its ``triton`` entry: dir, models, router, default_sparsity, ...).
+
+    Raises:
+        UserError: bad directory / options / files; nothing is changed then.
+    """
+    from elastic_export.targets.triton_router import BudgetError, choose_budget
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
+    manifest = load_manifest(d)
+    if kind not in KINDS:
+        raise UserError(f"--triton-kind {kind}: choose {', '.join(KINDS)}")
+    for opt, v in (("--triton-instances", instances), ("--max-batch", max_batch)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise UserError(f"{opt} must be a positive integer, got {v}")
+    if isinstance(queue_delay_us, bool) or not isinstance(queue_delay_us, int) or queue_delay_us < 0:
+        raise UserError(f"--triton-queue-delay-us must be a non-negative integer, got {queue_delay_us}")
+    models = plan_models(d, manifest, name=name, precision=precision, dense=dense, platform=platform)
+    engines = [m for m in models if m.platform == "tensorrt_plan"]
+    if engines and kind == "cpu":
+        raise UserError("--triton-kind cpu: TensorRT engines run on the GPU only; use --triton-platform onnxruntime")
+    limit = _engine_max_batch(manifest) if engines else None
+    if max_batch is None:
+        max_batch = min(DEFAULT_MAX_BATCH, limit) if limit else DEFAULT_MAX_BATCH
+    elif limit is not None and max_batch > limit:
+        raise UserError(f"--max-batch {max_batch}: the engines accept at most batch {limit}")
+    sparsities = [m.sparsity for m in models]
+    try:
+        default = choose_budget(default_sparsity if default_sparsity is not None else sparsities[0], sparsities,
+                                sparsities[0])
+    except BudgetError as e:
+        raise UserError(f"--triton-default-sparsity: {e}") from None
+    _check_replaceable(d, manifest)
+    inputs, outputs = _io(d, manifest, models)
+    for spec in inputs + outputs:
+        if spec["name"] in (SPARSITY_INPUT, SERVED_OUTPUT):
+            raise UserError(f"{MANIFEST}: the model has a tensor named {spec['name']!r}, which the router uses")
+
+    configs = {m.name: model_config(m, inputs, outputs, max_batch=max_batch,
+                                    kind="KIND_GPU" if m.platform == "tensorrt_plan" else KINDS[kind],
+                                    instances=instances, queue_delay_us=queue_delay_us) for m in models}
+    configs[name] = router_config(name, models, default, inputs, outputs, max_batch=max_batch,
+                                  instances=instances, queue_delay_us=queue_delay_us)
+    if _can_validate():
+        for model_name, text in configs.items():
+            try:
+                validate_config(text)
+            except UserError as e:  # a bug here, not bad input: say which model
+                raise UserError(f"{model_name}: {e}") from None
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.", suffix=".partial", dir=d))
+    old: Path | None = None
+    try:
+        placed = {}
+        for m in models:
+            version = staging / m.name / "1"
+            version.mkdir(parents=True)
+            placed[m.name] = _place(resolve(d, m.source), version / m.filename)
+        (staging / name / "1").mkdir(parents=True)
+        (staging / name / "1" / "model.py").write_text(router_source())
+        for model_name, text in configs.items():
+            (staging / model_name / "config.pbtxt").write_text(text)
+        os.chmod(staging, 0o777 & ~_umask())
+        target = d / TRITON_DIR
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.", suffix=".old", dir=d))
+            os.replace(target, old / TRITON_DIR)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old is not None and (old / TRITON_DIR).exists() and not (d / TRITON_DIR).exists():
+            os.replace(old / TRITON_DIR, d / TRITON_DIR)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    links = sum(v == "link" for v in placed.values())
+    echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models ({links} hard links, {len(models) - links} copies) "
+         f"+ router {name!r}")
+    manifest["triton"] = {
+        "dir": TRITON_DIR,
+        "router": name,
+        "default_sparsity": default,
+        "models": [{"name": m.name, "sparsity": m.sparsity, "platform": m.platform,
+                    "source": m.source, "file": f"{TRITON_DIR}/{m.name}/1/{m.filename}"} for m in models],
+        "max_batch_size": max_batch,
+        "instance_kind": kind,
+        "instances": instances,
+        "max_queue_delay_microseconds": queue_delay_us,
+        "precision": precision,
+    }
+    write_manifest(d, manifest)
+    return manifest
+
+
+def _umask() -> int:
+    from elastic_export.fileio import umask
+
+    return umask()

@@ -1,0 +1,442 @@
+"""Triton model repository (``elastic_export.targets.triton``) and ``elastic-export build --target triton``.
+
+Runs everywhere: the router's budget choice (a pure function, tested directly), the repository
+built for real all-MiniLM-L6-v2 artifacts with every ``config.pbtxt`` parsed by Triton's own
+``ModelConfig`` protobuf schema (``tritonclient``), the served files against the directory's ONNX,
+the manifest entry, re-runs, and the CLI's errors. Serving needs a ``tritonserver`` binary (with
+the onnxruntime and python backends) on PATH; that test is skipped, with that reason, without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from google.protobuf import text_format
+
+from elastic_export.errors import UserError
+from elastic_export.manifest import FORMAT, load_manifest
+from elastic_export.targets import triton as TR
+from elastic_export.targets.triton_router import BudgetError, choose_budget, requested_sparsity
+
+model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
+                                       reason="needs tritonclient (pip install -e \".[test]\")")
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+BUDGETS = (0.1, 0.5)
+
+
+def _parse(path: Path):
+    """A config.pbtxt parsed with Triton's ModelConfig schema (raises on any unknown field / bad value)."""
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_export", *args], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+
+
+def _tree(d: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+# --- the router's budget choice (pure) ------------------------------------------------------------
+SERVED = [0.0, 0.1, 0.3, 0.5]
+
+
+@pytest.mark.parametrize("requested,served", [
+    (None, 0.1),  # nothing asked: the default
+    (0.0, 0.0), (0.1, 0.1), (0.5, 0.5),  # exact
+    (0.1 + 5e-7, 0.1), (0.3 - 5e-7, 0.3),  # within 1e-6
+    (0.1 + 2e-6, 0.3), (0.05, 0.1), (0.2, 0.3), (0.45, 0.5),  # else the next sparser: more savings, never less
+    ("0.3", 0.3),  # a numeric string (request parameters may carry one)
+])
+def test_choose_budget(requested, served):
+    assert choose_budget(requested, SERVED, default=0.1) == served
+
+
+@pytest.mark.parametrize("requested,message", [
+    (0.6, "above the sparsest served budget 0.5"), (1.0, "outside [0, 1)"), (-0.1, "outside [0, 1)"),
+    (float("nan"), "not a finite number"), ("abc", "not a number"), (True, "not a number"),
+])
+def test_choose_budget_refuses(requested, message):
+    with pytest.raises(BudgetError, match=re.escape(message)):
+        choose_budget(requested, SERVED, default=0.0)
+    with pytest.raises(BudgetError, match="no budgets"):
+        choose_budget(0.1, [], default=0.0)
+
+
+def test_requested_sparsity_input_then_parameter():
+    assert requested_sparsity(None, None) is None and requested_sparsity(None, "") is None
+    assert requested_sparsity(None, json.dumps({"other": 1})) is None
+    assert requested_sparsity(None, json.dumps({"sparsity": 0.3})) == 0.3
+    assert requested_sparsity(None, json.dumps({"sparsity": "0.5"})) == 0.5
+    assert requested_sparsity([0.1, 0.1], json.dumps({"sparsity": 0.5})) == pytest.approx(0.1)  # the input wins
+    with pytest.raises(BudgetError, match="same sparsity"):
+        requested_sparsity([0.1, 0.5], None)
+    with pytest.raises(BudgetError, match="empty"):
+        requested_sparsity([], None)
+    with pytest.raises(BudgetError, match="not a JSON object"):
+        requested_sparsity(None, "{oops")
+    with pytest.raises(BudgetError, match="not a number"):
+        requested_sparsity(None, json.dumps({"sparsity": [0.1]}))
+
+
+def test_router_model_py_embeds_the_router_logic():
+    src = TR.router_source()
+    compile(src, "model.py", "exec")  # valid Python (it imports triton_python_backend_utils only when loaded)
+    logic = TR.ROUTER_LOGIC.read_text()
+    body = logic.split('"""', 2)[2].lstrip("\n")
+    assert body in src and src.startswith(TR.ROUTER_HEADER)
+    for needle in ("import triton_python_backend_utils as pb_utils", "class TritonPythonModel",
+                   "def initialize(self, args)", "async def execute(self, requests)",
+                   "pb_utils.InferenceRequest(model_name=", "await forward.async_exec()", "request.parameters()"):
+        assert needle in src, needle
+    ns: dict = {}
+    exec(compile(body, "router_logic", "exec"), ns)  # the copied logic behaves as the module does
+    for s in (None, 0.05, 0.1, 0.2, 0.5):
+        assert ns["choose_budget"](s, SERVED, 0.1) == choose_budget(s, SERVED, 0.1)
+
+
+# --- config text ----------------------------------------------------------------------------------
+def test_dims_and_types():
+    assert TR.triton_dims(["batch", "sequence"], "x") == [-1]
+    assert TR.triton_dims(["batch", "sequence", 384], "x") == [-1, 384]
+    assert TR.triton_dims(["batch", 3, "height", "width"], "x") == [3, -1, -1]
+    assert TR.triton_dims(["batch", 3, 224, 224], "x") == [3, 224, 224]
+    with pytest.raises(UserError, match="no symbolic batch dim"):
+        TR.triton_dims([1, 3, 224, 224], "input 'pixel_values'")
+    assert [TR.triton_type(t, "x") for t in ("float32", "int64", "float16")] == ["TYPE_FP32", "TYPE_INT64",
+                                                                                 "TYPE_FP16"]
+    with pytest.raises(UserError, match="no Triton type"):
+        TR.triton_type("complex64", "x")
+
+
+# --- the real MiniLM ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> Path:
+    """all-MiniLM-L6-v2 (the embedded default), budgets 0.1 and 0.5 (magnitude ranking, no verification: fast)."""
+    from elastic_export import pipeline
+
+    out = tmp_path_factory.mktemp("triton") / "out"
+    pipeline.run(pipeline.Options(budgets=BUDGETS, out=str(out), method="magnitude", verify=False,
+                                  elastic_graph=False, seq_len=32), echo=lambda s: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def repo(art) -> Path:
+    r = _cli("build", "--target", "triton", str(art), "--triton-default-sparsity", "0.1",
+             "--triton-instances", "2", "--triton-kind", "cpu", "--max-batch", "16")
+    assert r.returncode == 0, r.stderr
+    assert "triton/elastic_s010 (onnxruntime_onnx, sparsity 0.1)" in r.stdout
+    assert "triton/elastic (router, python backend, default sparsity 0.1)" in r.stdout
+    return art / "triton"
+
+
+def test_repository_layout_and_configs_parse(art, repo):
+    names = ["elastic", "elastic_s000", "elastic_s010", "elastic_s050"]
+    assert sorted(p.name for p in repo.iterdir()) == names
+    m = load_manifest(art)
+    for name in names:
+        cfg = _parse(repo / name / "config.pbtxt")  # every config, Triton's own schema
+        assert cfg.name == name and cfg.max_batch_size == 16
+        assert cfg.dynamic_batching.max_queue_delay_microseconds == TR.DEFAULT_QUEUE_DELAY_US
+        assert [g.kind for g in cfg.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
+        assert [g.count for g in cfg.instance_group] == [2]
+        ins = {t.name: t for t in cfg.input}
+        outs = {t.name: t for t in cfg.output}
+        for spec in m["inputs"]:
+            assert ins[spec["name"]].data_type == model_config_pb2.TYPE_INT64 and list(ins[spec["name"]].dims) == [-1]
+        assert list(outs["last_hidden_state"].dims) == [-1, 384] and list(outs["sentence_embedding"].dims) == [384]
+        assert outs["sentence_embedding"].data_type == model_config_pb2.TYPE_FP32
+    router = _parse(repo / "elastic" / "config.pbtxt")
+    assert router.backend == "python" and router.platform == ""
+    sp = {t.name: t for t in router.input}["sparsity"]
+    assert sp.optional and sp.data_type == model_config_pb2.TYPE_FP32 and list(sp.dims) == [1]
+    assert [t.name for t in router.output][-1] == "served_sparsity"
+    table = json.loads(router.parameters["budget_models"].string_value)
+    assert table == [[0.0, "elastic_s000"], [0.1, "elastic_s010"], [0.5, "elastic_s050"]]
+    assert float(router.parameters["default_sparsity"].string_value) == 0.1
+    assert (repo / "elastic" / "1" / "model.py").read_text() == TR.router_source()
+    for name in names[1:]:
+        cfg = _parse(repo / name / "config.pbtxt")
+        assert cfg.platform == "onnxruntime_onnx" and cfg.backend == ""
+        assert sorted(p.name for p in (repo / name).rglob("*")) == ["1", "config.pbtxt", "model.onnx"]
+
+
+def test_served_files_are_the_budget_onnx(art, repo):
+    import onnxruntime as ort
+
+    m = load_manifest(art)
+    sources = {"elastic_s000": m["dense"]["onnx"], "elastic_s010": m["budgets"][0]["onnx"],
+               "elastic_s050": m["budgets"][1]["onnx"]}
+    for name, src in sources.items():
+        served, orig = repo / name / "1" / "model.onnx", art / src
+        assert os.path.samefile(served, orig)  # a hard link: same filesystem, no copy
+        cfg = _parse(repo / name / "config.pbtxt")
+        sess = ort.InferenceSession(str(served), providers=["CPUExecutionProvider"])
+        assert [i.name for i in sess.get_inputs()] == [t.name for t in cfg.input]
+        assert [o.name for o in sess.get_outputs()] == [t.name for t in cfg.output]
+
+
+def test_manifest_records_the_repository(art, repo):
+    t = load_manifest(art)["triton"]
+    assert t["dir"] == "triton" and t["router"] == "elastic" and t["default_sparsity"] == 0.1
+    assert [(x["name"], x["sparsity"], x["platform"]) for x in t["models"]] == [
+        ("elastic_s000", 0.0, "onnxruntime_onnx"), ("elastic_s010", 0.1, "onnxruntime_onnx"),
+        ("elastic_s050", 0.5, "onnxruntime_onnx")]
+    assert all((art / x["file"]).is_file() for x in t["models"])
+    assert t["max_batch_size"] == 16 and t["instances"] == 2 and t["instance_kind"] == "cpu"
+
+
+def test_rerun_replaces_the_repository(art, repo, tmp_path):
+    import shutil as sh
+
+    d = tmp_path / "copy"
+    sh.copytree(art, d, copy_function=os.link)  # cheap: hard links
+    (d / "triton" / "stale_model").mkdir()
+    TR.build_repository(d, name="minilm", dense=False, kind="auto")
+    assert sorted(p.name for p in (d / "triton").iterdir()) == ["minilm", "minilm_s010", "minilm_s050"]
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".triton")]  # no temporary left behind
+    cfg = _parse(d / "triton" / "minilm_s050" / "config.pbtxt")
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO
+    assert cfg.max_batch_size == TR.DEFAULT_MAX_BATCH
+    t = load_manifest(d)["triton"]
+    assert t["router"] == "minilm" and t["default_sparsity"] == 0.1  # the densest served by default
+
+
+def test_cli_bad_input_exits_2_and_changes_nothing(art, repo, tmp_path):
+    before = _tree(art)
+    for args, needle in [
+        ((str(tmp_path),), "no manifest.json"),
+        ((str(art), "--triton-default-sparsity", "0.7"), "above the sparsest served budget 0.5"),
+    ]:
+        r = _cli("build", "--target", "triton", *args)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
+        assert needle in lines[0] and "Traceback" not in r.stderr, (args, lines[0])
+    assert _tree(art) == before
+
+
+@pytest.mark.parametrize("where,kw,needle", [
+    ("missing", {}, "no such directory"),
+    ("art", {"platform": "tensorrt"}, "has no engine"),
+    ("art", {"instances": 0}, "--triton-instances must be a positive integer"),
+    ("art", {"max_batch": 0}, "--max-batch must be a positive integer"),
+    ("art", {"queue_delay_us": -1}, "--triton-queue-delay-us"),
+    ("art", {"kind": "tpu"}, "--triton-kind tpu"),
+    ("art", {"name": "../x"}, "--triton-name"),
+    ("art", {"precision": "fp16"}, "fp16 ONNX"),
+    ("art", {"default_sparsity": 1.5}, "outside [0, 1)"),
+])
+def test_bad_input_refused_and_changes_nothing(art, repo, tmp_path, where, kw, needle):
+    before = _tree(art)
+    with pytest.raises(UserError, match=re.escape(needle)):
+        TR.build_repository(art if where == "art" else tmp_path / where, **kw)
+    assert _tree(art) == before
+
+
+def test_foreign_triton_dir_refused(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    (d / "triton" / "mine").mkdir(parents=True)
+    with pytest.raises(UserError, match="not written by elastic-export"):
+        TR.build_repository(d)
+    assert sorted(p.name for p in (d / "triton").iterdir()) == ["mine"]
+
+
+# --- stand-in directories: engines, fp16 ----------------------------------------------------------
+def _manifest() -> dict:
+    return {
+        "format": FORMAT, "model": {"source": "x", "architecture": "bert", "fingerprint": "f"},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
+                   {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "sequence"]}],
+        "outputs": [{"name": "last_hidden_state", "dtype": "float32", "shape": ["batch", "sequence", 8]}],
+        "tokens": 16, "precisions": ["fp32"],
+        "dense": {"onnx": "dense.onnx", "onnx_fp16": None, "engine": None},
+        "budgets": [{"sparsity": 0.25, "onnx": "budget_s025.onnx", "onnx_fp16": None, "engine": None},
+                    {"sparsity": 0.5, "onnx": "budget_s050.onnx", "onnx_fp16": None, "engine": None}],
+        "elastic": None, "ranking": {"file": "ranking.safetensors", "method": "random"},
+    }
+
+
+def _tiny_onnx(path: Path, out_type: int) -> None:
+    """A real (trivial) ONNX file with the manifest's interface: cast input_ids, add a unit dim, expand."""
+    from onnx import TensorProto, helper
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"])
+    out = helper.make_tensor_value_info("last_hidden_state", out_type, ["batch", "sequence", 8])
+    nodes = [helper.make_node("Add", ["input_ids", "attention_mask"], ["s"]),
+             helper.make_node("Cast", ["s"], ["c"], to=out_type),
+             helper.make_node("Unsqueeze", ["c", "axes"], ["u"]),
+             helper.make_node("Expand", ["u", "shape"], ["last_hidden_state"])]
+    inits = [helper.make_tensor("axes", TensorProto.INT64, [1], [2]),
+             helper.make_tensor("shape", TensorProto.INT64, [3], [1, 1, 8])]
+    g = helper.make_graph(nodes, "tiny", [ids, mask], [out], initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+
+
+def _fake_dir(root: Path, engines: bool = False, fp16: bool = False) -> Path:
+    m = _manifest()
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in [m["dense"], *m["budgets"]]:
+        _tiny_onnx(root / entry["onnx"], onnx.TensorProto.FLOAT)
+        if fp16:
+            entry["onnx_fp16"] = entry["onnx"][:-5] + ".fp16.onnx"
+            _tiny_onnx(root / entry["onnx_fp16"], onnx.TensorProto.FLOAT16)
+        if engines:
+            entry["engine"] = entry["onnx"][:-5] + ".engine"
+            (root / entry["engine"]).write_bytes(b"a stand-in engine")
+    if engines:
+        m["tensorrt"] = {"profiles": [{n: {"min": [1, 1], "opt": [8, 16], "max": [32, 16]}
+                                       for n in ("input_ids", "attention_mask")}]}
+    (root / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
+    return root
+
+
+def test_engines_become_tensorrt_plans(tmp_path):
+    d = _fake_dir(tmp_path / "a", engines=True)
+    m = TR.build_repository(d)
+    for name, src in (("elastic_s000", "dense.engine"), ("elastic_s025", "budget_s025.engine"),
+                      ("elastic_s050", "budget_s050.engine")):
+        cfg = _parse(d / "triton" / name / "config.pbtxt")
+        assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 32  # the engines' profile maximum
+        assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+        assert os.path.samefile(d / "triton" / name / "1" / "model.plan", d / src)
+    assert {x["platform"] for x in m["triton"]["models"]} == {"tensorrt_plan"}
+    with pytest.raises(UserError, match="accept at most batch 32"):
+        TR.build_repository(d, max_batch=64)
+    with pytest.raises(UserError, match="run on the GPU only"):
+        TR.build_repository(d, kind="cpu")
+    TR.build_repository(d, platform="onnxruntime", kind="cpu", max_batch=64)  # the ONNX files instead
+    cfg = _parse(d / "triton" / "elastic_s025" / "config.pbtxt")
+    assert cfg.platform == "onnxruntime_onnx" and cfg.max_batch_size == 64
+    assert (d / "triton" / "elastic_s025" / "1" / "model.onnx").is_file()
+
+
+def test_fp16_onnx_types_from_the_file(tmp_path):
+    d = _fake_dir(tmp_path / "a", fp16=True)
+    TR.build_repository(d, precision="fp16", dense=False)
+    cfg = _parse(d / "triton" / "elastic_s050" / "config.pbtxt")
+    assert cfg.output[0].data_type == model_config_pb2.TYPE_FP16
+    assert cfg.input[0].data_type == model_config_pb2.TYPE_INT64
+    assert os.path.samefile(d / "triton" / "elastic_s050" / "1" / "model.onnx", d / "budget_s050.fp16.onnx")
+    router = _parse(d / "triton" / "elastic" / "config.pbtxt")
+    assert json.loads(router.parameters["budget_models"].string_value) == [[0.25, "elastic_s025"],
+                                                                            [0.5, "elastic_s050"]]
+
+
+def test_copies_when_links_fail(tmp_path, monkeypatch):
+    d = _fake_dir(tmp_path / "a")
+
+    def no_link(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(TR.os, "link", no_link)
+    TR.build_repository(d)
+    served = d / "triton" / "elastic_s025" / "1" / "model.onnx"
+    assert not os.path.samefile(served, d / "budget_s025.onnx")
+    assert served.read_bytes() == (d / "budget_s025.onnx").read_bytes()
+
+
+def test_failed_build_leaves_previous_repository(tmp_path, monkeypatch):
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    before, manifest = _tree(d / "triton"), (d / "manifest.json").read_text()
+
+    def broken(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(TR, "_place", broken)
+    with pytest.raises(OSError):
+        TR.build_repository(d, name="other")
+    assert _tree(d / "triton") == before and (d / "manifest.json").read_text() == manifest
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".triton")]
+
+
+# --- a real Triton server -------------------------------------------------------------------------
+TRITONSERVER = shutil.which("tritonserver")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(TRITONSERVER is None, reason="needs a tritonserver binary on PATH (e.g. inside the "
+                    "nvcr.io/nvidia/tritonserver:<ver>-py3 container); none here")
+def test_served_outputs_match_each_budget_onnx(art, repo, tmp_path):
+    import onnxruntime as ort
+    import tritonclient.grpc as grpcclient
+
+    http, grpc, metrics = _free_port(), _free_port(), _free_port()
+    log = open(tmp_path / "tritonserver.log", "w")
+    server = subprocess.Popen([TRITONSERVER, f"--model-repository={repo}", f"--http-port={http}",
+                               f"--grpc-port={grpc}", f"--metrics-port={metrics}", "--log-verbose=0"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+        deadline = time.time() + 180
+        while True:
+            try:
+                if client.is_server_ready() and client.is_model_ready("elastic"):
+                    break
+            except Exception:  # not listening yet
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                tail = (tmp_path / "tritonserver.log").read_text()[-3000:]
+                pytest.fail(f"tritonserver did not become ready:\n{tail}")
+            time.sleep(1)
+
+        rng = np.random.default_rng(0)
+        ids = rng.integers(1000, 20000, (2, 12)).astype(np.int64)
+        mask = np.ones_like(ids)
+        mask[1, 8:] = 0
+        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        m = load_manifest(art)
+        files = {0.0: m["dense"]["onnx"], **{b["sparsity"]: b["onnx"] for b in m["budgets"]}}
+
+        def infer(sparsity=None, parameter=None):
+            inputs = []
+            for name, arr in feeds.items():
+                t = grpcclient.InferInput(name, list(arr.shape), "INT64")
+                t.set_data_from_numpy(arr)
+                inputs.append(t)
+            if sparsity is not None:
+                t = grpcclient.InferInput("sparsity", [2, 1], "FP32")
+                t.set_data_from_numpy(np.full((2, 1), sparsity, np.float32))
+                inputs.append(t)
+            outputs = [grpcclient.InferRequestedOutput(n) for n in ("sentence_embedding", "served_sparsity")]
+            params = {"sparsity": parameter} if parameter is not None else None
+            return client.infer("elastic", inputs, outputs=outputs, parameters=params)
+
+        for kw, served in (({"sparsity": 0.1}, 0.1), ({"parameter": 0.5}, 0.5), ({"sparsity": 0.3}, 0.5), ({}, 0.1)):
+            res = infer(**kw)
+            want = ort.InferenceSession(str(art / files[served]), providers=["CPUExecutionProvider"]).run(
+                ["sentence_embedding"], feeds)[0]
+            got = res.as_numpy("sentence_embedding")
+            assert np.abs(got - want).max() <= 1e-3, (kw, np.abs(got - want).max())
+            assert np.allclose(res.as_numpy("served_sparsity"), served)
+        with pytest.raises(Exception, match="above the sparsest served budget"):
+            infer(sparsity=0.9)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
