@@ -75,6 +75,9 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types here
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise UserError(f"{path}: the model ships its own Python code, which is not run by default; "
+                            "pass --trust-remote-code only if you trust its source")
         raise UserError(f"{path}: not a loadable Hugging Face model directory ({str(e).splitlines()[0]})")
     has_weights = any((path / f).exists() for f in ("model.safetensors", "model.safetensors.index.json"))
     if not has_weights:

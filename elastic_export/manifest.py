@@ -31,7 +31,7 @@ def resolve(directory: Path, rel: str | None) -> Path | None:
     """Path of a manifest entry; refuses absolute paths and paths that leave the directory."""
     if rel is None:
         return None
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute():
+    if not isinstance(rel, str) or not rel or "\x00" in rel or Path(rel).is_absolute():
         raise UserError(f"{directory / MANIFEST}: path {rel!r} must be relative to the manifest")
     root = directory.resolve()
     p = (root / rel).resolve()
@@ -57,7 +57,7 @@ def load_manifest(directory: str | Path) -> dict:
         raise UserError(f"{directory}: no {MANIFEST}; not an elastic-export artifact directory")
     try:
         m = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"{path}: unreadable manifest ({e})")
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise UserError(f"{path}: format is not {FORMAT!r}")
@@ -72,19 +72,33 @@ def load_manifest(directory: str | Path) -> dict:
     for key in ("inputs", "outputs"):
         if not isinstance(m[key], list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in m[key]):
             raise UserError(f"{path}: {key!r} must be a list of {{name, dtype, shape}} objects")
-    resolve(directory, m["dense"].get("onnx"))
-    resolve(directory, m["dense"].get("onnx_fp16"))
-    resolve(directory, m["dense"].get("onnx_optimized"))
+    if not isinstance(m["dense"].get("onnx"), str):
+        raise UserError(f"{path}: 'dense' needs its 'onnx' file")
+    for key in ("onnx", "onnx_fp16", "onnx_optimized", "engine"):
+        resolve(directory, m["dense"].get(key))
     resolve(directory, m["ranking"].get("file"))
+    seen: set[float] = set()
     for b in m["budgets"]:
         if not isinstance(b, dict):
             raise UserError(f"{path}: every budget must be an object")
-        resolve(directory, b.get("onnx"))
-        resolve(directory, b.get("onnx_fp16"))
-        resolve(directory, b.get("onnx_optimized"))
-        resolve(directory, b.get("engine"))
-    if m.get("elastic"):
-        if not isinstance(m["elastic"], dict):
-            raise UserError(f"{path}: 'elastic' must be an object or null")
-        resolve(directory, m["elastic"].get("onnx"))
+        s = b.get("sparsity")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < 1:
+            raise UserError(f"{path}: budget sparsity {s!r} must be a number in [0, 1)")
+        if round(s, 6) in seen:
+            raise UserError(f"{path}: budget sparsity {s!r} is listed twice")
+        seen.add(round(s, 6))
+        if not isinstance(b.get("onnx"), str):
+            raise UserError(f"{path}: budget {s!r} needs its 'onnx' file")
+        for key in ("onnx", "onnx_fp16", "onnx_optimized", "engine"):
+            resolve(directory, b.get(key))
+        for key in ("heads_per_layer", "neurons_per_layer"):
+            v = b.get(key)
+            if v is not None and not (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                   and x >= 0 for x in v)):
+                raise UserError(f"{path}: budget {s!r}: {key!r} must be a list of non-negative integers")
+    for key, field in (("elastic", "onnx"), ("triton", "dir")):
+        if m.get(key) is not None:
+            if not isinstance(m[key], dict):
+                raise UserError(f"{path}: {key!r} must be an object or null")
+            resolve(directory, m[key].get(field))
     return m

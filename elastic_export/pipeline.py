@@ -26,7 +26,7 @@ from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
 from elastic_export.export import export_dense
-from elastic_export.fileio import check_creatable, umask
+from elastic_export.fileio import OutputLock, check_creatable, umask
 from elastic_export.fp16 import add_fp16, check_precision
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
@@ -71,6 +71,7 @@ class Options:
     precision: str = "fp32"  # "fp16": also an fp16 twin of every ONNX file (elastic_export.fp16)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
+    report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
 
 
 def _jsonable(cfg: dict | None) -> dict | None:
@@ -101,7 +102,9 @@ def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Ca
     if opts.method in NEEDS_DATA:
         calib = load_calibration(encoder, opts.calib, size=opts.calib_size, batch_size=opts.batch_size, seed=opts.seed)
         desc = calib.description
-        echo(f"calibration: {desc.get('samples')} samples from {desc.get('source')}")
+        skipped = desc.get("failed_to_decode") or 0
+        echo(f"calibration: {desc.get('samples')} samples from {desc.get('source')}"
+             + (f" ({skipped} images failed to decode and were skipped)" if skipped else ""))
     dev = check_device(opts.device)
     t0 = time.time()
     encoder.module.to(dev)
@@ -131,6 +134,24 @@ def prepare_out(out: Path, overwrite: bool) -> None:
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not overwrite:
         raise UserError(f"--out {out}: exists and holds other files; pass --overwrite to replace it")
     check_creatable(out, "--out")  # parents are created only once the run succeeds this far
+
+
+def clean_stale(out: Path, echo: Callable[[str], None] = print) -> None:
+    """With ``out``'s lock held: remove the temporary directories that killed runs left next to
+    it; if a run was killed between moving the previous artifact set aside and moving the new one
+    in, put the previous set back first."""
+    import glob
+
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        return
+    name = glob.escape(out.name)
+    olds = sorted(parent.glob(f".{name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if olds and not out.exists():
+        os.replace(olds.pop(), out)
+        echo(f"restored the previous {out} (a run was killed while replacing it)")
+    for d in [*parent.glob(f".{name}.tmp-*"), *olds]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def commit_out(tmp: Path, out: Path) -> None:
@@ -199,12 +220,39 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
             "max_abs_error": worst}
 
 
+def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]) -> None:
+    """Render ``directory/report.html`` (shown as ``out``); a failure only warns: it never costs the artifacts."""
+    try:
+        from elastic_export.report import write_report
+
+        write_report(directory, name=str(out))
+    except Exception as e:  # noqa: BLE001 - the report is a view of the artifacts, not one of them
+        echo(f"warning: report.html not written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
+
 def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
-    """Run the whole pipeline; returns the manifest written to ``opts.out``."""
+    """Run the whole pipeline; returns the manifest written to ``opts.out``.
+
+    A second process given the same ``--out`` while this one runs is refused (:class:`OutputLock`).
+    """
     if not opts.budgets:
         raise UserError("no budgets given")
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        raise UserError("the main job runs in one process; under torchrun run `-m elastic_export rank` "
+                        "(distributed), then the main job with --ranking FILE")
+    prepare_out(Path(opts.out), opts.overwrite)
+    lock = OutputLock(opts.out)
+    if lock.acquire():  # here if --out's parent exists, else once it has been created
+        clean_stale(Path(opts.out), echo)
+        prepare_out(Path(opts.out), opts.overwrite)  # again: another process may have written it meanwhile
+    try:
+        return _run(opts, lock, echo)
+    finally:
+        lock.release()
+
+
+def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
     out = Path(opts.out)
-    prepare_out(out, opts.overwrite)
     check_device(opts.device)
     check_precision(opts.precision)
     echo(f"loading {opts.model or 'all-MiniLM-L6-v2 (embedded default)'}")
@@ -215,6 +263,7 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
          f"{inventory.total_params / 1e6:.2f}M params")
     check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
+    rank_seconds = None  # time taken to rank (None: reused)
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
         ranking.check_matches(inventory, encoder.fingerprint(), f"--ranking {opts.ranking}")
@@ -222,11 +271,17 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
     else:
         if opts.checkpoint is None:
             opts.checkpoint = str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
+        t_rank = time.time()
         ranking = rank_encoder(encoder, inventory, opts, echo)
+        rank_seconds = round(time.time() - t_rank, 1)
     plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
 
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
+    if not lock.held:
+        lock.acquire()
+        clean_stale(out, echo)
+        prepare_out(out, opts.overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
     try:
         os.chmod(tmp, 0o777 & ~umask())
@@ -296,12 +351,14 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
                 for p, name, err in rows
             ],
             "elastic": elastic,
-            "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method")},
+            "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method"), "seconds": rank_seconds},
         }
         write_manifest(tmp, manifest)
         if opts.ort_optimize:
             optimize_artifacts(tmp, update_manifest=True, echo=echo)
             manifest = load_manifest(tmp)
+        if opts.report:
+            write_report_or_warn(tmp, out, echo)
         commit_out(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

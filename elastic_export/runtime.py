@@ -546,6 +546,12 @@ class ElasticRuntime:
         Raises:
             UserError: unknown sparsity or a missing input.
         """
+        return self.serve(feeds, sparsity)[1]
+
+    def serve(self, feeds: Mapping[str, np.ndarray],
+              sparsity: float | None = None) -> tuple[float, dict[str, np.ndarray]]:
+        """:meth:`run`, and the sparsity of the budget that served the request (for logs and
+        clients that want to know what they got while the budget switches under load)."""
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
             raise UserError(f"missing input {missing[0]!r}; the model takes {', '.join(self.input_names)}")
@@ -557,8 +563,8 @@ class ElasticRuntime:
                 raise UserError(f"sparsity {sparsity!r} is not a listed budget; listed: {_fmt(self.sparsities)}")
         got = self._budgets[s].run({n: feeds[n] for n in self.input_names})
         if isinstance(got, dict):
-            return {n: got[n] for n in self.output_names}
-        return dict(zip(self.output_names, got))
+            return s, {n: got[n] for n in self.output_names}
+        return s, dict(zip(self.output_names, got))
 
     def file(self, sparsity: float) -> str:
         """The file (relative to the directory) that serves ``sparsity``."""

@@ -125,7 +125,8 @@ def apply_passes(graph: gs.Graph, names: list[str], ctx: PassContext, check: boo
 
 def run_passes(model: onnx.ModelProto, names: list[str], ctx: PassContext, check: bool = True,
                full_check: bool = True) -> onnx.ModelProto:
-    """Run the named passes in order, verifying the graph after each one.
+    """Run the named passes in order, verifying the graph after each one. The unit map is first
+    checked against the graph (:func:`check_unit_map`): a corrupt model is refused before any pass.
 
     Args:
         model: input model (not modified).
@@ -135,7 +136,9 @@ def run_passes(model: onnx.ModelProto, names: list[str], ctx: PassContext, check
         full_check: also run :func:`verify` (``onnx.checker``, which serialises the model) on the
             result. Off for the per-budget fast path, where onnxruntime loads every file anyway.
     """
-    out = gs.export_onnx(apply_passes(gs.import_onnx(model), names, ctx, check))
+    graph = gs.import_onnx(model)
+    check_unit_map(graph, ctx.units)
+    out = gs.export_onnx(apply_passes(graph, names, ctx, check))
     if full_check:
         verify(out, names[-1] if names else "none")
     return out
@@ -168,9 +171,56 @@ def _dense_units(dense: onnx.ModelProto) -> list[dict]:
     from elastic_export.export import get_units
 
     try:
-        return get_units(dense)
+        units = get_units(dense)
     except (ValueError, KeyError) as e:
         raise UserError(f"corrupt elastic-export unit map in the ONNX model ({e})")
+    def counted(entry) -> bool:
+        return (isinstance(entry, dict) and type(entry.get("count")) is int and entry["count"] >= 0
+                and type(entry.get("width")) is int and entry["width"] > 0)
+
+    if not isinstance(units, list) or not all(isinstance(L, dict) and counted(L.get("heads")) and counted(L.get("neurons"))
+                                              for L in units):
+        raise UserError("corrupt elastic-export unit map in the ONNX model (every layer needs integer head and "
+                        "neuron counts and widths); export it again")
+    return units
+
+
+_TENSOR_KEYS = ("weight", "bias")
+_NODE_KEYS = ("reshape", "matmul", "add")
+
+
+def check_unit_map(graph: gs.Graph, units: list[dict]) -> None:
+    """Refuse (one-line :class:`UserError`) a model whose unit map does not describe its graph:
+    every layer needs counts and widths, and every weight, bias, node and output it names must
+    exist, so that no pass ever meets a missing name half-way through (a corrupt, truncated or
+    hand-edited model)."""
+    tensors = graph.tensors()
+    nodes = {n.name for n in graph.nodes}
+    fix = "the ONNX model is corrupt or was edited after export; export it again"
+    try:
+        for i, layer in enumerate(units):
+            for kind in ("heads", "neurons"):
+                entry = layer[kind]
+                if not (isinstance(entry["count"], int) and entry["count"] >= 0 and isinstance(entry["width"], int)):
+                    raise UserError(f"layer {i} {kind}: bad count or width in the unit map; {fix}")
+                if entry["count"] == 0:
+                    continue
+                for role in [*entry["producers"], entry["consumer"]]:
+                    for key in _TENSOR_KEYS:
+                        name = role.get(key)
+                        if name is not None and not isinstance(tensors.get(name), gs.Constant):
+                            raise UserError(f"layer {i} {kind}: the unit map names {key} {name!r}, which is not "
+                                            f"a weight of the graph; {fix}")
+                    for key in _NODE_KEYS:
+                        name = role.get(key)
+                        if name is not None and name not in nodes:
+                            raise UserError(f"layer {i} {kind}: the unit map names node {name!r}, which the graph "
+                                            f"lacks; {fix}")
+                out = entry["consumer"].get("output")
+                if out is not None and out not in tensors:
+                    raise UserError(f"layer {i} {kind}: the unit map names tensor {out!r}, which the graph lacks; {fix}")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"corrupt elastic-export unit map in the ONNX model (missing or bad {e}); {fix}") from None
 
 
 def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], names: list[str] | None = None,
@@ -221,6 +271,7 @@ class BudgetSlicer:
         self.units = _dense_units(dense)
         self.names = list(names or BUDGET_PIPELINE)
         self._graph = gs.import_onnx(dense)
+        check_unit_map(self._graph, self.units)
         self._skeleton = model_skeleton(dense)
         self._cache = TensorCache()
 

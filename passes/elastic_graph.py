@@ -242,12 +242,10 @@ def build_elastic_model(dense: onnx.ModelProto, heads: list[list[int]], neurons:
     Raises:
         UserError: no budgets, tables of the wrong shape, or counts outside ``[0, count]``.
     """
-    from elastic_export.export import UNITS_KEY, get_units
+    from elastic_export.export import UNITS_KEY
+    from elastic_export.passes.base import _dense_units
 
-    try:
-        units = get_units(dense)
-    except (ValueError, KeyError) as e:
-        raise UserError(f"corrupt elastic-export unit map in the ONNX model ({e})")
+    units = _dense_units(dense)
     if not heads or len(heads) != len(neurons):
         raise UserError(f"need one head and one neuron plan per budget (got {len(heads)} and {len(neurons)})")
     for b, (hb, nb) in enumerate(zip(heads, neurons)):

@@ -246,3 +246,16 @@ def test_budget_tag_encodes_the_value(micros):
 def test_budget_tag_is_injective(m1, m2):
     assume(m1 != m2)
     assert budget_tag(round(m1 / 1e6, 6)) != budget_tag(round(m2 / 1e6, 6))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.text(max_size=24), st.text(alphabet="0123456789.,:-e+ ", max_size=24)))
+def test_any_string_parses_cleanly_or_raises_user_error(spec):
+    """The parser never raises anything but UserError, and what it accepts is sorted, unique, in [0, 1)."""
+    try:
+        values = parse_budgets(spec)
+    except UserError as e:
+        assert "\n" not in str(e)
+        return
+    assert list(values) == sorted(set(values)) and values
+    assert all(isinstance(v, float) and 0 <= v < 1 and math.isfinite(v) for v in values)

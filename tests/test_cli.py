@@ -152,6 +152,9 @@ CASES: dict[str, Callable[[Path], list[str] | tuple[list[str], dict]]] = {
     "test_bad_budgets[not-a-number]": _args("--budgets", "abc"),
     "test_bad_budgets[duplicate]": _args("--budgets", "0.1,0.1"),
     "test_bad_budgets[above-one]": _args("--budgets", "1.5"),
+    "test_bad_budgets[empty]": _args("--budgets", ""),
+    "test_bad_budgets[negative]": _args("--budgets", "-0.1"),
+    "test_bad_budgets[empty-item]": _args("--budgets", "0.1,,0.2"),
     "test_bad_budgets_overflowing_range": _args("--budgets", "0..1e308"),
     "test_unknown_option": _args("--bogus"),
     "test_missing_model_path": _args("--model", "/nonexistent/path", *CHEAP),
@@ -222,8 +225,9 @@ def result(runs, request) -> Result:
 
 
 # --- bad input -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["0.7..0.2", "abc", "0.1,0.1", "1.5"],
-                         ids=["reversed-range", "not-a-number", "duplicate", "above-one"])
+@pytest.mark.parametrize("spec", ["0.7..0.2", "abc", "0.1,0.1", "1.5", "", "-0.1", "0.1,,0.2"],
+                         ids=["reversed-range", "not-a-number", "duplicate", "above-one", "empty", "negative",
+                              "empty-item"])
 def test_bad_budgets(result, spec):
     assert_bad_input(result, "--budgets", spec)
     assert "loading" not in result.stderr  # refused before any model is loaded

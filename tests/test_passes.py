@@ -174,6 +174,50 @@ def test_save_graph_matches_graphsurgeon_export(tmp_path, dtype):
     onnx.checker.check_model(got, full_check=True)
 
 
+def _corrupt(dense, how: str):
+    import json as _json
+
+    from elastic_export.export import UNITS_KEY
+
+    bad = onnx.ModelProto()
+    bad.CopyFrom(dense)
+    units = get_units(bad)
+    if how == "renamed-weight":
+        name = units[0]["neurons"]["producers"][0]["weight"]
+        next(t for t in bad.graph.initializer if t.name == name).name = name + "_edited"
+    elif how == "missing-node":
+        name = units[-1]["heads"]["consumer"]["reshape"]
+        node = next(n for n in bad.graph.node if n.name == name)
+        bad.graph.node.remove(node)
+    elif how == "garbage-map":
+        next(p for p in bad.metadata_props if p.key == UNITS_KEY).value = "{not json"
+    elif how == "map-wrong-types":
+        units[0]["heads"]["count"] = "four"
+        next(p for p in bad.metadata_props if p.key == UNITS_KEY).value = _json.dumps(units)
+    elif how == "map-missing-keys":
+        del units[1]["neurons"]["consumer"]
+        next(p for p in bad.metadata_props if p.key == UNITS_KEY).value = _json.dumps(units)
+    return bad
+
+
+@pytest.mark.parametrize("how", ["renamed-weight", "missing-node", "garbage-map", "map-wrong-types", "map-missing-keys"])
+def test_corrupt_model_is_refused_before_any_pass(setup, tmp_path, how):
+    """A model whose unit map does not describe its graph: one-line UserError from every entry
+    point of the passes, and no file written."""
+    from elastic_export.passes import build_elastic_model
+
+    enc, rk, dense, plan = setup
+    bad = _corrupt(dense, how)
+    heads, neurons = plan.heads_per_layer, plan.neurons_per_layer
+    for call in (lambda: slice_model(bad, heads, neurons),
+                 lambda: BudgetSlicer(bad).save(heads, neurons, tmp_path / "b.onnx"),
+                 lambda: build_elastic_model(bad, [heads], [neurons])):
+        with pytest.raises(UserError) as e:
+            call()
+        assert "\n" not in str(e.value) and ("corrupt" in str(e.value) or "unit map" in str(e.value))
+    assert not (tmp_path / "b.onnx").exists()
+
+
 def _graph(nodes_fn):
     x = gs.Variable("x", np.float32, (1, 2))
     y = gs.Variable("y", np.float32, (1, 2))
