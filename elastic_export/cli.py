@@ -81,7 +81,7 @@ def ranking_options(fn):
 
 def export_options(fn):
     """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision,
-    --ort-optimize."""
+    --ort-optimize, --report/--no-report."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -103,6 +103,8 @@ def export_options(fn):
                      help="Also write onnxruntime-optimised copies (dense.opt.onnx, budget_*.opt.onnx: fused "
                           "attention / SkipLayerNorm / Gelu where the patterns match), each checked against "
                           "its source. For the CUDA provider; on CPU the plain files are as fast."),
+        click.option("--report/--no-report", default=True, show_default=True,
+                     help="Also write DIR/report.html (see `elastic-export report`); a failure to render only warns."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -137,6 +139,8 @@ def _run_main_job(**kw) -> None:
     opts = Options(budgets=tuple(budgets), elastic=elastic, **kw)
     manifest = run(opts, echo=_echo)
     _print_budget_table(manifest, Path(opts.out))
+    if opts.report and (Path(opts.out) / "report.html").is_file():
+        click.echo(f"wrote {Path(opts.out) / 'report.html'}")
 
 
 def _print_budget_table(manifest: dict, out: Path) -> None:
@@ -361,6 +365,18 @@ def bench_cmd(directory, backend, provider, batches, seq_len, repeats, warmup, t
     click.echo(format_table(result))
     for path in [written.json, *written.plots] + ([written.profile] if written.profile else []):
         click.echo(f"wrote {path}")
+
+@cli.command("report")
+@click.argument("directory", metavar="DIR")
+@click.option("--out", default=None, type=click.Path(), help="HTML file [default: DIR/report.html].")
+def report_cmd(directory, out):
+    """Write DIR/report.html: one self-contained page (inline PNGs, no network) with the budget table,
+    quality vs GFLOPs of the eval results in DIR, where sparsity goes per block (every ranking file in
+    DIR side by side), speed vs budget (DIR/bench.json) and the ranking's provenance."""
+    from elastic_export.report import write_report
+
+    click.echo(f"wrote {write_report(directory, out=out, echo=_echo)}")
+
 
 @cli.command("build")
 @click.argument("directory", metavar="DIR")

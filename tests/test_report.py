@@ -1,0 +1,335 @@
+"""``elastic-export report DIR`` and the report the main job writes: a tiny BERT exported by the real
+pipeline, evaluated, benchmarked and ranked a second way, its page rendered in headless Chromium
+(driven through the DevTools protocol over ``--remote-debugging-pipe``: no extra dependency)."""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import json
+import os
+import re
+import select
+import shutil
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_export import pipeline
+from elastic_export.cli import main
+from elastic_export.report import REPORT, render_report, write_report
+from elastic_export.loader import default_model_path
+from elastic_export.retrieval_data import heldout_pairs, write_pairs_jsonl
+
+QUIET = dict(echo=lambda s: None)
+BUDGETS = (0.3, 0.6)
+SECTIONS = ("budgets", "quality", "sparsity", "speed", "provenance")
+CHROMIUM = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run the console entry point in-process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    captured = capsys.readouterr()
+    return exit_.value.code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("report")
+
+
+@pytest.fixture(scope="module")
+def model(work) -> Path:
+    """A tiny sentence-transformers BERT with MiniLM's tokenizer (so ``eval`` can run on it)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from conftest import _perturb
+
+    path = work / "bert"
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    _perturb(BertModel(cfg, add_pooling_layer=False), seed=1).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(default_model_path() / f, path / f)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(work, model) -> tuple[Path, Path]:
+    """The main job twice (magnitude and random rankings); only the main job has run on them."""
+    dirs = []
+    for method in ("magnitude", "random"):
+        out = work / method
+        pipeline.run(pipeline.Options(model=str(model), method=method, budgets=BUDGETS, out=str(out), seq_len=16,
+                                      elastic_graph=method == "magnitude"), **QUIET)
+        dirs.append(out)
+    return dirs[0], dirs[1]
+
+
+@pytest.fixture(scope="module")
+def full(work, exported) -> Path:
+    """The magnitude directory with everything a report shows: eval results of both directories,
+    bench.json, and the random ranking as a second ranking file; report re-rendered by the CLI."""
+    main_dir, other = exported
+    pairs = write_pairs_jsonl(work / "pairs.jsonl", heldout_pairs(n=32))
+    shutil.copy(other / "ranking.safetensors", main_dir / "ranking_random.safetensors")
+    for args in (["eval", str(main_dir), str(other), "--pairs", str(pairs), "--out", str(main_dir / "eval.json")],
+                 ["bench", str(main_dir), "--batches", "1,2", "--repeats", "2", "--warmup", "0"],
+                 ["report", str(main_dir)]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 0, args
+    return main_dir
+
+
+def _images(page: str) -> list[bytes]:
+    srcs = re.findall(r'<img [^>]*src="([^"]+)"', page)
+    assert all(s.startswith("data:image/png;base64,") for s in srcs), [s[:40] for s in srcs]
+    return [base64.b64decode(s.split(",", 1)[1]) for s in srcs]
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# --- the main job -------------------------------------------------------------------------------
+def test_main_job_writes_the_report(exported):
+    d, _ = exported
+    page = (d / REPORT).read_text()
+    m = json.loads((d / "manifest.json").read_text())
+    assert isinstance(m["ranking"]["seconds"], float)
+    for anchor in SECTIONS:
+        assert f'<section id="{anchor}">' in page
+    # a fresh directory has no eval or bench results yet: one line each, not a failure
+    assert page.count('class="absent"') == 2
+    assert "No evaluation results" in page and "No speed measurements" in page
+    assert len(_images(page)) == 1  # where sparsity goes
+    for b in m["budgets"]:
+        assert b["onnx"] in page
+    assert not [p for p in d.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
+
+
+def test_report_is_fast(exported):
+    d, _ = exported
+    render_report(d)  # matplotlib imported once
+    t0 = time.perf_counter()
+    render_report(d)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_render_failure_keeps_artifacts(work, model, monkeypatch):
+    import elastic_export.report as report
+
+    def broken(*args, **kw):
+        raise RuntimeError("renderer exploded")
+
+    monkeypatch.setattr(report, "render_report", broken)
+    out, said = work / "broken", []
+    m = pipeline.run(pipeline.Options(model=str(model), method="magnitude", budgets=(0.5,), out=str(out), seq_len=16,
+                                      verify=False, elastic_graph=False), echo=said.append)
+    assert not (out / REPORT).exists()
+    assert sorted(p.name for p in out.iterdir()) == ["budget_s050.onnx", "dense.onnx", "manifest.json",
+                                                     "ranking.safetensors"]
+    assert m["budgets"][0]["onnx"] == "budget_s050.onnx"
+    assert any("report.html not written" in s and "renderer exploded" in s for s in said)
+
+
+def test_cli_no_report_flag(work, model, capsys):
+    out = work / "cli-no-report"
+    code, stdout, _ = cli(["--model", str(model), "--budgets", "0.5", "--method", "magnitude", "--seq-len", "16",
+                           "--no-verify", "--no-elastic-graph", "--no-report", "--out", str(out)], capsys)
+    assert code == 0 and not (out / REPORT).exists() and "report.html" not in stdout
+    out = work / "cli-report"
+    code, stdout, _ = cli(["--model", str(model), "--budgets", "0.5", "--method", "magnitude", "--seq-len", "16",
+                           "--no-verify", "--no-elastic-graph", "--out", str(out)], capsys)
+    assert code == 0 and (out / REPORT).is_file()
+    assert stdout.strip().splitlines()[-1] == f"wrote {out / REPORT}"
+
+
+# --- every section with data --------------------------------------------------------------------
+def test_full_report_has_every_section(full):
+    page = (full / REPORT).read_text()
+    assert 'class="absent"' not in page and "could not be drawn" not in page
+    for anchor in SECTIONS:
+        assert f'<section id="{anchor}">' in page
+    images = _images(page)
+    assert len(images) == 3  # quality, where sparsity goes, speed
+    assert all(w > 100 and h > 100 for w, h in map(_png_size, images))
+    assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing from the network
+    assert "default-src 'none'" in page
+    # both rankings side by side, both eval curves, the bench table, the provenance
+    sparsity = page.split('<section id="sparsity">')[1].split("</section>")[0]
+    assert "ranking_random.safetensors" in sparsity and "ranking.safetensors" in sparsity
+    quality = page.split('<section id="quality">')[1].split("</section>")[0]
+    assert "eval.json" in quality and "magnitude" in quality and "random" in quality
+    speed = page.split('<section id="speed">')[1].split("</section>")[0]
+    assert "bench.json" in speed and "inputs/s" in speed
+    prov = page.split('<section id="provenance">')[1].split("</section>")[0]
+    assert prov.count("<h3>") == 2 and "time taken" in prov and "calibration data" in prov
+    assert re.search(r"<dd>\d+\.\d s</dd>", prov)  # the main job recorded how long ranking took
+
+
+def test_absent_and_broken_data_do_not_fail(full, tmp_path, capsys):
+    d = tmp_path / "copy"
+    shutil.copytree(full, d)
+    (d / "eval.json").write_text('{"results": [{"budgets": [{"gflops": "many"}]}]}')
+    (d / "bench.json").unlink()
+    (d / "broken.json").write_text("{not json")
+    (d / "ranking_random.safetensors").write_bytes(b"not a ranking")
+    (d / "ranking.safetensors").unlink()
+    code, stdout, _ = cli(["report", str(d), "--out", str(tmp_path / "r.html")], capsys)
+    assert code == 0 and stdout.strip() == f"wrote {tmp_path / 'r.html'}"
+    page = (tmp_path / "r.html").read_text()
+    assert "Evaluation results were found but hold no metric" in page
+    assert "No speed measurements" in page
+    assert "No readable ranking file" in page and "ranking.safetensors is missing" in page
+    assert "broken.json" in page and "ranking_random.safetensors: skipped" in page
+    assert "could not be drawn" not in page
+
+
+def test_ranking_of_another_model_is_skipped(full, tmp_path):
+    from elastic_export.ranking import load_ranking, save_ranking
+
+    d = tmp_path / "copy"
+    shutil.copytree(full, d)
+    other = load_ranking(d / "ranking_random.safetensors")
+    other.meta["fingerprint"] = "sha256:another"
+    save_ranking(other, d / "ranking_random.safetensors")
+    page = render_report(d)
+    assert "ranking_random.safetensors: skipped (it was made for another model)" in page
+    assert len(_images(page)) == 3  # the directory's own ranking is still drawn
+
+
+@pytest.mark.parametrize("args, words", [
+    (["report", "/nonexistent/dir"], "no such directory"),
+    (["report", "."], "no manifest.json"),
+])
+def test_cli_bad_input_exits_2_with_one_line(args, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(args, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and words in err
+
+
+def test_write_report_out_is_a_directory(full, tmp_path):
+    from elastic_export.errors import UserError
+
+    with pytest.raises(UserError, match="is a directory"):
+        write_report(full, out=tmp_path)
+
+
+# --- in a real browser --------------------------------------------------------------------------
+class DevTools:
+    """Headless Chromium driven through the DevTools protocol over ``--remote-debugging-pipe``
+    (JSON messages separated by NUL bytes; the browser reads fd 3 and writes fd 4)."""
+
+    def __init__(self, binary: str, workdir: Path, timeout: float = 60.0):
+        self.timeout, self.events, self._id, self._buf = timeout, [], 0, b""
+        self.log = workdir / "chromium.log"
+        cmd_r, self._cmd_w = os.pipe()
+        self._out_r, out_w = os.pipe()
+        # the child's ends moved above fd 9, so bash's 3< / 4> redirections cannot clobber them
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (cmd_r, out_w)]
+        os.close(cmd_r)
+        os.close(out_w)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                ["bash", "-c", f'exec "$0" "$@" 3<&{high[0]} 4>&{high[1]}', binary, "--headless", "--no-sandbox",
+                 "--disable-gpu", "--no-first-run", "--remote-debugging-pipe",
+                 f"--user-data-dir={workdir / 'profile'}", "about:blank"],
+                pass_fds=tuple(high), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        for fd in high:
+            os.close(fd)
+
+    def _recv(self) -> dict:
+        end = time.monotonic() + self.timeout
+        while b"\0" not in self._buf:
+            ready, _, _ = select.select([self._out_r], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                raise TimeoutError("no message from chromium")
+            chunk = os.read(self._out_r, 1 << 16)
+            if not chunk:
+                raise EOFError(f"chromium closed the pipe: {self.log.read_text(errors='replace')[-2000:]}")
+            self._buf += chunk
+        msg, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        try:
+            os.write(self._cmd_w, json.dumps(msg).encode() + b"\0")
+        except BrokenPipeError:
+            raise EOFError(f"chromium is gone: {self.log.read_text(errors='replace')[-2000:]}")
+        while True:
+            reply = self._recv()
+            if reply.get("id") == self._id:
+                assert "error" not in reply, reply
+                return reply.get("result", {})
+            self.events.append(reply)
+
+    def wait_for(self, method: str) -> None:
+        while not any(e.get("method") == method for e in self.events):
+            self.events.append(self._recv())
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+            self.proc.wait(timeout=20)
+        except Exception:  # noqa: BLE001 - make sure our own browser process is gone
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            os.close(self._cmd_w)
+            os.close(self._out_r)
+
+
+def _chromium() -> str:
+    for name in CHROMIUM:
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.skip("chromium not found (Debian: apt-get install -y chromium; .ci/run installs it)")
+
+
+def test_report_in_headless_chromium(full, tmp_path):
+    browser = DevTools(_chromium(), tmp_path)
+    try:
+        target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Runtime", "Log", "Page", "Network"):
+            browser.call(f"{domain}.enable", session=session)
+        browser.call("Page.navigate", {"url": (full / REPORT).resolve().as_uri()}, session)
+        browser.wait_for("Page.loadEventFired")
+        js = ("JSON.stringify({title: document.title, sections: document.querySelectorAll('section').length,"
+              " images: [...document.images].map(i => [i.complete, i.naturalWidth, i.naturalHeight])})")
+        state = json.loads(browser.call("Runtime.evaluate", {"expression": js, "returnByValue": True},
+                                        session)["result"]["value"])
+    finally:
+        browser.close()
+    events = [e for e in browser.events if e.get("sessionId") == session]
+    errors = [e["params"] for e in events
+              if (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
+              or e.get("method") == "Runtime.exceptionThrown"
+              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
+    assert errors == []
+    requests = [e["params"]["request"]["url"] for e in events if e.get("method") == "Network.requestWillBeSent"]
+    assert requests and all(u.startswith(("file:", "data:image/png;base64,")) for u in requests)
+    assert [u for u in requests if u.startswith("file:")] == [(full / REPORT).resolve().as_uri()]
+    assert state["title"].startswith("elastic-export report") and state["sections"] == len(SECTIONS)
+    assert len(state["images"]) == 3
+    assert all(done and w > 0 and h > 0 for done, w, h in state["images"]), state["images"]
