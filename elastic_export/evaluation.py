@@ -577,36 +577,50 @@ def _metrics_present(results: dict) -> list[str]:
     return [m for m in order if any(b.get(m) is not None for r in results["results"] for b in r["budgets"])]
 
 
-def plot_results(results: dict, path: str | Path) -> Path:
-    """PNG: one subplot per metric, metric vs GFLOPs, one curve per directory, dense marked (Agg)."""
+def quality_figure(curves: list[dict], metrics: list[str], width: float = 4.6, height: float = 3.6):
+    """One subplot per metric, metric vs GFLOPs, one curve per method, dense marked with a star.
+
+    Args:
+        curves: ``{"label", "budgets": [{"sparsity", "gflops", metric: value}]}``.
+        metrics: the metrics to plot.
+        width: inches per subplot.
+        height: inches per subplot.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    metrics = _metrics_present(results)
-    if not metrics:
-        raise UserError("nothing to plot: no metric was computed")
     ncols = min(3, len(metrics))
     nrows = -(-len(metrics) // ncols)
-    fig = Figure(figsize=(4.6 * ncols, 3.6 * nrows), layout="constrained")
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(metrics))]
     for ax, metric in zip(axes, metrics):
         dense_done = False
-        for r in results["results"]:
-            pts = sorted((b["gflops"], b[metric], b["sparsity"] == 0.0) for b in r["budgets"]
-                         if b.get(metric) is not None and b.get("gflops") is not None)
+        for c in curves:
+            pts = sorted((float(b["gflops"]), float(b[metric]), float(b.get("sparsity") or 0.0) == 0.0)
+                         for b in c["budgets"] if isinstance(b, dict) and isinstance(b.get(metric), (int, float))
+                         and isinstance(b.get("gflops"), (int, float)))
             if not pts:
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=r["label"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=c["label"])
             for x, y, is_dense in pts:
                 if is_dense:
-                    ax.plot([x], [y], linestyle="none", marker="*", markersize=13, color="black", zorder=5,
+                    ax.plot([x], [y], linestyle="none", marker="*", markersize=12, color="black", zorder=5,
                             label=None if dense_done else "dense")
                     dense_done = True
-        ax.set_title(metric)
+        ax.set_title(metric, fontsize="medium")
         ax.set_xlabel("GFLOPs")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize="small")
+    return fig
+
+
+def plot_results(results: dict, path: str | Path) -> Path:
+    """PNG: one subplot per metric, metric vs GFLOPs, one curve per directory, dense marked (Agg)."""
+    metrics = _metrics_present(results)
+    if not metrics:
+        raise UserError("nothing to plot: no metric was computed")
+    fig = quality_figure(results["results"], metrics)
 
     def write(tmp: str) -> None:
         fig.savefig(tmp, format="png", dpi=110)

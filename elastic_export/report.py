@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic_export.errors import UserError
+from elastic_export.evaluation import quality_figure
 from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.manifest import MANIFEST, load_manifest, resolve
 
@@ -202,38 +203,6 @@ def _png(fig, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def quality_figure(curves: list[dict], metrics: list[str]):
-    """One subplot per metric, metric vs GFLOPs, one curve per method, dense marked with a star.
-
-    Args:
-        curves: ``{"label", "budgets": [{"sparsity", "gflops", metric: value}]}``.
-        metrics: the metrics to plot.
-    """
-    ncols = min(3, len(metrics))
-    nrows = -(-len(metrics) // ncols)
-    fig = _figure(4.2 * ncols, 3.3 * nrows)
-    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(metrics))]
-    for ax, metric in zip(axes, metrics):
-        dense_done = False
-        for c in curves:
-            pts = sorted((float(b["gflops"]), float(b[metric]), float(b.get("sparsity") or 0.0) == 0.0)
-                         for b in c["budgets"] if isinstance(b, dict) and isinstance(b.get(metric), (int, float))
-                         and isinstance(b.get("gflops"), (int, float)))
-            if not pts:
-                continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=c["label"])
-            for x, y, is_dense in pts:
-                if is_dense:
-                    ax.plot([x], [y], linestyle="none", marker="*", markersize=12, color="black", zorder=5,
-                            label=None if dense_done else "dense")
-                    dense_done = True
-        ax.set_title(metric, fontsize="medium")
-        ax.set_xlabel("GFLOPs")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize="small")
-    return fig
-
-
 def sparsity_figure(rankings: list[RankingInfo], sparsities: list[float]):
     """Heatmaps of the kept fraction (budget x block), neurons on top, heads below, one column per ranking."""
     n_budgets, n_layers = len(sparsities), len(rankings[0].head_totals)
@@ -369,7 +338,7 @@ def section_quality(found: Found) -> str:
                                                  for c in curves for b in c["budgets"])]
     if not metrics:
         return _absent("Evaluation results were found but hold no metric.")
-    out = [_png(quality_figure(curves, metrics), "quality vs GFLOPs")]
+    out = [_png(quality_figure(curves, metrics, width=4.2, height=3.3), "quality vs GFLOPs")]
     sources = ", ".join(f"<code>{_e(p.name)}</code>" for p, _ in found.evals)
     sets = []
     for _, data in found.evals:
