@@ -271,6 +271,8 @@ def plan_models(directory: Path, manifest: dict, *, name: str = DEFAULT_NAME, pr
         path = resolve(directory, rel)
         if path is None or not path.is_file():
             raise UserError(f"{directory}: {rel} (the {label}) is missing")
+        if kind == "onnxruntime_onnx":
+            _check_onnx(path, f"{rel} (the {label})")
         models.append(ServedModel(f"{name}_{budget_tag(sparsity)}", sparsity, kind, rel))
     names = [m.name for m in models]
     if len(set(names)) != len(names):
@@ -298,6 +300,16 @@ def _engine_max_batch(manifest: dict) -> int | None:
         return min(int(v["max"][0]) for v in profile.values())
     except (KeyError, IndexError, TypeError, ValueError, AttributeError):
         return None
+
+
+def _check_onnx(path: Path, what: str) -> None:
+    """Refuse a truncated or corrupt ONNX file before Triton is handed it (``onnx.checker`` on the file)."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as e:  # the checker raises ValidationError, or a parse error for truncated files
+        raise UserError(f"{what} is not a valid ONNX model ({str(e).splitlines()[0][:160]}); export it again")
 
 
 # --- building -------------------------------------------------------------------------------------

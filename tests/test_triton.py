@@ -247,6 +247,20 @@ def test_bad_input_refused_and_changes_nothing(art, repo, tmp_path, where, kw, n
     assert _tree(art) == before
 
 
+def test_truncated_onnx_is_refused_before_building(art, tmp_path):
+    import shutil
+
+    d = tmp_path / "art"
+    shutil.copytree(art, d, ignore=shutil.ignore_patterns("triton"))
+    rel = json.loads((d / "manifest.json").read_text())["budgets"][-1]["onnx"]
+    raw = (d / rel).read_bytes()
+    (d / rel).write_bytes(raw[: len(raw) // 2])
+    before = _tree(d)
+    with pytest.raises(UserError, match=re.escape(rel) + ".*not a valid ONNX model"):
+        TR.build_repository(d)
+    assert _tree(d) == before and not (d / "triton").exists()
+
+
 def test_foreign_triton_dir_refused(tmp_path):
     d = _fake_dir(tmp_path / "a")
     (d / "triton" / "mine").mkdir(parents=True)
