@@ -96,9 +96,10 @@ def load_manifest(directory: str | Path) -> dict:
             if v is not None and not (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
                                                                    and x >= 0 for x in v)):
                 raise UserError(f"{path}: budget {s!r}: {key!r} must be a list of non-negative integers")
-    for key, field in (("elastic", "onnx"), ("triton", "dir")):
+    for key, fields in (("elastic", ("onnx", "onnx_fp16")), ("triton", ("dir",))):
         if m.get(key) is not None:
             if not isinstance(m[key], dict):
                 raise UserError(f"{path}: {key!r} must be an object or null")
-            resolve(directory, m[key].get(field))
+            for field in fields:
+                resolve(directory, m[key].get(field))
     return m

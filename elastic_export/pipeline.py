@@ -27,7 +27,7 @@ from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
 from elastic_export.export import export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
-from elastic_export.fp16 import add_fp16, check_precision
+from elastic_export.fp16 import FP16_RTOL, add_fp16, check_precision, fp16_name, relative_error, write_fp16
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
@@ -181,7 +181,8 @@ def max_error(path: Path, feeds: dict, want: list[np.ndarray]) -> float:
 
 
 def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Path, feeds: dict | None,
-                  refs: list[list[np.ndarray]] | None, echo: Callable[[str], None] = print) -> dict:
+                  refs: list[list[np.ndarray]] | None, echo: Callable[[str], None] = print,
+                  precision: str = "fp32") -> dict:
     """Write the elastic graph (``elastic.onnx``: weights once, ``budget_index`` selects the budget).
 
     Args:
@@ -191,10 +192,12 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
         feeds: sample inputs; when given with ``refs``, every budget index is run in onnxruntime
             and compared with the hard-masked torch model (max abs error must be ≤ 1e-4).
         refs: :func:`masked_outputs` of every plan on ``feeds``.
+        precision: ``fp16`` also writes ``elastic.fp16.onnx`` (:func:`elastic_export.fp16.to_fp16`),
+            checked at every budget index against the fp32 elastic graph (relative error ≤ 1e-2).
 
     Returns:
         The manifest's ``elastic`` entry: {onnx, budget_input, budgets (sparsities in index order),
-        max_abs_error (over all budgets, or None without ``feeds``)}.
+        max_abs_error (over all budgets, or None without ``feeds``), onnx_fp16, fp16_max_rel_error}.
     """
     import onnxruntime as ort
 
@@ -216,8 +219,25 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
     size = (directory / ELASTIC_FILE).stat().st_size / 1e6
     echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets, {size:.1f} MB, built in {time.time() - t0:.1f}s"
          + (f", max err {worst:.1e}" if worst is not None else ""))
-    return {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
-            "max_abs_error": worst}
+    entry = {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
+             "max_abs_error": worst, "onnx_fp16": None, "fp16_max_rel_error": None}
+    if precision == "fp16":
+        entry["onnx_fp16"] = fp16_name(ELASTIC_FILE)
+        write_fp16(model, directory / entry["onnx_fp16"])
+        if feeds is not None:
+            s32 = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
+            s16 = ort.InferenceSession(str(directory / entry["onnx_fp16"]), providers=["CPUExecutionProvider"])
+            np_feeds = {k: v.numpy() for k, v in feeds.items()}
+            rel = 0.0
+            for b, plan in enumerate(plans):
+                f = {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)}
+                err = relative_error(s32.run(None, f), s16.run(None, f))
+                if not err <= FP16_RTOL:
+                    raise RuntimeError(f"{entry['onnx_fp16']}, budget {plan.sparsity}: fp16 outputs differ from "
+                                       f"{ELASTIC_FILE} by {err:.2e} (relative), above {FP16_RTOL:g}")
+                rel = max(rel, err)
+            entry["fp16_max_rel_error"] = rel
+    return entry
 
 
 def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]) -> None:
@@ -318,7 +338,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             rows.append((plan, name, err))
         elastic = None
         if opts.elastic_graph:
-            elastic = write_elastic(dense, plans, tmp, feeds, refs, echo)
+            elastic = write_elastic(dense, plans, tmp, feeds if opts.verify else None, refs, echo,
+                                    precision=opts.precision)
         manifest = {
             "format": FORMAT,
             "tool": f"elastic-export {__version__}",

@@ -55,7 +55,7 @@ class Check:
     Args:
         budget: ``dense`` or the budget's sparsity.
         artifact: the file (relative to the directory), ``[i]`` appended for an elastic-graph index.
-        kind: ``fp32``, ``fp16``, ``elastic``, ``engine`` or ``torch``.
+        kind: ``fp32``, ``fp16``, ``elastic``, ``elastic fp16``, ``engine`` or ``torch``.
         reference: what it was compared with.
         max_abs: largest absolute difference over all outputs (None when not compared).
         rel: :func:`relative_error` (None when not compared).
@@ -500,7 +500,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
 
     elastic = manifest.get("elastic")
     if elastic:
-        _check_elastic(report, d, elastic, budgets, refs, feeds, outputs, atol)
+        _check_elastic(report, d, elastic, budgets, refs, feeds, outputs, atol, rtol_fp16)
     dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
     _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
     if use_torch:
@@ -509,7 +509,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
 
 
 def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], refs: list, feeds: dict,
-                   outputs: list[str], atol: float) -> None:
+                   outputs: list[str], atol: float, rtol_fp16: float = FP16_RTOL) -> None:
     """One row per budget of the elastic graph, selected by its ``budget_input`` index."""
     rel, index_name = elastic.get("onnx"), elastic.get("budget_input")
     base = Check("all", str(rel), "elastic", "masked dense")
@@ -537,6 +537,27 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
         index = np.full(shape, i, np.int64)
         report.checks.append(_guard(check, lambda: _compare(
             check, ref, _run(sess, {**feeds, index_name: index}, outputs), atol, None)))
+    rel16 = elastic.get("onnx_fp16")
+    if rel16 is None:
+        return
+    base = Check("all", str(rel16), "elastic fp16", "masked dense")
+    try:
+        if not isinstance(rel16, str):
+            raise _Failed(CORRUPT, "manifest 'elastic.onnx_fp16' must be a string or null")
+        path16 = _load(resolve(d, rel16), rel16)
+        try:
+            sess16 = _session(path16)
+        except Exception as e:
+            raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
+    except _Failed as e:
+        base.status, base.detail = e.status, e.reason
+        report.checks.append(base)
+        return
+    for i, (b, ref) in enumerate(zip(budgets, refs)):
+        check = Check(f"{b['sparsity']:.2f}", f"{rel16}[{i}]", "elastic fp16", "masked dense")
+        index = np.full(shape, i, np.int64)
+        report.checks.append(_guard(check, lambda: _compare(
+            check, ref, _run(sess16, {**feeds, index_name: index}, outputs), None, rtol_fp16)))
 
 
 def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, feeds: dict,

@@ -77,7 +77,8 @@ def assert_fp16_recipe(fp32: onnx.ModelProto, half: onnx.ModelProto) -> None:
             assert producer[o.name].op_type == made_by.op_type, o.name
     keys = {p.key: p.value for p in half.metadata_props}
     assert keys[PRECISION_KEY] == "fp16"
-    assert keys[UNITS_KEY] == next(p.value for p in fp32.metadata_props if p.key == UNITS_KEY)
+    assert all(keys.get(p.key) == p.value for p in fp32.metadata_props)  # the unit map / elastic tables kept
+    assert any(p.key == UNITS_KEY for p in fp32.metadata_props) or any("elastic" in k for k in keys)
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -155,11 +156,14 @@ def test_pipeline_precision(tmp_path):
         assert 0 < entry["fp16_max_rel_error"] <= FP16_RTOL
         half = onnx.load(str(tmp_path / "half" / entry["onnx_fp16"]))
         assert_fp16_recipe(onnx.load(str(tmp_path / "half" / entry["onnx"])), half)
+    assert m["elastic"]["onnx_fp16"] == "elastic.fp16.onnx" and 0 < m["elastic"]["fp16_max_rel_error"] <= FP16_RTOL
+    assert_fp16_recipe(onnx.load(str(tmp_path / "half" / "elastic.onnx")),
+                       onnx.load(str(tmp_path / "half" / "elastic.fp16.onnx")))
     assert json.loads((tmp_path / "half" / "manifest.json").read_text()) == m
 
     m = run(Options(out=str(tmp_path / "full"), **common), echo=lambda s: None)
     assert m["precisions"] == ["fp32"] and m["dense"]["onnx_fp16"] is None
-    assert all(b["onnx_fp16"] is None for b in m["budgets"])
+    assert all(b["onnx_fp16"] is None for b in m["budgets"]) and m["elastic"]["onnx_fp16"] is None
     assert not list((tmp_path / "full").glob("*.fp16.onnx"))
 
     with pytest.raises(UserError, match="--precision"):

@@ -112,6 +112,9 @@ def test_fresh_directory_passes_subprocess(pristine):
     # the pipeline's elastic graph: one row per budget index
     if m["elastic"]:
         assert [r[1] for r in rows if r[2] == "elastic"] == [f"{m['elastic']['onnx']}[{i}]" for i in range(len(m["budgets"]))]
+    # --precision fp16: the elastic graph's fp16 twin, also one row per budget index
+    assert m["elastic"]["onnx_fp16"] == "elastic.fp16.onnx" and 0 < m["elastic"]["fp16_max_rel_error"] <= 1e-2
+    assert [r[1] for r in rows if r[2] == "elastic fp16"] == [f"elastic.fp16.onnx[{i}]" for i in range(len(m["budgets"]))]
     # the manifest's model.source (a local directory) loads, so the torch hard-masked model is compared too
     assert len([r for r in rows if r[2] == "torch"]) == 1 + len(m["budgets"]), p.stdout
     assert f"all {len(rows)} checks passed" in p.stdout
@@ -151,6 +154,20 @@ def test_corrupt_budget_weights(art, capsys, which, factor):
     msg = one_error(err)
     assert name in msg and "differs" in msg
     assert [r[1] for r in table(out) if r[-1].startswith("MISMATCH")] == [name]
+
+
+def test_corrupt_elastic_fp16_weights(art, capsys):
+    """The fp16 elastic graph is checked at every budget index, at 1e-2 relative."""
+    model = onnx.load(str(art / "elastic.fp16.onnx"))
+    t = next(t for t in model.graph.initializer if t.name.endswith("layer.0.output.dense.weight"))
+    a = numpy_helper.to_array(t)
+    t.CopyFrom(numpy_helper.from_array((-a).astype(a.dtype), t.name))
+    onnx.save(model, str(art / "elastic.fp16.onnx"))
+    rc, out, err = cli(capsys, "verify", str(art), "--no-torch")
+    assert rc == 1, out + err
+    assert "elastic.fp16.onnx" in one_error(err)
+    bad = [r for r in table(out) if r[-1].startswith("MISMATCH")]
+    assert bad and all(r[1].startswith("elastic.fp16.onnx[") for r in bad)
 
 
 def test_corrupt_dense_weights(art, capsys):
