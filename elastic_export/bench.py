@@ -59,6 +59,8 @@ class BenchConfig:
         repeats: timed runs per (budget, batch), and timed switches per (budget, batch).
         warmup: untimed runs per (budget, batch) before the timed ones.
         threads: onnxruntime intra-op threads (0: onnxruntime's default).
+        precision: ``fp32`` files or their ``fp16`` twins (onnxruntime backend; exported with
+            ``--precision fp16``).
     """
 
     backend: str = "onnxruntime"
@@ -68,6 +70,7 @@ class BenchConfig:
     repeats: int = 20
     warmup: int = 3
     threads: int = 0
+    precision: str = "fp32"
 
     def check(self) -> None:
         """Refuse bad values with a one-line :class:`UserError`."""
@@ -83,6 +86,10 @@ class BenchConfig:
                 raise UserError(f"{name} must be >= {low}, got {value}")
         if self.seq_len is not None and self.seq_len < 1:
             raise UserError(f"--seq-len must be a positive integer, got {self.seq_len}")
+        if self.precision not in ("fp32", "fp16"):
+            raise UserError(f"--precision {self.precision}: choose fp32 or fp16")
+        if self.precision == "fp16" and self.backend == "tensorrt":
+            raise UserError("--precision fp16 applies to --backend onnxruntime; TensorRT engines carry their own")
 
 
 def parse_batches(text: str) -> tuple[int, ...]:
@@ -183,7 +190,7 @@ def open_runtime(directory: Path, config: BenchConfig):
     preflight(config)
     if config.backend == "tensorrt":
         return ElasticRuntime.from_dir(directory, backend="tensorrt")
-    return ElasticRuntime.from_dir(directory, backend="onnxruntime",
+    return ElasticRuntime.from_dir(directory, backend="onnxruntime", precision=config.precision,
                                    config=SessionConfig(provider=config.provider, threads=config.threads,
                                                         opt_level="all"))
 

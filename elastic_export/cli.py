@@ -354,13 +354,15 @@ def verify_cmd(directory, batch, seq_len, seed, model, use_torch, atol, rtol_fp1
               help="Write <stem>_throughput.png, <stem>_latency.png and <stem>_speedup.png next to the JSON.")
 @click.option("--profile/--no-profile", default=True, show_default=True,
               help="Write DIR/latency_profile.json (p50/p90/p99 ms and throughput per batch and budget).")
-def bench_cmd(directory, backend, provider, batches, seq_len, repeats, warmup, threads, out, plot, profile):
+@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="onnxruntime: time the fp16 twins (exported with --precision fp16; for GPU providers).")
+def bench_cmd(directory, backend, provider, batches, seq_len, repeats, warmup, threads, out, plot, profile, precision):
     """Time the dense model and every budget of DIR at each batch size: throughput, latency
     p50/p90/p99 and the cost of switching budget; write JSON, plots and the latency profile."""
     from elastic_export.bench import BenchConfig, bench, format_table, parse_batches
 
     config = BenchConfig(backend=backend, provider=provider, batches=parse_batches(batches), seq_len=seq_len,
-                         repeats=repeats, warmup=warmup, threads=threads)
+                         repeats=repeats, warmup=warmup, threads=threads, precision=precision)
     result, written = bench(directory, config, out=out, plot=plot, profile=profile, echo=_echo)
     click.echo(format_table(result))
     for path in [written.json, *written.plots] + ([written.profile] if written.profile else []):

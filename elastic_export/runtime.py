@@ -375,7 +375,8 @@ class ElasticRuntime:
     # construction ---------------------------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str | Path, backend: str = "onnxruntime", providers: Sequence[str] | str | None = None,
-                 config: SessionConfig | None = None, mode: str = "per-budget") -> "ElasticRuntime":
+                 config: SessionConfig | None = None, mode: str = "per-budget",
+                 precision: str = "fp32") -> "ElasticRuntime":
         """Load every budget of an artifact directory once.
 
         Args:
@@ -386,6 +387,8 @@ class ElasticRuntime:
                 ``config.provider``.
             config: session options (:class:`SessionConfig`; default CPU, onnxruntime's threads).
             mode: ``per-budget`` (dense.onnx + every budget's file) or ``elastic`` (elastic.onnx only).
+            precision: ``fp32`` (the reference files) or ``fp16`` (their fp16 twins, ``onnx_fp16`` in
+                the manifest: for GPU providers); onnxruntime backend only (engines carry their own).
 
         Raises:
             UserError: missing directory / manifest, unknown backend / mode, unavailable provider,
@@ -398,6 +401,10 @@ class ElasticRuntime:
             raise UserError(f"backend {backend!r}: unknown; choose from {', '.join(BACKENDS)}")
         if mode not in MODES:
             raise UserError(f"mode {mode!r}: unknown; choose from {', '.join(MODES)}")
+        if precision not in ("fp32", "fp16"):
+            raise UserError(f"precision {precision!r}: unknown; choose fp32 or fp16")
+        if precision == "fp16" and backend == "tensorrt":
+            raise UserError("precision fp16 applies to the onnxruntime backend; TensorRT engines carry their own")
         manifest = load_manifest(directory)
         inputs = [v["name"] for v in manifest["inputs"]]
         outputs = [v["name"] for v in manifest["outputs"]]
@@ -406,39 +413,43 @@ class ElasticRuntime:
         else:
             config = _config(providers, config)
             provider = config.provider
+            key = "onnx" if precision == "fp32" else "onnx_fp16"
             budgets = (cls._elastic_budgets if mode == "elastic" else cls._ort_budgets)(
-                directory, manifest, config, inputs, outputs)
+                directory, manifest, config, inputs, outputs, key)
         return cls(directory, manifest, budgets, backend, provider, mode, inputs, outputs)
 
     @staticmethod
     def _ort_budgets(directory: Path, manifest: dict, config: SessionConfig, inputs: list[str],
-                     outputs: list[str]) -> list[_Budget]:
-        entries = [(0.0, manifest["dense"].get("onnx"))] + [(b.get("sparsity"), b.get("onnx")) for b in manifest["budgets"]]
+                     outputs: list[str], key: str = "onnx") -> list[_Budget]:
+        entries = [(0.0, manifest["dense"].get(key))] + [(b.get("sparsity"), b.get(key)) for b in manifest["budgets"]]
         out: dict[float, _Budget] = {}
         for s, rel in entries:
             s = _sparsity(directory, s)
             if rel is None:
-                raise UserError(f"{directory / MANIFEST}: budget {s:g} lists no onnx file")
+                raise UserError(f"{directory / MANIFEST}: budget {s:g} lists no {key} file"
+                                + ("; export with --precision fp16" if key == "onnx_fp16" else ""))
             sess = make_session(resolve(directory, rel), config)
             out[s] = _Budget(s, rel, _ort_call(sess, config, None, outputs))
         return list(out.values())
 
     @staticmethod
     def _elastic_budgets(directory: Path, manifest: dict, config: SessionConfig, inputs: list[str],
-                         outputs: list[str]) -> list[_Budget]:
+                         outputs: list[str], key: str = "onnx") -> list[_Budget]:
         e = manifest.get("elastic")
         if not e or not e.get("onnx"):
             raise UserError(f"{directory / MANIFEST}: no elastic graph (built with --no-elastic-graph?); "
                             f"use mode='per-budget'")
+        if not e.get(key):
+            raise UserError(f"{directory / MANIFEST}: the elastic graph has no {key} file; export with --precision fp16")
         sparsities = e.get("budgets") or [b.get("sparsity") for b in manifest["budgets"]]
-        sess = make_session(resolve(directory, e["onnx"]), config)
+        sess = make_session(resolve(directory, e[key]), config)
         name = e.get("budget_input", "budget_index")
         if name not in [i.name for i in sess.get_inputs()]:
             raise UserError(f"{directory / e['onnx']}: has no input {name!r}")
         out = []
         for i, s in enumerate(sparsities):
             index = np.array([i], dtype=np.int64)
-            out.append(_Budget(_sparsity(directory, s), e["onnx"], _ort_call(sess, config, (name, index), outputs)))
+            out.append(_Budget(_sparsity(directory, s), e[key], _ort_call(sess, config, (name, index), outputs)))
         return out
 
     @staticmethod

@@ -277,3 +277,45 @@ def test_runtime_imports_and_runs_without_torch(art):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)  # the repository root
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("ok ['last_hidden_state'")
+
+
+@pytest.fixture(scope="module")
+def art16(tmp_path_factory) -> Path:
+    """A tiny BERT directory exported with --precision fp16 (fp16 twins of every file)."""
+    from elastic_export import pipeline
+
+    root = tmp_path_factory.mktemp("rt16")
+    model = root / "tiny-bert"
+    tiny_encoder("hf-bert").module.save_pretrained(model)
+    out = root / "out"
+    pipeline.run(pipeline.Options(model=str(model), budgets=(0.3, 0.6), out=str(out), seq_len=16, method="magnitude",
+                                  verify=False, precision="fp16", report=False), echo=lambda s: None)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["per-budget", "elastic"])
+def test_fp16_precision_serves_the_fp16_files(art16, feeds, mode):
+    from elastic_export.fp16 import relative_error
+
+    m = json.loads((art16 / "manifest.json").read_text())
+    rt16 = ElasticRuntime.from_dir(art16, mode=mode, precision="fp16", config=SessionConfig(threads=1))
+    rt32 = ElasticRuntime.from_dir(art16, mode=mode, config=SessionConfig(threads=1))
+    for b in m["budgets"]:
+        s = b["sparsity"]
+        if mode == "per-budget":
+            assert rt16.file(s) == b["onnx_fp16"]
+            alone = ort.InferenceSession(str(art16 / b["onnx_fp16"]), providers=["CPUExecutionProvider"]).run(None, feeds)
+            assert _err(rt16.run(feeds, sparsity=s), alone) == 0.0
+        else:
+            assert rt16.file(s) == m["elastic"]["onnx_fp16"]
+        got16, got32 = rt16.run(feeds, sparsity=s), rt32.run(feeds, sparsity=s)
+        assert 0 < relative_error(list(got32.values()), list(got16.values())) <= 1e-2
+
+
+def test_fp16_precision_needs_fp16_files(art):
+    with pytest.raises(UserError, match="--precision fp16"):
+        ElasticRuntime.from_dir(art, precision="fp16")
+    with pytest.raises(UserError, match="--precision fp16"):
+        ElasticRuntime.from_dir(art, mode="elastic", precision="fp16")
+    with pytest.raises(UserError, match="precision 'int8'"):
+        ElasticRuntime.from_dir(art, precision="int8")
