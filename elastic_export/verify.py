@@ -510,54 +510,40 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
 
 def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], refs: list, feeds: dict,
                    outputs: list[str], atol: float, rtol_fp16: float = FP16_RTOL) -> None:
-    """One row per budget of the elastic graph, selected by its ``budget_input`` index."""
-    rel, index_name = elastic.get("onnx"), elastic.get("budget_input")
-    base = Check("all", str(rel), "elastic", "masked dense")
-    try:
-        if not isinstance(rel, str) or not isinstance(index_name, str):
-            raise _Failed(CORRUPT, "manifest 'elastic' needs 'onnx' and 'budget_input' strings")
-        path = _load(resolve(d, rel), rel)
+    """One row per budget of the elastic graph (and of its fp16 twin where the manifest lists one),
+    selected by its ``budget_input`` index."""
+    index_name = elastic.get("budget_input")
+    files = [("onnx", "elastic", atol, None)]
+    if elastic.get("onnx_fp16") is not None:
+        files.append(("onnx_fp16", "elastic fp16", None, rtol_fp16))
+    for key, kind, file_atol, file_rtol in files:
+        rel = elastic.get(key)
+        base = Check("all", str(rel), kind, "masked dense")
         try:
-            sess = _session(path)
-        except Exception as e:
-            raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
-        spec = next((i for i in sess.get_inputs() if i.name == index_name), None)
-        if spec is None:
-            raise _Failed(CORRUPT, f"has no input {index_name!r} (the manifest's budget_input)")
-        listed = elastic.get("budgets")
-        if listed is not None and listed != [b["sparsity"] for b in budgets]:
-            raise _Failed(CORRUPT, f"its budgets {listed} are not the manifest's, in the manifest's order")
-    except _Failed as e:
-        base.status, base.detail = e.status, e.reason
-        report.checks.append(base)
-        return
-    shape = () if not spec.shape else (1,) * len(spec.shape)
-    for i, (b, ref) in enumerate(zip(budgets, refs)):
-        check = Check(f"{b['sparsity']:.2f}", f"{rel}[{i}]", "elastic", "masked dense")
-        index = np.full(shape, i, np.int64)
-        report.checks.append(_guard(check, lambda: _compare(
-            check, ref, _run(sess, {**feeds, index_name: index}, outputs), atol, None)))
-    rel16 = elastic.get("onnx_fp16")
-    if rel16 is None:
-        return
-    base = Check("all", str(rel16), "elastic fp16", "masked dense")
-    try:
-        if not isinstance(rel16, str):
-            raise _Failed(CORRUPT, "manifest 'elastic.onnx_fp16' must be a string or null")
-        path16 = _load(resolve(d, rel16), rel16)
-        try:
-            sess16 = _session(path16)
-        except Exception as e:
-            raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
-    except _Failed as e:
-        base.status, base.detail = e.status, e.reason
-        report.checks.append(base)
-        return
-    for i, (b, ref) in enumerate(zip(budgets, refs)):
-        check = Check(f"{b['sparsity']:.2f}", f"{rel16}[{i}]", "elastic fp16", "masked dense")
-        index = np.full(shape, i, np.int64)
-        report.checks.append(_guard(check, lambda: _compare(
-            check, ref, _run(sess16, {**feeds, index_name: index}, outputs), None, rtol_fp16)))
+            if not isinstance(rel, str) or not isinstance(index_name, str):
+                raise _Failed(CORRUPT, f"manifest 'elastic' needs '{key}' and 'budget_input' strings")
+            try:
+                sess = _session(_load(resolve(d, rel), rel))
+            except _Failed:
+                raise
+            except Exception as e:
+                raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
+            spec = next((i for i in sess.get_inputs() if i.name == index_name), None)
+            if spec is None:
+                raise _Failed(CORRUPT, f"has no input {index_name!r} (the manifest's budget_input)")
+            listed = elastic.get("budgets")
+            if listed is not None and listed != [b["sparsity"] for b in budgets]:
+                raise _Failed(CORRUPT, f"its budgets {listed} are not the manifest's, in the manifest's order")
+        except _Failed as e:
+            base.status, base.detail = e.status, e.reason
+            report.checks.append(base)
+            continue
+        shape = () if not spec.shape else (1,) * len(spec.shape)
+        for i, (b, ref) in enumerate(zip(budgets, refs)):
+            check = Check(f"{b['sparsity']:.2f}", f"{rel}[{i}]", kind, "masked dense")
+            index = np.full(shape, i, np.int64)
+            report.checks.append(_guard(check, lambda check=check, ref=ref, index=index, sess=sess: _compare(
+                check, ref, _run(sess, {**feeds, index_name: index}, outputs), file_atol, file_rtol)))
 
 
 def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, feeds: dict,

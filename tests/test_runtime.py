@@ -24,18 +24,23 @@ from conftest import tiny_encoder
 BUDGETS = (0.2, 0.5, 0.8)
 
 
-@pytest.fixture(scope="module")
-def art(tmp_path_factory) -> Path:
-    """A tiny BERT artifact directory: dense + 3 budgets + elastic.onnx (no verification: fast)."""
+def _export(tmp_path_factory, budgets: tuple[float, ...], **options) -> Path:
+    """Export a tiny BERT (magnitude ranking, no verification: fast) and return its directory."""
     from elastic_export import pipeline
 
     root = tmp_path_factory.mktemp("rt")
     model = root / "tiny-bert"
     tiny_encoder("hf-bert").module.save_pretrained(model)
     out = root / "out"
-    pipeline.run(pipeline.Options(model=str(model), budgets=BUDGETS, out=str(out), seq_len=16, method="magnitude",
-                                  verify=False), echo=lambda s: None)
+    pipeline.run(pipeline.Options(model=str(model), budgets=budgets, out=str(out), seq_len=16, method="magnitude",
+                                  verify=False, **options), echo=lambda s: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> Path:
+    """A tiny BERT artifact directory: dense + 3 budgets + elastic.onnx."""
+    return _export(tmp_path_factory, BUDGETS)
 
 
 @pytest.fixture(scope="module")
@@ -282,15 +287,7 @@ def test_runtime_imports_and_runs_without_torch(art):
 @pytest.fixture(scope="module")
 def art16(tmp_path_factory) -> Path:
     """A tiny BERT directory exported with --precision fp16 (fp16 twins of every file)."""
-    from elastic_export import pipeline
-
-    root = tmp_path_factory.mktemp("rt16")
-    model = root / "tiny-bert"
-    tiny_encoder("hf-bert").module.save_pretrained(model)
-    out = root / "out"
-    pipeline.run(pipeline.Options(model=str(model), budgets=(0.3, 0.6), out=str(out), seq_len=16, method="magnitude",
-                                  verify=False, precision="fp16", report=False), echo=lambda s: None)
-    return out
+    return _export(tmp_path_factory, (0.3, 0.6), precision="fp16", report=False)
 
 
 @pytest.mark.parametrize("mode", ["per-budget", "elastic"])
