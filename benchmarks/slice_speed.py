@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     info = {"machine": machine(), "repeats": args.repeats, "budgets": budgets, "rows": rows}
-    md = f"Medians of {args.repeats} runs; {info['machine']}\n\n{table}\n"
+    m = info["machine"]
+    where = (f"{m.get('cpu')}, {m.get('logical_cpus')} logical CPUs, load average at start "
+             f"{(m.get('load_average') or [0])[0]:.1f}, onnxruntime {m.get('onnxruntime')}")
+    md = f"Medians of {args.repeats} runs; {where}.\n\n{table}\n"
     atomic_write(out / "slice_speed.json", lambda tmp: Path(tmp).write_text(json.dumps(info, indent=2) + "\n"))
     atomic_write(out / "slice_speed.md", lambda tmp: Path(tmp).write_text(md))
     return 0
