@@ -6,6 +6,8 @@ depends on shapes, not values) this script ranks with ``magnitude`` (instant; th
 not change the work of the passes), then measures, as medians of ``--repeats`` runs:
 
 * **torch export**: ``export_dense`` (torch.onnx export of the rank-permuted dense model + save);
+
+every run writes into a new, empty directory, as the pipeline does;
 * **passes, fast path**: :class:`~elastic_export.passes.BudgetSlicer` writing every budget's
   file (what the pipeline runs);
 * **passes, model path**: ``slice_model`` + ``onnx.save`` per budget (the in-memory API, for
@@ -49,12 +51,19 @@ from elastic_export.plans import make_plans  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _median_seconds(fn, repeats: int, work: Path) -> float:
+    """Median wall time of ``fn(directory)``, each run writing into a new, empty directory (as the
+    pipeline does: new files cost more than overwriting old ones); removed after each run."""
+    import shutil
+
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        d = work / f"run{i}"
+        d.mkdir()
         t0 = time.perf_counter()
-        fn()
+        fn(d)
         times.append(time.perf_counter() - t0)
+        shutil.rmtree(d)
     return statistics.median(times)
 
 
@@ -67,23 +76,23 @@ def measure(model: str, budgets: list[float], repeats: int, work: Path) -> dict:
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         d = Path(tmp)
         dense = export_dense(encoder, ranking, d / "dense.onnx")  # warm-up (first export traces slowly)
-        export_s = _median_seconds(lambda: export_dense(encoder, ranking, d / "dense.onnx"), repeats)
+        dense_mb = (d / "dense.onnx").stat().st_size / 1e6
+        export_s = _median_seconds(lambda out: export_dense(encoder, ranking, out / "dense.onnx"), repeats, d)
 
-        def fast() -> None:
+        def fast(out: Path) -> None:
             slicer = BudgetSlicer(dense)
             for p in plans:
-                slicer.save(p.heads_per_layer, p.neurons_per_layer, d / f"budget_{budget_tag(p.sparsity)}.onnx")
+                slicer.save(p.heads_per_layer, p.neurons_per_layer, out / f"budget_{budget_tag(p.sparsity)}.onnx")
 
-        def model_path() -> None:
+        def model_path(out: Path) -> None:
             for p in plans:
                 onnx.save(slice_model(dense, p.heads_per_layer, p.neurons_per_layer, full_check=False),
-                          str(d / f"model_{budget_tag(p.sparsity)}.onnx"))
+                          str(out / f"budget_{budget_tag(p.sparsity)}.onnx"))
 
-        fast()  # warm-up
-        fast_s = _median_seconds(fast, repeats)
-        model_s = _median_seconds(model_path, repeats)
+        fast(d)  # warm-up; its files give the sizes
         sizes = sum((d / f"budget_{budget_tag(p.sparsity)}.onnx").stat().st_size for p in plans)
-        dense_mb = (d / "dense.onnx").stat().st_size / 1e6
+        fast_s = _median_seconds(fast, repeats, d)
+        model_s = _median_seconds(model_path, repeats, d)
     return {"model": model, "architecture": encoder.architecture, "budgets": len(plans),
             "dense_mb": round(dense_mb, 1),
             "budget_files_mb": round(sizes / 1e6, 1), "torch_export_s": round(export_s, 3),
