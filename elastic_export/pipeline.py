@@ -128,7 +128,12 @@ def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Ca
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse an output directory that holds something other than a previous artifact set."""
+    """Refuse an output directory that holds something other than a previous artifact set, and one
+    that is (or contains) the working directory: the output is replaced as a whole."""
+    resolved = out.resolve()
+    if out.name in ("", ".", "..") or resolved == Path.cwd().resolve() or resolved in Path.cwd().resolve().parents:
+        raise UserError(f"--out {out}: give a directory of its own (e.g. {Path(out) / 'elastic-out'}); "
+                        "it is replaced as a whole")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not overwrite:

@@ -449,3 +449,15 @@ def test_killed_while_replacing_restores_the_previous_set(tmp_path, art):
     clean_stale(tmp_path / "out", echo=lambda s: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert _snapshot(tmp_path / "out") == before
+
+
+@pytest.mark.parametrize("out", [".", "..", "./", "sub/.."])
+def test_out_that_is_the_working_directory_is_refused(tmp_path, monkeypatch, out):
+    from elastic_export.pipeline import prepare_out
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "mine.txt").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="a directory of its own"):
+        prepare_out(Path(out), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt", "sub"]
