@@ -13,7 +13,7 @@ import click
 
 from elastic_export.budgets import parse_budgets
 from elastic_export.errors import UserError
-from elastic_export.soft_ranking import ElasticConfig
+from elastic_export.rank_options import METHOD_NAMES, ElasticConfig
 
 DEFAULT_BUDGETS = "0.1..0.6"
 _ELASTIC = ElasticConfig()
@@ -44,11 +44,9 @@ def model_options(fn):
 
 def ranking_options(fn):
     """--method, --calib, --calib-size, --seed, --device."""
-    from elastic_export.scoring import METHODS
-
     opts = [
         click.option("--method", default="elastic", show_default=True,
-                     help=f"Ranking method: {', '.join(sorted(METHODS))}."),
+                     help=f"Ranking method: {', '.join(METHOD_NAMES)}."),
         click.option("--calib", default=None, metavar="PATH",
                      help="Calibration data: .txt / .jsonl (text) or an image directory (default: built in)."),
         click.option("--calib-size", type=int, default=256, show_default=True, help="Calibration samples."),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import warnings
 from pathlib import Path
 
@@ -25,9 +24,9 @@ from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
 from elastic_export.ranking import Ranking
 from elastic_export.reference import permute_units
+from elastic_export.unit_map import UNITS_KEY, get_units, set_units  # noqa: F401 (re-exported)
 
 OPSET = 17
-UNITS_KEY = "elastic_export.units"
 PASS_THROUGH = {"Identity", "Cast", "Dropout"}
 
 
@@ -223,18 +222,3 @@ def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path) -> onnx.M
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return model
-
-
-def get_units(model: onnx.ModelProto) -> list[dict]:
-    for p in model.metadata_props:
-        if p.key == UNITS_KEY:
-            return json.loads(p.value)
-    raise UserError("this ONNX model has no elastic-export unit map; export it with elastic-export first")
-
-
-def set_units(model: onnx.ModelProto, layers: list[dict]) -> None:
-    keep = [p for p in model.metadata_props if p.key != UNITS_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(keep)
-    entry = model.metadata_props.add()
-    entry.key, entry.value = UNITS_KEY, json.dumps(layers, sort_keys=True)

@@ -13,12 +13,15 @@ at N tokens. Sparsity is the fraction of *prunable* FLOPs removed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from elastic_export.unit_map import HEADS
 
-from elastic_export.adapters import HEADS, UnitGroup
-from elastic_export.encoder import Encoder
+if TYPE_CHECKING:  # the inventory itself is plain data; building one needs torch
+    from torch import nn
+
+    from elastic_export.adapters import UnitGroup
+    from elastic_export.encoder import Encoder
 
 
 def neuron_flops(width: int, tokens: int, swiglu: bool = False) -> int:
@@ -112,6 +115,9 @@ class Inventory:
 
 def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
     """2·MACs of every non-prunable Linear / Conv2d in one forward pass at N tokens (batch 1)."""
+    import torch
+    from torch import nn
+
     total = 0
 
     def linear_hook(mod, inp, out):

@@ -128,7 +128,7 @@ def uniform_heads(model: onnx.ModelProto) -> tuple[int, int]:
     Args:
         model: an elastic-export ONNX model (dense or budget) with its unit map.
     """
-    from elastic_export.export import get_units
+    from elastic_export.unit_map import get_units
 
     try:
         units = get_units(model)

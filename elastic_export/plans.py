@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic_export.adapters import HEADS, NEURONS
 from elastic_export.errors import UserError
 from elastic_export.inventory import Inventory
 from elastic_export.ranking import Ranking
+from elastic_export.unit_map import HEADS, NEURONS
 
 
 @dataclass

@@ -11,14 +11,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import numpy as np
 
-from elastic_export.adapters import HEADS, NEURONS
 from elastic_export.errors import UserError
 from elastic_export.fileio import atomic_write
-from elastic_export.inventory import Inventory
+from elastic_export.unit_map import HEADS, NEURONS
+
+if TYPE_CHECKING:
+    from elastic_export.inventory import Inventory
 
 RANKING_VERSION = 1
 META_KEY = "elastic_export"

@@ -40,50 +40,9 @@ from elastic_export.errors import UserError
 from elastic_export.fileio import atomic_write
 from elastic_export.inventory import Inventory
 from elastic_export.masks import frozen_weights, unit_masks
+from elastic_export.rank_options import DEFAULT_TARGETS, ElasticConfig  # noqa: F401 (re-exported)
 from elastic_export.scoring import METHODS, Scores, register_method
 
-DEFAULT_TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 15))  # 0.05 .. 0.70, 14 targets
-
-
-@dataclass
-class ElasticConfig:
-    """Hyperparameters of the optimised ranking.
-
-    Args:
-        targets: sparsity targets optimised jointly.
-        steps: gradient steps.
-        lr: Adam learning rate on the (standardised) scores.
-        temperature: soft-mask temperature T, in units of the scores' initial standard deviation.
-        targets_per_step: targets evaluated per step (a rotating subset; all of them if >= len(targets)).
-        checkpoint_every: steps between checkpoints (0: none).
-        seed: batch order.
-        loss: ``auto`` (cross-entropy with the calibration labels for a classifier with labelled
-            data, else KL to the dense logits for classifiers, else cosine of the pooled
-            embedding), ``cosine``, ``kl`` or ``ce``.
-        token_weight: weight of an extra token-level term (1 - cosine of ``last_hidden_state``
-            per real token); 0 disables it.
-        relational_weight: weight of the similarity-structure term (embedding losses): KL between
-            the softmax similarities of the pruned and of the dense embedding to the dense
-            embeddings of all calibration samples (the "dense index"), at
-            ``relational_temperature``. It keeps what retrieval against a dense index needs: each
-            embedding's ranking of the others, not only its direction. 0 disables it.
-        init: the ranking method whose scores start the optimisation (``fisher``: squared mask
-            gradients, a second-order estimate of the loss increase when a unit is removed;
-            ``initial``: removal damage).
-    """
-
-    targets: tuple[float, ...] = DEFAULT_TARGETS
-    steps: int = 64
-    lr: float = 0.02
-    temperature: float = 0.1
-    targets_per_step: int = 4
-    checkpoint_every: int = 8
-    seed: int = 0
-    loss: str = "auto"
-    token_weight: float = 0.0
-    relational_weight: float = 4.0
-    relational_temperature: float = 0.05
-    init: str = "fisher"
 
 
 @dataclass

@@ -146,7 +146,7 @@ def masked_dense(dense: onnx.ModelProto, heads: list[int], neurons: list[int]) -
     Raises:
         UserError: the unit map is missing or does not fit the counts.
     """
-    from elastic_export.export import get_units
+    from elastic_export.unit_map import get_units
 
     try:
         units = get_units(dense)
@@ -353,6 +353,12 @@ def run_engine(path: Path, feeds: dict[str, np.ndarray], outputs: list[str]) -> 
 def _torch_reference(manifest: dict, directory: Path, model: str | None, seq_len: int,
                      budgets: list[dict]) -> tuple[Callable | None, str]:
     """(function budget-index-or-None -> outputs, description), or (None, why not)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        if model is not None:
+            raise UserError("--model needs torch (pip install torch); or pass --no-torch")
+        return None, "torch is not installed here (the ONNX checks need no torch)"
     from elastic_export.adapters import HEADS, NEURONS
     from elastic_export.loader import load_encoder
     from elastic_export.ranking import load_ranking

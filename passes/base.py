@@ -168,7 +168,7 @@ def _sliced_units(ctx: PassContext) -> list[dict]:
 
 
 def _dense_units(dense: onnx.ModelProto) -> list[dict]:
-    from elastic_export.export import get_units
+    from elastic_export.unit_map import get_units
 
     try:
         units = get_units(dense)
@@ -238,7 +238,7 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
         full_check: ``onnx.checker`` and strict shape inference on the result (the expensive
             part: both serialise the weights). Every pass is checked in memory either way.
     """
-    from elastic_export.export import set_units
+    from elastic_export.unit_map import set_units
     from elastic_export.passes import BUDGET_PIPELINE
 
     ctx = _budget_context(_dense_units(dense), heads, neurons)
@@ -284,7 +284,7 @@ class BudgetSlicer:
             path: the ``.onnx`` file to write.
             full_check: also run ``onnx.checker`` with strict shape inference on the written file.
         """
-        from elastic_export.export import set_units
+        from elastic_export.unit_map import set_units
         from elastic_export.passes.serialize import save_graph
 
         ctx = _budget_context(self.units, heads, neurons)

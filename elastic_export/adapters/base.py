@@ -13,8 +13,7 @@ from typing import Callable
 
 from torch import nn
 
-NEURONS = "neurons"
-HEADS = "heads"
+from elastic_export.unit_map import HEADS, NEURONS  # noqa: E402,F401 (the unit kinds)
 
 
 @dataclass
