@@ -232,36 +232,37 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def _run(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
-
-
 def add_fp16(model: onnx.ModelProto, directory: str | Path, fp32_name: str,
-             feeds: dict[str, np.ndarray] | None = None, rtol: float = FP16_RTOL) -> tuple[str, float | None]:
+             feeds: dict[str, np.ndarray] | Sequence[dict[str, np.ndarray]] | None = None,
+             rtol: float = FP16_RTOL) -> tuple[str, float | None]:
     """Write the fp16 twin of ``directory/fp32_name`` and, given ``feeds``, check it against the fp32 file.
 
     Args:
         model: the fp32 model saved as ``fp32_name``.
         directory: the artifact directory (being written).
         fp32_name: the fp32 file's name inside ``directory``.
-        feeds: sample inputs (numpy); None skips the check.
-        rtol: largest allowed :func:`relative_error` of the fp16 outputs (onnxruntime, CPU).
+        feeds: sample inputs (numpy), or several sets of them (e.g. one per budget index of the
+            elastic graph); None skips the check.
+        rtol: largest allowed :func:`relative_error` of the fp16 outputs (onnxruntime, CPU), over
+            every set of feeds.
 
     Returns:
-        (fp16 file name, relative error or None when not checked).
+        (fp16 file name, largest relative error or None when not checked).
 
     Raises:
         RuntimeError: the fp16 model differs from the fp32 one by more than ``rtol``.
     """
+    import onnxruntime as ort
+
     directory = Path(directory)
     name = fp16_name(fp32_name)
     write_fp16(model, directory / name)
     if feeds is None:
         return name, None
-    err = relative_error(_run(directory / fp32_name, feeds), _run(directory / name, feeds))
-    if not err <= rtol:
-        raise RuntimeError(f"{name}: fp16 outputs differ from {fp32_name} by {err:.2e} (relative), above {rtol:g}")
+    sessions = [ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name)]
+    err = 0.0
+    for f in [feeds] if isinstance(feeds, dict) else feeds:
+        err = max(err, relative_error(sessions[0].run(None, f), sessions[1].run(None, f)))
+        if not err <= rtol:
+            raise RuntimeError(f"{name}: fp16 outputs differ from {fp32_name} by {err:.2e} (relative), above {rtol:g}")
     return name, err
