@@ -256,13 +256,21 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
                         "(distributed), then the main job with --ranking FILE")
     prepare_out(Path(opts.out), opts.overwrite)
     lock = OutputLock(opts.out)
-    if lock.acquire():  # here if --out's parent exists, else once it has been created
-        clean_stale(Path(opts.out), echo)
-        prepare_out(Path(opts.out), opts.overwrite)  # again: another process may have written it meanwhile
+    claim_out(lock, Path(opts.out), opts.overwrite, echo)  # here if --out's parent exists, else once it is made
     try:
         return _run(opts, lock, echo)
     finally:
         lock.release()
+
+
+def claim_out(lock: OutputLock, out: Path, overwrite: bool, echo: Callable[[str], None]) -> bool:
+    """Take ``out``'s lock (False while its parent does not exist); holding it, clear what killed
+    runs left and check ``out`` again (another process may have written it meanwhile)."""
+    if lock.held or not lock.acquire():
+        return lock.held
+    clean_stale(out, echo)
+    prepare_out(out, overwrite)
+    return True
 
 
 def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
@@ -292,10 +300,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
 
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    if not lock.held:
-        lock.acquire()
-        clean_stale(out, echo)
-        prepare_out(out, opts.overwrite)
+    claim_out(lock, out, opts.overwrite, echo)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
     try:
         os.chmod(tmp, 0o777 & ~umask())
