@@ -167,6 +167,21 @@ def _sliced_units(ctx: PassContext) -> list[dict]:
     return out
 
 
+_FIX = "the ONNX model is corrupt or was edited after export; export it again"
+
+
+def _check_counts(units) -> None:
+    """Every layer of the unit map has integer head and neuron counts (>= 0) and widths (> 0)."""
+    def counted(entry) -> bool:
+        return (isinstance(entry, dict) and type(entry.get("count")) is int and entry["count"] >= 0
+                and type(entry.get("width")) is int and entry["width"] > 0)
+
+    if not isinstance(units, list) or not all(isinstance(L, dict) and counted(L.get("heads")) and counted(L.get("neurons"))
+                                              for L in units):
+        raise UserError(f"corrupt elastic-export unit map in the ONNX model (every layer needs integer head and "
+                        f"neuron counts and widths); {_FIX}")
+
+
 def _dense_units(dense: onnx.ModelProto) -> list[dict]:
     from elastic_export.unit_map import get_units
 
@@ -174,14 +189,7 @@ def _dense_units(dense: onnx.ModelProto) -> list[dict]:
         units = get_units(dense)
     except (ValueError, KeyError) as e:
         raise UserError(f"corrupt elastic-export unit map in the ONNX model ({e})")
-    def counted(entry) -> bool:
-        return (isinstance(entry, dict) and type(entry.get("count")) is int and entry["count"] >= 0
-                and type(entry.get("width")) is int and entry["width"] > 0)
-
-    if not isinstance(units, list) or not all(isinstance(L, dict) and counted(L.get("heads")) and counted(L.get("neurons"))
-                                              for L in units):
-        raise UserError("corrupt elastic-export unit map in the ONNX model (every layer needs integer head and "
-                        "neuron counts and widths); export it again")
+    _check_counts(units)
     return units
 
 
@@ -194,15 +202,13 @@ def check_unit_map(graph: gs.Graph, units: list[dict]) -> None:
     every layer needs counts and widths, and every weight, bias, node and output it names must
     exist, so that no pass ever meets a missing name half-way through (a corrupt, truncated or
     hand-edited model)."""
+    _check_counts(units)
     tensors = graph.tensors()
     nodes = {n.name for n in graph.nodes}
-    fix = "the ONNX model is corrupt or was edited after export; export it again"
     try:
         for i, layer in enumerate(units):
             for kind in ("heads", "neurons"):
                 entry = layer[kind]
-                if not (isinstance(entry["count"], int) and entry["count"] >= 0 and isinstance(entry["width"], int)):
-                    raise UserError(f"layer {i} {kind}: bad count or width in the unit map; {fix}")
                 if entry["count"] == 0:
                     continue
                 for role in [*entry["producers"], entry["consumer"]]:
@@ -210,17 +216,17 @@ def check_unit_map(graph: gs.Graph, units: list[dict]) -> None:
                         name = role.get(key)
                         if name is not None and not isinstance(tensors.get(name), gs.Constant):
                             raise UserError(f"layer {i} {kind}: the unit map names {key} {name!r}, which is not "
-                                            f"a weight of the graph; {fix}")
+                                            f"a weight of the graph; {_FIX}")
                     for key in _NODE_KEYS:
                         name = role.get(key)
                         if name is not None and name not in nodes:
                             raise UserError(f"layer {i} {kind}: the unit map names node {name!r}, which the graph "
-                                            f"lacks; {fix}")
+                                            f"lacks; {_FIX}")
                 out = entry["consumer"].get("output")
                 if out is not None and out not in tensors:
-                    raise UserError(f"layer {i} {kind}: the unit map names tensor {out!r}, which the graph lacks; {fix}")
+                    raise UserError(f"layer {i} {kind}: the unit map names tensor {out!r}, which the graph lacks; {_FIX}")
     except (KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"corrupt elastic-export unit map in the ONNX model (missing or bad {e}); {fix}") from None
+        raise UserError(f"corrupt elastic-export unit map in the ONNX model (missing or bad {e}); {_FIX}") from None
 
 
 def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], names: list[str] | None = None,
