@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ort_speed import bench_dirs, build_artifacts, log, machine  # noqa: E402
+from ort_speed import bench_dirs, build_artifacts, busy_warning, log, machine  # noqa: E402
 
 from elastic_export.budgets import parse_budgets  # noqa: E402
 from elastic_export.errors import UserError  # noqa: E402
@@ -148,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)
     host = machine()
-    if args.speed and host["load_average"][0] > 0.5 * (host["logical_cpus"] or 1):
-        log(f"warning: load average {host['load_average'][0]:.1f} on {host['logical_cpus']} CPUs; "
-            "timings will be noisy")
+    if args.speed and (warning := busy_warning(host)):
+        log(warning)
 
     ranking, method = make_ranking(work, args.method, args.ranking, args.rebuild)
     dirs = {k: build_artifacts(work / f"align{k}", model=None, budgets=budgets, align=k, method=method,

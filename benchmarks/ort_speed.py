@@ -51,7 +51,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.bench import machine, time_calls  # noqa: E402
+from elastic_export.bench import busy_warning, machine, time_calls  # noqa: E402
 from elastic_export.budgets import parse_budgets  # noqa: E402
 from elastic_export.errors import UserError  # noqa: E402
 from elastic_export.loader import DEFAULT_MODEL  # noqa: E402
@@ -484,9 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)
     host = machine()
-    if host["load_average"][0] > 0.5 * (host["logical_cpus"] or 1):
-        log(f"warning: load average {host['load_average'][0]:.1f} on {host['logical_cpus']} CPUs; "
-            "timings will be noisy")
+    if warning := busy_warning(host):
+        log(warning)
 
     args.only_budgets = set(budgets)
     dirs: dict[int, Path] = {}

@@ -74,6 +74,8 @@ class BenchConfig:
 
     def check(self) -> None:
         """Refuse bad values with a one-line :class:`UserError`."""
+        from elastic_export.fp16 import check_precision
+
         if self.backend not in BACKENDS:
             raise UserError(f"--backend {self.backend}: choose one of {', '.join(BACKENDS)}")
         if self.provider not in PROVIDERS:
@@ -86,8 +88,7 @@ class BenchConfig:
                 raise UserError(f"{name} must be >= {low}, got {value}")
         if self.seq_len is not None and self.seq_len < 1:
             raise UserError(f"--seq-len must be a positive integer, got {self.seq_len}")
-        if self.precision not in ("fp32", "fp16"):
-            raise UserError(f"--precision {self.precision}: choose fp32 or fp16")
+        check_precision(self.precision)
         if self.precision == "fp16" and self.backend == "tensorrt":
             raise UserError("--precision fp16 applies to --backend onnxruntime; TensorRT engines carry their own")
 
@@ -230,6 +231,14 @@ def machine() -> dict[str, Any]:
         pass
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
             "onnxruntime": ort.__version__, "platform": platform.platform()}
+
+
+def busy_warning(host: dict[str, Any]) -> str | None:
+    """The warning to print when :func:`machine` found the CPUs more than half busy (timings noisy)."""
+    load, cpus = host["load_average"][0], host["logical_cpus"] or 1
+    if load > 0.5 * cpus:
+        return f"warning: load average {load:.1f} on {host['logical_cpus']} CPUs; timings will be noisy"
+    return None
 
 
 def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], None] = lambda s: None) -> dict:
