@@ -445,7 +445,7 @@ class ElasticRuntime:
         sess = make_session(resolve(directory, e[key]), config)
         name = e.get("budget_input", "budget_index")
         if name not in [i.name for i in sess.get_inputs()]:
-            raise UserError(f"{directory / e['onnx']}: has no input {name!r}")
+            raise UserError(f"{directory / e[key]}: has no input {name!r}")
         out = []
         for i, s in enumerate(sparsities):
             index = np.array([i], dtype=np.int64)

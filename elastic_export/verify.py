@@ -354,7 +354,7 @@ def _torch_reference(manifest: dict, directory: Path, model: str | None, seq_len
                      budgets: list[dict]) -> tuple[Callable | None, str]:
     """(function budget-index-or-None -> outputs, description), or (None, why not)."""
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         if model is not None:
             raise UserError("--model needs torch (pip install torch); or pass --no-torch")
@@ -387,7 +387,6 @@ def _torch_reference(manifest: dict, directory: Path, model: str | None, seq_len
         raise UserError(f"{directory}: the ranking file {manifest['ranking'].get('file')!r} is missing")
     ranking = load_ranking(rk_path)
     names = [s.name for s in enc.input_specs()]
-    import torch
 
     def run(index: int | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         blocks = enc.blocks()
@@ -528,10 +527,9 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
         try:
             if not isinstance(rel, str) or not isinstance(index_name, str):
                 raise _Failed(CORRUPT, f"manifest 'elastic' needs '{key}' and 'budget_input' strings")
+            path = _load(resolve(d, rel), rel)
             try:
-                sess = _session(_load(resolve(d, rel), rel))
-            except _Failed:
-                raise
+                sess = _session(path)
             except Exception as e:
                 raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
             spec = next((i for i in sess.get_inputs() if i.name == index_name), None)

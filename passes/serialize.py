@@ -58,6 +58,10 @@ class TensorCache:
         return hit[1]
 
 
+def _nbytes(piece: bytes | memoryview) -> int:
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
 def _initializer_pieces(const: gs.Constant, cache: TensorCache) -> list[bytes | memoryview]:
     """The bytes of one ``GraphProto.initializer`` record, as pieces to write in order."""
     values = const._values
@@ -76,7 +80,7 @@ def _initializer_pieces(const: gs.Constant, cache: TensorCache) -> list[bytes | 
                 head.data_location = const.data_location
             raw = memoryview(array.reshape(-1)).cast("B")
             body = [head.SerializeToString(), _field_header(_TENSOR_RAW_DATA, raw.nbytes), raw]
-    size = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in body)
+    size = sum(_nbytes(b) for b in body)
     return [_field_header(_GRAPH_INITIALIZER, size)] + body
 
 
@@ -117,7 +121,7 @@ def save_graph(graph: gs.Graph, skeleton: onnx.ModelProto, path: str | Path, cac
     for t in graph.tensors().values():
         if isinstance(t, gs.Constant):
             pieces += _initializer_pieces(t, cache)
-    graph_size = len(small) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
+    graph_size = len(small) + sum(_nbytes(p) for p in pieces)
     if graph_size + skeleton.ByteSize() >= 2**31:
         raise ValueError(f"{path}: model over 2 GiB; protobuf cannot hold it in one file")
     with open(path, "wb") as f:
