@@ -395,6 +395,12 @@ def report_cmd(directory, out):
 @click.option("--workspace-gb", type=float, default=4.0, show_default=True, help="Builder workspace limit (GiB).")
 @click.option("--timing-cache", default=None, type=click.Path(), metavar="PATH",
               help="Timing cache shared by all builds [default: DIR/tensorrt.timing.cache].")
+@click.option("--opt-level", type=click.IntRange(0, 5), default=None,
+              help="TensorRT builder_optimization_level 0-5 [default: TensorRT's, 3]; lower builds faster.")
+@click.option("--tf32/--no-tf32", default=False, show_default=True,
+              help="TensorRT: let fp32 layers use TF32 tensor cores (faster, ~1e-3 relative error).")
+@click.option("--fp32-norms/--no-fp32-norms", default=True, show_default=True,
+              help="TensorRT 10 fp16 (builder flag): keep norms, softmax and reductions in fp32.")
 @click.option("--no-dense", is_flag=True, default=False, help="Do not build dense.engine (triton: do not serve the dense model).")
 @click.option("--triton-name", default="elastic", show_default=True,
               help="Triton: the router model's name; budget models are NAME_s010, ...")
@@ -409,7 +415,7 @@ def report_cmd(directory, out):
 @click.option("--triton-platform", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
               show_default=True, help="Triton: auto serves an engine where the manifest lists one, else the ONNX.")
 def build_cmd(directory, target, precision, min_batch, opt_batch, max_batch, min_tokens, opt_tokens, max_tokens,
-              workspace_gb, timing_cache, no_dense, triton_name, triton_instances, triton_kind,
+              workspace_gb, timing_cache, opt_level, tf32, fp32_norms, no_dense, triton_name, triton_instances, triton_kind,
               triton_default_sparsity, triton_queue_delay_us, triton_platform):
     """Add deployment artifacts to an artifact DIR and update its manifest."""
     if target == "triton":
@@ -431,7 +437,8 @@ def build_cmd(directory, target, precision, min_batch, opt_batch, max_batch, min
     manifest = build_engines(directory, precision=precision, min_batch=min_batch, opt_batch=opt_batch,
                              max_batch=max_batch, min_tokens=min_tokens, opt_tokens=opt_tokens,
                              max_tokens=max_tokens, workspace_gb=workspace_gb, timing_cache=timing_cache,
-                             dense=not no_dense, echo=_echo)
+                             dense=not no_dense, opt_level=opt_level, tf32=tf32, fp32_norms=fp32_norms,
+                             echo=_echo)
     for entry in [manifest["dense"], *manifest["budgets"]]:
         if entry.get("engine"):
             click.echo(entry["engine"])

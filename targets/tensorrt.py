@@ -10,11 +10,16 @@ returns a :class:`TrtRunner` that runs an engine with named tensors (TensorRT >=
 string (Polygraphy's ``try_set_flag`` style):
 
 * the builder config has ``BuilderFlag.FP16`` (TensorRT 10): the fp32 ONNX is built with that flag
-  and TensorRT picks fp16 kernels where it wants them;
+  and TensorRT picks fp16 kernels where it wants them, except in norms, softmax and reductions,
+  which are asked to stay fp32 (:func:`pin_fp32_layers`, the split the fp16 ONNX makes);
 * no ``BuilderFlag.FP16`` but ``NetworkDefinitionCreationFlag.STRONGLY_TYPED`` (TensorRT 11, where
-  the precision flags are gone): the directory's fp16 ONNX (``onnx_fp16`` in the manifest, written
-  by ``--precision fp16``: fp16 types with explicit Casts, fp32 norms / softmax / tail) is parsed into
-  a strongly typed network, which runs in exactly the precision its types say.
+  the precision flags and per-layer precisions are gone and every network is strongly typed): the
+  directory's fp16 ONNX (``onnx_fp16`` in the manifest, written by ``--precision fp16``: fp16 types
+  with explicit Casts, fp32 norms / softmax / tail) is parsed, and runs in exactly the precision its
+  types say.
+
+**FP32** engines are built with ``BuilderFlag.TF32`` cleared unless ``tf32=True`` (``--tf32``): TensorRT
+enables TF32 by default, which rounds matmul inputs to 10-bit mantissas.
 
 **Edge devices.** This module and everything it imports (numpy, onnx via the manifest helpers,
 tqdm) work without torch: copy an artifact directory to a Jetson / edge box with TensorRT and
@@ -183,6 +188,67 @@ def try_set_flag(config: Any, flags: Any, name: str) -> bool:
     except Exception:  # a flag that exists but is rejected (deprecated / unsupported here)
         return False
     return True
+
+
+def try_clear_flag(config: Any, flags: Any, name: str) -> bool:
+    """Clear builder flag ``name`` on ``config`` if this TensorRT has it (e.g. ``TF32``, on by default).
+
+    Returns:
+        True when the flag exists and was cleared; False otherwise.
+    """
+    flag = getattr(flags, name, None)
+    if flag is None or not hasattr(config, "clear_flag"):
+        return False
+    try:
+        config.clear_flag(flag)
+    except Exception:
+        return False
+    return True
+
+
+FP32_LAYER_TYPES = ("NORMALIZATION", "SOFTMAX", "REDUCE")
+"""Layer types kept in fp32 in builder-flag fp16 builds: the ops ``elastic_export.fp16`` keeps in fp32
+(norms, softmax, reductions: they accumulate, and LayerNorm after attention can overflow fp16)."""
+
+
+def pin_fp32_layers(trt: Any, network: Any, config: Any) -> int:
+    """Builder-flag fp16 (TensorRT 10): ask for fp32 in every norm, softmax and reduction layer.
+
+    The strongly typed path gets the same split from the fp16 ONNX's Casts; this gives the
+    ``BuilderFlag.FP16`` path the same numerics. Each layer's ``precision`` and float outputs are set
+    to fp32 (a normalization layer's ``compute_precision`` too) and the config prefers those
+    constraints (``PREFER_PRECISION_CONSTRAINTS``, else ``OBEY_PRECISION_CONSTRAINTS``). All by
+    feature checks: a TensorRT without per-layer precision (11, always strongly typed) pins nothing.
+
+    Args:
+        trt: the tensorrt module.
+        network: the parsed ``INetworkDefinition``.
+        config: its ``IBuilderConfig``.
+
+    Returns:
+        How many layers were pinned (0 where this TensorRT has no per-layer precision).
+    """
+    kinds = getattr(trt, "LayerType", None)
+    wanted = {getattr(kinds, n) for n in FP32_LAYER_TYPES if hasattr(kinds, n)}
+    fp32, floats = getattr(trt, "float32", None), {getattr(trt, "float32", None), getattr(trt, "float16", None)}
+    if not wanted or fp32 is None:
+        return 0
+    if not (try_set_flag(config, trt.BuilderFlag, "PREFER_PRECISION_CONSTRAINTS")
+            or try_set_flag(config, trt.BuilderFlag, "OBEY_PRECISION_CONSTRAINTS")):
+        return 0
+    pinned = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type not in wanted or not hasattr(layer, "precision"):
+            continue
+        layer.precision = fp32
+        if hasattr(layer, "compute_precision"):
+            layer.compute_precision = fp32
+        for j in range(layer.num_outputs):
+            if layer.get_output(j).dtype in floats and hasattr(layer, "set_output_type"):
+                layer.set_output_type(j, fp32)
+        pinned += 1
+    return pinned
 
 
 def network_flags(trt: Any, strongly_typed: bool) -> int:
@@ -393,7 +459,8 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
                   opt_batch: int = DEFAULT_OPT_BATCH, max_batch: int = DEFAULT_MAX_BATCH,
                   min_tokens: int | None = None, opt_tokens: int | None = None, max_tokens: int | None = None,
                   workspace_gb: float | None = DEFAULT_WORKSPACE_GB, timing_cache: str | Path | None = None,
-                  dense: bool = True, opt_level: int | None = None, progress: bool = True,
+                  dense: bool = True, opt_level: int | None = None, tf32: bool = False,
+                  fp32_norms: bool = True, progress: bool = True,
                   echo: Callable[[str], None] = lambda s: None) -> dict:
     """Build one TensorRT engine per budget (and the dense model) and record them in the manifest.
 
@@ -412,6 +479,10 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
         dense: also build ``dense.engine``.
         opt_level: ``builder_optimization_level`` (0-5; None: TensorRT's default, 3), where the config
             has it. Lower builds faster with possibly slower engines.
+        tf32: let fp32 layers use TF32 tensor cores (TensorRT's own default is on; off here, as in
+            Polygraphy, so an fp32 engine computes in fp32).
+        fp32_norms: builder-flag fp16 only: keep norms, softmax and reductions in fp32
+            (:func:`pin_fp32_layers`), as the strongly typed fp16 ONNX does.
         progress: show a tqdm bar on stderr.
         echo: progress messages.
 
@@ -429,6 +500,8 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
         raise UserError(f"--precision {precision}: choose fp32 or fp16")
     if workspace_gb is not None and not workspace_gb > 0:
         raise UserError(f"--workspace-gb must be positive, got {workspace_gb}")
+    if opt_level is not None and (isinstance(opt_level, bool) or opt_level not in range(6)):
+        raise UserError(f"--opt-level must be 0..5, got {opt_level}")
     manifest = load_manifest(d)
     profile = compute_profile(manifest, min_batch=min_batch, opt_batch=opt_batch, max_batch=max_batch,
                               min_tokens=min_tokens, opt_tokens=opt_tokens, max_tokens=max_tokens)
@@ -455,6 +528,8 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
     written: dict[str | int, Path] = {}
     engines: dict[str | int, str] = {}
     times: dict[str, float] = {}
+    pinned: dict[str, int] = {}
+    tf32_flag = None  # whether this TensorRT has the TF32 flag at all
     cache = None
     from tqdm import tqdm
 
@@ -468,9 +543,13 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
             _set_workspace(trt, config, workspace)
             if opt_level is not None and hasattr(config, "builder_optimization_level"):
                 config.builder_optimization_level = int(opt_level)
-            if mode == BUILDER_FLAG and not try_set_flag(config, trt.BuilderFlag, "FP16"):
-                raise UserError("this TensorRT rejected BuilderFlag.FP16; re-export with --precision fp16 so the "
-                                "strongly typed fp16 ONNX can be used")
+            tf32_flag = (try_set_flag if tf32 else try_clear_flag)(config, trt.BuilderFlag, "TF32")
+            if mode == BUILDER_FLAG:
+                if not try_set_flag(config, trt.BuilderFlag, "FP16"):
+                    raise UserError("this TensorRT rejected BuilderFlag.FP16; re-export with --precision fp16 so "
+                                    "the strongly typed fp16 ONNX can be used")
+                if fp32_norms:
+                    pinned[str(job.key)] = pin_fp32_layers(trt, network, config)
             cache = _load_timing_cache(config, cache.serialize() if cache is not None else cache_data, echo)
             trt_profile = builder.create_optimization_profile()
             for i in range(network.num_inputs):
@@ -504,6 +583,8 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
         "profiles": [profile.to_json()],
         "workspace_bytes": workspace,
         "builder_optimization_level": opt_level,
+        "tf32": bool(tf32 and tf32_flag),
+        "fp32_layers": pinned or None,
         "timing_cache": _relative(d, cache_path),
         "build_seconds": times,
     }

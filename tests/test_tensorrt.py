@@ -147,6 +147,78 @@ def test_try_set_flag():
     assert not T.try_set_flag(_Config(reject=True), TRT10.BuilderFlag, "FP16")
 
 
+def test_try_clear_flag():
+    class Cfg(_Config):
+        def clear_flag(self, flag) -> None:
+            self.flags.remove(flag)
+
+    c = Cfg()
+    c.flags = [1]
+    assert T.try_clear_flag(c, TRT11.BuilderFlag, "TF32") and c.flags == []
+    assert not T.try_clear_flag(c, TRT11.BuilderFlag, "FP16")
+    assert not T.try_clear_flag(_Config(), TRT11.BuilderFlag, "TF32")  # a config without clear_flag
+    assert not T.try_clear_flag(c, TRT11.BuilderFlag, "TF32")  # clearing an unset flag raises: False
+
+
+class _Tensor(SimpleNamespace):
+    pass
+
+
+class _Layer:
+    """A layer of a stand-in network: type, per-layer precision and output types (TensorRT 10 API)."""
+
+    def __init__(self, kind: str, out_dtypes: list[str], norm: bool = False) -> None:
+        self.type, self.precision = kind, "unset"
+        self.outputs = [_Tensor(dtype=d) for d in out_dtypes]
+        self.set_types: dict[int, str] = {}
+        if norm:
+            self.compute_precision = "unset"
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.outputs)
+
+    def get_output(self, j: int) -> _Tensor:
+        return self.outputs[j]
+
+    def set_output_type(self, j: int, dtype: str) -> None:
+        self.set_types[j] = dtype
+
+
+def _network(layers: list) -> SimpleNamespace:
+    return SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+
+
+TRT10_LAYERS = SimpleNamespace(
+    BuilderFlag=SimpleNamespace(FP16=0, TF32=1, PREFER_PRECISION_CONSTRAINTS=2, OBEY_PRECISION_CONSTRAINTS=3),
+    LayerType=SimpleNamespace(NORMALIZATION="norm", SOFTMAX="softmax", REDUCE="reduce", MATRIX_MULTIPLY="mm"),
+    float32="f32", float16="f16", int64="i64")
+
+
+def test_pin_fp32_layers_builder_flag_path():
+    norm = _Layer("norm", ["f32"], norm=True)
+    soft, mm = _Layer("softmax", ["f32"]), _Layer("mm", ["f32"])
+    count = _Layer("reduce", ["i64"])  # an integer reduction keeps its output type
+    cfg = _Config()
+    assert T.pin_fp32_layers(TRT10_LAYERS, _network([norm, mm, soft, count]), cfg) == 3
+    assert cfg.flags == [2]  # PREFER_PRECISION_CONSTRAINTS
+    assert norm.precision == norm.compute_precision == "f32" and norm.set_types == {0: "f32"}
+    assert soft.precision == "f32" and soft.set_types == {0: "f32"}
+    assert mm.precision == "unset" and mm.set_types == {}
+    assert count.precision == "f32" and count.set_types == {}
+
+
+def test_pin_fp32_layers_falls_back_or_does_nothing():
+    obey_only = SimpleNamespace(**{**vars(TRT10_LAYERS), "BuilderFlag": SimpleNamespace(FP16=0, OBEY_PRECISION_CONSTRAINTS=3)})
+    cfg = _Config()
+    assert T.pin_fp32_layers(obey_only, _network([_Layer("softmax", ["f32"])]), cfg) == 1 and cfg.flags == [3]
+    # TensorRT 11: always strongly typed, no precision-constraint flags: nothing is touched
+    trt11 = SimpleNamespace(**{**vars(TRT10_LAYERS), "BuilderFlag": TRT11.BuilderFlag})
+    layer = _Layer("norm", ["f32"], norm=True)
+    assert T.pin_fp32_layers(trt11, _network([layer]), _Config()) == 0 and layer.precision == "unset"
+    assert T.pin_fp32_layers(TRT11, _network([layer]), _Config()) == 0  # no LayerType at all
+
+
 def test_network_flags():
     assert T.network_flags(TRT10, strongly_typed=False) == 1 << 0
     assert T.network_flags(TRT10, strongly_typed=True) == 1 << 1
@@ -222,6 +294,8 @@ def test_build_engines_checks_input_before_tensorrt(tmp_path):
         T.build_engines(d, precision="int8")
     with pytest.raises(UserError, match="no such directory"):
         T.build_engines(tmp_path / "nope")
+    with pytest.raises(UserError, match="--opt-level must be 0..5"):
+        T.build_engines(d, opt_level=7)
     assert _snapshot(d) == before
 
 
@@ -244,6 +318,11 @@ def test_cli_build_refuses_without_tensorrt(tmp_path):
     assert "tensorrt is not installed" in lines[0] and 'pip install -e ".[tensorrt]"' in lines[0]
     assert "CUDA GPU" in lines[0]
     assert _snapshot(d) == before and not (d / T.TIMING_CACHE).exists()
+    # the build options parse (and are refused for TensorRT's absence, not as unknown)
+    r = _cli_without_tensorrt("build", "--target", "tensorrt", str(d), "--opt-level", "2", "--tf32", "--no-fp32-norms")
+    assert r.returncode == 2 and "tensorrt is not installed" in r.stderr, r.stderr
+    r = _cli_without_tensorrt("build", "--target", "tensorrt", str(d), "--opt-level", "9")
+    assert r.returncode == 2 and "--opt-level" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_imports_and_refuses_without_torch(tmp_path):
@@ -327,6 +406,9 @@ def test_engines_match_onnx(artifacts, tmp_path, precision, tol):
     m = T.build_engines(d, precision=precision, min_batch=1, opt_batch=2, max_batch=4, max_tokens=16,
                         workspace_gb=1, progress=False)
     assert (d / T.TIMING_CACHE).is_file() and m["tensorrt"]["precision"] == precision
+    assert m["tensorrt"]["tf32"] is False  # fp32 means fp32: the 1e-3 bound below holds without TF32
+    if m["tensorrt"]["fp16_mode"] == T.BUILDER_FLAG:  # TensorRT 10: norms / softmax asked to stay fp32
+        assert all(n > 0 for n in m["tensorrt"]["fp32_layers"].values()), m["tensorrt"]["fp32_layers"]
     assert load_manifest(d)["dense"]["engine"] == "dense.engine"
     for entry in [m["dense"], *m["budgets"]]:
         with T.load_engine(d / entry["engine"]) as runner:
