@@ -191,9 +191,17 @@ def open_runtime(directory: Path, config: BenchConfig):
     preflight(config)
     if config.backend == "tensorrt":
         return ElasticRuntime.from_dir(directory, backend="tensorrt")
+    profile = None
+    if config.provider == "tensorrt":  # one TensorRT-EP engine per model covering every measured batch
+        from elastic_export.runtime import tensorrt_ep_profile
+
+        tokens = config.seq_len
+        profile = tensorrt_ep_profile(load_manifest(directory), min_batch=min(config.batches),
+                                      opt_batch=max(config.batches), max_batch=max(config.batches),
+                                      opt_tokens=tokens, max_tokens=tokens)
     return ElasticRuntime.from_dir(directory, backend="onnxruntime", precision=config.precision,
                                    config=SessionConfig(provider=config.provider, threads=config.threads,
-                                                        opt_level="all"))
+                                                        opt_level="all", trt_profile=profile))
 
 
 # --- measuring ----------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ import numpy as np
 from elastic_export.errors import UserError
 from elastic_export.manifest import MANIFEST, load_manifest, resolve
 from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, make_session
+from elastic_export.targets.profiles import Profile, compute_profile
 
 PROFILE = "latency_profile.json"
 MODES = ("per-budget", "elastic")
@@ -412,6 +413,10 @@ class ElasticRuntime:
             budgets, provider = cls._tensorrt_budgets(directory, manifest, mode), "tensorrt"
         else:
             config = _config(providers, config)
+            if config.provider == "tensorrt" and config.trt_profile is None:
+                from dataclasses import replace
+
+                config = replace(config, trt_profile=tensorrt_ep_profile(manifest, elastic=mode == "elastic"))
             provider = config.provider
             key = "onnx" if precision == "fp32" else "onnx_fp16"
             budgets = (cls._elastic_budgets if mode == "elastic" else cls._ort_budgets)(
@@ -620,6 +625,29 @@ def measure_switch_cost(rt: ElasticRuntime, n: int = 20000) -> float:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+def tensorrt_ep_profile(manifest: dict, elastic: bool = False, **ranges: int | None) -> Profile | None:
+    """The shape range for onnxruntime's TensorRT EP, from the manifest (see
+    :func:`elastic_export.targets.profiles.compute_profile`; default batch 1..128 tuned for 32, text
+    1..N tokens tuned for N).
+
+    Args:
+        manifest: the loaded manifest.
+        elastic: add the elastic graph's fixed ``budget_index`` input (shape ``[1]``).
+        ranges: ``min_batch`` / ``opt_batch`` / ``max_batch`` / ``min_tokens`` / ``opt_tokens`` /
+            ``max_tokens`` overrides.
+
+    Returns:
+        The profile, or None where the manifest cannot give one (the EP then picks its own ranges).
+    """
+    try:
+        profile = compute_profile(manifest, **{k: v for k, v in ranges.items() if v is not None})
+    except UserError:
+        return None
+    if elastic:
+        profile = profile.with_input((manifest.get("elastic") or {}).get("budget_input", "budget_index"), (1,))
+    return profile
+
+
 def _config(providers: Sequence[str] | str | None, config: SessionConfig | None) -> SessionConfig:
     from dataclasses import replace
 

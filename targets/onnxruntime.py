@@ -1,8 +1,8 @@
 """onnxruntime sessions for the artifact directory: provider selection, session options, a timed runner.
 
 * :class:`SessionConfig` says which execution provider (``cpu``, ``cuda``, ``tensorrt``) and which
-  options (threads, graph optimisation level, TensorRT fp16 and engine cache, CUDA graphs, device,
-  memory arena).
+  options (threads, graph optimisation level, TensorRT fp16, engine and timing cache and shape
+  profile, CUDA graphs, device, memory arena).
 * :func:`make_session` builds an ``onnxruntime.InferenceSession`` from a file and a config; a
   provider this onnxruntime build lacks is refused with a one-line :class:`UserError` that names
   the ones it has (checked with ``onnxruntime.get_available_providers()``).
@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from elastic_export.errors import UserError
+from elastic_export.targets.profiles import Profile
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 OPT_LEVELS = ("disable", "basic", "extended", "all")
@@ -46,8 +47,12 @@ class SessionConfig:
         inter_threads: inter-op threads (0: default; only matters with parallel execution).
         opt_level: graph optimisation level: ``disable``, ``basic``, ``extended`` or ``all``.
         fp16: TensorRT provider: allow fp16 kernels (``trt_fp16_enable``).
-        engine_cache_dir: TensorRT provider: cache built engines in this directory
-            (``trt_engine_cache_enable`` + ``trt_engine_cache_path``); None: no cache.
+        engine_cache_dir: TensorRT provider: cache built engines and kernel timings in this
+            directory (``trt_engine_cache_*`` and ``trt_timing_cache_*``); None: no cache.
+        trt_profile: TensorRT provider: the input shape range one engine covers
+            (``trt_profile_{min,opt,max}_shapes``, :class:`elastic_export.targets.profiles.Profile`).
+            None: the provider builds for the first shape it sees and rebuilds (seconds) whenever a
+            larger one arrives. :meth:`ElasticRuntime.from_dir` fills it from the manifest.
         cuda_graphs: capture and replay CUDA graphs (CUDA: ``enable_cuda_graph``, TensorRT:
             ``trt_cuda_graph_enable``). Needs fixed input shapes and IOBinding (:class:`Runner`).
         device_id: GPU index for the CUDA / TensorRT providers.
@@ -66,6 +71,7 @@ class SessionConfig:
     opt_level: str = "all"
     fp16: bool = False
     engine_cache_dir: str | None = None
+    trt_profile: Profile | None = None
     cuda_graphs: bool = False
     device_id: int = 0
     memory_arena: bool = True
@@ -102,7 +108,10 @@ class SessionConfig:
             trt: dict[str, Any] = {"device_id": self.device_id, "trt_fp16_enable": bool(self.fp16)}
             if self.engine_cache_dir:
                 Path(self.engine_cache_dir).mkdir(parents=True, exist_ok=True)
-                trt.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(self.engine_cache_dir))
+                trt.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(self.engine_cache_dir),
+                           trt_timing_cache_enable=True, trt_timing_cache_path=str(self.engine_cache_dir))
+            if self.trt_profile is not None:
+                trt.update(self.trt_profile.ort_tensorrt_options())
             if self.cuda_graphs:
                 trt["trt_cuda_graph_enable"] = True
             out.append((PROVIDERS["tensorrt"], trt))

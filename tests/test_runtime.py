@@ -245,6 +245,29 @@ def test_bad_input_is_user_error(art, tmp_path, feeds):
         ElasticRuntime.from_dir(broken)
 
 
+def test_tensorrt_ep_gets_the_manifest_shape_range(art, tmp_path):
+    """onnxruntime's TensorRT EP gets explicit profiles (one engine for every batch / length) and
+    caches engines and timings together; the elastic graph adds its fixed budget input."""
+    from elastic_export.runtime import tensorrt_ep_profile
+
+    m = json.loads((art / "manifest.json").read_text())
+    names = [i["name"] for i in m["inputs"]]
+    profile = tensorrt_ep_profile(m)
+    opts = dict(SessionConfig(provider="tensorrt", trt_profile=profile, engine_cache_dir=str(tmp_path / "c"))
+                .providers()[0][1])
+    assert opts["trt_profile_min_shapes"] == ",".join(f"{n}:1x1" for n in names)
+    assert opts["trt_profile_opt_shapes"] == ",".join(f"{n}:32x16" for n in names)
+    assert opts["trt_profile_max_shapes"] == ",".join(f"{n}:128x16" for n in names)
+    assert opts["trt_timing_cache_enable"] and opts["trt_timing_cache_path"] == opts["trt_engine_cache_path"]
+    elastic = tensorrt_ep_profile(m, elastic=True, max_batch=8, opt_batch=8, max_tokens=64, opt_tokens=64)
+    opts = elastic.ort_tensorrt_options()
+    assert opts["trt_profile_max_shapes"] == ",".join([f"{n}:8x64" for n in names] + ["budget_index:1"])
+    assert opts["trt_profile_min_shapes"].endswith(",budget_index:1")
+    assert "trt_profile_min_shapes" not in dict(SessionConfig(provider="tensorrt").providers()[0][1])
+    m["tokens"] = None  # nothing to bound the token axis with: no explicit profile, the EP picks
+    assert tensorrt_ep_profile(m) is None
+
+
 def test_runner_plain_and_bound(art, feeds, expected):
     cfg = SessionConfig(threads=1)
     runner = Runner(make_session(art / "dense.onnx", cfg), cfg)
