@@ -343,10 +343,11 @@ def run_engine(path: Path, feeds: dict[str, np.ndarray], outputs: list[str]) -> 
         runner = load_engine(path)
     except UserError as e:
         raise _Failed(CORRUPT, str(e))
-    missing = [o for o in outputs if o not in runner.outputs]
-    if missing:
-        raise _Failed(CORRUPT, f"engine has no output {missing[0]!r}")
-    return [np.asarray(a, dtype=np.float32) for a in runner.run(feeds, outputs)]
+    with runner:  # frees its device buffers and stream
+        missing = [o for o in outputs if o not in runner.outputs]
+        if missing:
+            raise _Failed(CORRUPT, f"engine has no output {missing[0]!r}")
+        return [np.asarray(a, dtype=np.float32) for a in runner.run(feeds, outputs)]
 
 
 # --- torch ---------------------------------------------------------------------------------------
