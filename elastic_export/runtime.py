@@ -56,7 +56,7 @@ import numpy as np
 
 from elastic_export.errors import UserError
 from elastic_export.manifest import MANIFEST, load_manifest, resolve
-from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, make_session
+from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, make_session, shared_initializers
 from elastic_export.targets.profiles import Profile, compute_profile
 
 PROFILE = "latency_profile.json"
@@ -427,13 +427,18 @@ class ElasticRuntime:
     def _ort_budgets(directory: Path, manifest: dict, config: SessionConfig, inputs: list[str],
                      outputs: list[str], key: str = "onnx") -> list[_Budget]:
         entries = [(0.0, manifest["dense"].get(key))] + [(b.get("sparsity"), b.get(key)) for b in manifest["budgets"]]
-        out: dict[float, _Budget] = {}
         for s, rel in entries:
-            s = _sparsity(directory, s)
             if rel is None:
-                raise UserError(f"{directory / MANIFEST}: budget {s:g} lists no {key} file"
+                raise UserError(f"{directory / MANIFEST}: budget {_sparsity(directory, s):g} lists no {key} file"
                                 + ("; export with --precision fp16" if key == "onnx_fp16" else ""))
-            sess = make_session(resolve(directory, rel), config)
+        paths = [resolve(directory, rel) for _, rel in entries]
+        shared: list[dict] = [{} for _ in paths]
+        if config.share_weights and config.provider == "cpu" and all(p is not None and p.is_file() for p in paths):
+            shared = shared_initializers(paths)  # weights identical across the files: held once
+        out: dict[float, _Budget] = {}
+        for (s, rel), path, init in zip(entries, paths, shared):
+            s = _sparsity(directory, s)
+            sess = make_session(path, config, initializers=init)
             out[s] = _Budget(s, rel, _ort_call(sess, config, None, outputs))
         return list(out.values())
 

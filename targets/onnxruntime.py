@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -63,6 +63,10 @@ class SessionConfig:
         spin: let idle intra-op threads spin-wait for work (onnxruntime's default). Turn it off
             when many sessions share few cores (every budget loaded at once), so idle sessions do
             not take CPU from the one that runs.
+        share_weights: CPU provider, several files loaded together (the runtime's per-budget mode):
+            initializers that are byte-identical across the files (embeddings, norms, layers a
+            budget leaves whole) are held once and handed to every session
+            (:func:`shared_initializers`).
     """
 
     provider: str = "cpu"
@@ -77,6 +81,7 @@ class SessionConfig:
     memory_arena: bool = True
     log_severity: int = 3
     spin: bool = True
+    share_weights: bool = True
 
     def check(self) -> None:
         """Refuse values that cannot work, with a one-line :class:`UserError`."""
@@ -150,12 +155,15 @@ def check_provider(config: SessionConfig) -> None:
                         f"in this onnxruntime build; available: {', '.join(have) or 'none'}")
 
 
-def make_session(path: str | Path, config: SessionConfig | None = None):
+def make_session(path: str | Path, config: SessionConfig | None = None, initializers: Mapping[str, Any] | None = None):
     """An ``onnxruntime.InferenceSession`` for one ONNX file.
 
     Args:
         path: the ONNX file.
         config: provider and options (default: :class:`SessionConfig` (), CPU).
+        initializers: name -> ``OrtValue`` used instead of the file's own initializer of that name
+            (``SessionOptions.add_initializer``; see :func:`shared_initializers`). The session
+            keeps a reference, so they live as long as it does.
 
     Returns:
         The session (thread-safe for ``run``).
@@ -171,11 +179,64 @@ def make_session(path: str | Path, config: SessionConfig | None = None):
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such ONNX file")
+    options = config.session_options()
+    for name, value in (initializers or {}).items():
+        options.add_initializer(name, value)
     try:
-        return ort.InferenceSession(str(path), config.session_options(), providers=config.providers())
+        sess = ort.InferenceSession(str(path), options, providers=config.providers())
     except Exception as e:  # onnxruntime raises its own exception types
         line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise UserError(f"{path}: onnxruntime cannot load it ({line})")
+    sess.shared_initializers = dict(initializers or {})  # onnxruntime needs them alive as long as the session
+    return sess
+
+
+SHARE_MIN_BYTES = 1 << 16
+
+
+def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_BYTES) -> list[dict[str, Any]]:
+    """The initializers that several ONNX files hold byte for byte, one ``OrtValue`` each.
+
+    Budget files are slices of one dense model: its embeddings, norms and any layer a budget keeps
+    whole are identical across files. Handing every session the same ``OrtValue`` for them
+    (:func:`make_session`'s ``initializers``) keeps one copy in memory instead of one per file: a
+    text encoder's vocabulary embedding is most of a small model (MiniLM: 45 MB of 90).
+
+    Args:
+        paths: the ONNX files (inline initializers are compared; external-data ones are left alone).
+        min_bytes: smaller initializers are not worth sharing.
+
+    Returns:
+        One dict per path, in order: initializer name -> the shared ``OrtValue`` for that file's
+        tensor; only tensors that at least two files hold identically (name, type, shape, bytes).
+    """
+    import hashlib
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    count: dict[tuple, int] = {}
+    values: dict[tuple, Any] = {}
+    per_file: list[dict[str, tuple]] = []
+    for path in paths:
+        keys: dict[str, tuple] = {}
+        per_file.append(keys)
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception:  # not ONNX: shares nothing; make_session reports it
+            continue
+        for t in model.graph.initializer:
+            raw = t.raw_data
+            if t.data_location == onnx.TensorProto.EXTERNAL or len(raw) < max(min_bytes, 1):
+                continue
+            key = (t.name, t.data_type, tuple(t.dims), hashlib.sha1(raw, usedforsecurity=False).digest())
+            keys[t.name] = key
+            count[key] = count.get(key, 0) + 1
+            if count[key] == 2:  # a second file has it: keep one copy, from this file
+                values[key] = ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(t))
+        del model
+    return [{name: values[key] for name, key in keys.items() if key in values} for keys in per_file]
 
 
 class Runner:

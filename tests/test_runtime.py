@@ -268,6 +268,45 @@ def test_tensorrt_ep_gets_the_manifest_shape_range(art, tmp_path):
     assert tensorrt_ep_profile(m) is None
 
 
+def test_shared_initializers_hold_identical_weights_once(art, tmp_path, feeds, expected):
+    """Weights byte-identical across the budget files become one OrtValue used by every session;
+    sliced weights stay per file; the outputs do not change."""
+    import onnx
+
+    from elastic_export.targets.onnxruntime import shared_initializers
+
+    m = json.loads((art / "manifest.json").read_text())
+    files = [m["dense"]["onnx"]] + [b["onnx"] for b in m["budgets"]]
+    shared = shared_initializers([art / f for f in files], min_bytes=0)
+    assert len(shared) == len(files)
+    dense = {t.name: t for t in onnx.load(str(art / files[0])).graph.initializer}
+    sparsest = {t.name: t for t in onnx.load(str(art / files[-1])).graph.initializer}
+    same = {n for n in dense if n in sparsest and dense[n].dims == sparsest[n].dims
+            and dense[n].raw_data == sparsest[n].raw_data and dense[n].raw_data}
+    sliced = {n for n in dense if n in sparsest and dense[n].dims != sparsest[n].dims}
+    assert same and sliced  # the embeddings are kept whole, FFN / attention weights are cut at 0.8
+    assert same <= set(shared[0]) and same <= set(shared[-1])
+    assert all(shared[0][n] is shared[-1][n] for n in same)  # one object, not one copy per session
+    assert all(shared[-1][n] is not shared[0].get(n) for n in sliced & set(shared[-1]))  # other bytes: other value
+    # a file that is not ONNX shares nothing (make_session reports it), the others still share
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not onnx")
+    again = shared_initializers([art / files[0], bad, art / files[1]], min_bytes=0)
+    assert again[1] == {} and again[0] and again[0].keys() == again[2].keys()
+    assert all(again[0][n] is again[2][n] for n in again[0])
+    with pytest.raises(UserError, match="onnxruntime cannot load it"):
+        make_session(bad, SessionConfig(), initializers=again[1])
+    # sessions built with shared weights compute exactly what plain sessions compute
+    for f, init in zip(files, shared):
+        sess = make_session(art / f, SessionConfig(threads=1), initializers=init)
+        assert sess.shared_initializers.keys() == init.keys()
+        s = 0.0 if f == files[0] else next(b["sparsity"] for b in m["budgets"] if b["onnx"] == f)
+        assert _err(dict(enumerate(sess.run(None, feeds))), expected[s]) == 0.0
+    plain = ElasticRuntime.from_dir(art, config=SessionConfig(threads=1, share_weights=False))
+    for s in plain.sparsities:
+        assert _err(plain.run(feeds, sparsity=s), expected[s]) < 1e-6
+
+
 def test_runner_plain_and_bound(art, feeds, expected):
     cfg = SessionConfig(threads=1)
     runner = Runner(make_session(art / "dense.onnx", cfg), cfg)
