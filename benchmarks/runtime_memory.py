@@ -15,7 +15,9 @@ Usage:
     python benchmarks/runtime_memory.py [--artifacts DIR ...] [--threads 1]
 
 ``--artifacts`` defaults to the serve_sim directory (the embedded all-MiniLM-L6-v2, budgets
-0.1..0.6, built on first use). Writes benchmarks/results/runtime_memory.{json,md}.
+0.1..0.6, built on first use). The committed results also have timm ViT-B/16
+(``elastic-export --model vit_base_patch16_224 --no-pretrained --method random --align 64
+--budgets 0.1..0.6``). Writes benchmarks/results/runtime_memory.{json,md}.
 """
 
 from __future__ import annotations
@@ -104,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# ElasticRuntime resident memory with every budget loaded (onnxruntime CPU)", "",
              f"onnxruntime {ort.__version__}, {args.threads} thread(s); each row a fresh process; "
              "MB = resident set added by `ElasticRuntime.from_dir` (and after one batch-1 run at every budget).", "",
-             "| artifacts | mode | budgets | ONNX files MB (dense + budgets) | loaded MB | after runs MB | load s |",
+             "| model | mode | budgets | ONNX files MB (dense + budgets) | loaded MB | after runs MB | load s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dir']} | {r['config']} | {r['budgets']} | {r['per_budget_files_mb']:.0f} | "
+        lines.append(f"| {r['model']} | {r['config']} | {r['budgets']} | {r['per_budget_files_mb']:.0f} | "
                      f"{r['loaded_mb']:.0f} | {r['after_runs_mb']:.0f} | {r['load_s']:.2f} |")
     (args.out / "runtime_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -354,6 +354,7 @@ class _Budget:
     sparsity: float
     file: str  # relative to the directory
     run: Callable[[dict[str, np.ndarray]], Any]
+    shared: tuple[str, ...] = ()  # initializers its session takes from the pool shared across files
 
 
 class ElasticRuntime:
@@ -439,7 +440,7 @@ class ElasticRuntime:
         for (s, rel), path, init in zip(entries, paths, shared):
             s = _sparsity(directory, s)
             sess = make_session(path, config, initializers=init)
-            out[s] = _Budget(s, rel, _ort_call(sess, config, None, outputs))
+            out[s] = _Budget(s, rel, _ort_call(sess, config, None, outputs), tuple(sorted(init)))
         return list(out.values())
 
     @staticmethod
@@ -592,6 +593,12 @@ class ElasticRuntime:
         return self._budgets[_key(sparsity)].file
 
     # memory ----------------------------------------------------------------------------------
+    def shared_weights(self) -> dict[float, tuple[str, ...]]:
+        """Per sparsity, the initializers its session shares with the other sessions (one copy in
+        memory for all; ``SessionConfig.share_weights``, per-budget mode on CPU). Empty where
+        nothing is shared."""
+        return {s: self._budgets[s].shared for s in self.sparsities}
+
     @staticmethod
     def memory_rss() -> int:
         """Resident set size of this process in bytes (Linux ``/proc/self/statm``; elsewhere the

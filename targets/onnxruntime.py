@@ -192,19 +192,29 @@ def make_session(path: str | Path, config: SessionConfig | None = None, initiali
 
 
 SHARE_MIN_BYTES = 1 << 16
+SHARE_MIN_TOTAL = 8 << 20
+PREPACKED_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulInteger", "QLinearMatMul",
+                           "QLinearConv", "Attention", "LSTM", "GRU", "RNN"})
+"""Ops whose weight inputs onnxruntime's CPU kernels pre-pack into a private layout (then dropping the
+initializer): sharing those would add one copy, not save any, so they are not shared."""
 
 
-def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_BYTES) -> list[dict[str, Any]]:
+def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_BYTES,
+                        min_total: int = SHARE_MIN_TOTAL) -> list[dict[str, Any]]:
     """The initializers that several ONNX files hold byte for byte, one ``OrtValue`` each.
 
-    Budget files are slices of one dense model: its embeddings, norms and any layer a budget keeps
-    whole are identical across files. Handing every session the same ``OrtValue`` for them
-    (:func:`make_session`'s ``initializers``) keeps one copy in memory instead of one per file: a
-    text encoder's vocabulary embedding is most of a small model (MiniLM: 45 MB of 90).
+    Budget files are slices of one dense model: its embeddings, norms and biases are identical
+    across files. Handing every session the same ``OrtValue`` for them (:func:`make_session`'s
+    ``initializers``) keeps one copy in memory instead of one per file: a text encoder's vocabulary
+    embedding is most of a small model (MiniLM: 45 MB of 90). Weights read by matrix products
+    (:data:`PREPACKED_OPS`) are left out: onnxruntime pre-packs them per session anyway.
 
     Args:
         paths: the ONNX files (inline initializers are compared; external-data ones are left alone).
         min_bytes: smaller initializers are not worth sharing.
+        min_total: when the first file's shareable initializers add up to less than this, nothing
+            is shared and the other files are not read (a ViT has no large embedding table: reading
+            and hashing every file would only slow the load down).
 
     Returns:
         One dict per path, in order: initializer name -> the shared ``OrtValue`` for that file's
@@ -219,6 +229,7 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
     count: dict[tuple, int] = {}
     values: dict[tuple, Any] = {}
     per_file: list[dict[str, tuple]] = []
+    first_total = 0
     for path in paths:
         keys: dict[str, tuple] = {}
         per_file.append(keys)
@@ -226,16 +237,26 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
             model = onnx.load(str(path), load_external_data=False)
         except Exception:  # not ONNX: shares nothing; make_session reports it
             continue
+        packed = {i for n in model.graph.node if n.op_type in PREPACKED_OPS for i in n.input}
         for t in model.graph.initializer:
-            raw = t.raw_data
-            if t.data_location == onnx.TensorProto.EXTERNAL or len(raw) < max(min_bytes, 1):
+            if t.name in packed or t.data_location == onnx.TensorProto.EXTERNAL:
                 continue
-            key = (t.name, t.data_type, tuple(t.dims), hashlib.sha1(raw, usedforsecurity=False).digest())
+            try:
+                size = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+            except Exception:  # a type numpy has no dtype for: leave it
+                continue
+            if size < max(min_bytes, 1) or not t.raw_data:
+                continue
+            key = (t.name, t.data_type, tuple(t.dims), hashlib.sha1(t.raw_data, usedforsecurity=False).digest())
             keys[t.name] = key
             count[key] = count.get(key, 0) + 1
             if count[key] == 2:  # a second file has it: keep one copy, from this file
                 values[key] = ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(t))
+            if len(per_file) == 1:
+                first_total += size
         del model
+        if len(per_file) == 1 and first_total < min_total:
+            return [{} for _ in paths]
     return [{name: values[key] for name, key in keys.items() if key in values} for keys in per_file]
 
 

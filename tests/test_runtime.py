@@ -269,29 +269,36 @@ def test_tensorrt_ep_gets_the_manifest_shape_range(art, tmp_path):
 
 
 def test_shared_initializers_hold_identical_weights_once(art, tmp_path, feeds, expected):
-    """Weights byte-identical across the budget files become one OrtValue used by every session;
-    sliced weights stay per file; the outputs do not change."""
+    """Weights byte-identical across the budget files (embeddings, norms, biases) become one OrtValue
+    used by every session; sliced weights and matmul weights (pre-packed per session) are not
+    shared; the outputs do not change."""
     import onnx
 
-    from elastic_export.targets.onnxruntime import shared_initializers
+    from elastic_export.targets.onnxruntime import PREPACKED_OPS, shared_initializers
 
     m = json.loads((art / "manifest.json").read_text())
     files = [m["dense"]["onnx"]] + [b["onnx"] for b in m["budgets"]]
-    shared = shared_initializers([art / f for f in files], min_bytes=0)
+    shared = shared_initializers([art / f for f in files], min_bytes=0, min_total=0)
     assert len(shared) == len(files)
-    dense = {t.name: t for t in onnx.load(str(art / files[0])).graph.initializer}
-    sparsest = {t.name: t for t in onnx.load(str(art / files[-1])).graph.initializer}
-    same = {n for n in dense if n in sparsest and dense[n].dims == sparsest[n].dims
+    dense_model, sparsest_model = onnx.load(str(art / files[0])), onnx.load(str(art / files[-1]))
+    packed = {i for n in dense_model.graph.node if n.op_type in PREPACKED_OPS for i in n.input}
+    dense = {t.name: t for t in dense_model.graph.initializer}
+    sparsest = {t.name: t for t in sparsest_model.graph.initializer}
+    same = {n for n in dense if n in sparsest and dense[n].dims == sparsest[n].dims and n not in packed
             and dense[n].raw_data == sparsest[n].raw_data and dense[n].raw_data}
     sliced = {n for n in dense if n in sparsest and dense[n].dims != sparsest[n].dims}
-    assert same and sliced  # the embeddings are kept whole, FFN / attention weights are cut at 0.8
+    assert same and sliced and packed  # embeddings / norms kept whole; FFN / attention cut at 0.8
+    assert any("embeddings" in n for n in same)
     assert same <= set(shared[0]) and same <= set(shared[-1])
     assert all(shared[0][n] is shared[-1][n] for n in same)  # one object, not one copy per session
+    assert not packed & set(shared[0])  # matmul weights stay the session's own
     assert all(shared[-1][n] is not shared[0].get(n) for n in sliced & set(shared[-1]))  # other bytes: other value
+    # too little to share in the first file: nothing is read further, nothing shared
+    assert shared_initializers([art / f for f in files], min_bytes=0) == [{} for _ in files]
     # a file that is not ONNX shares nothing (make_session reports it), the others still share
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not onnx")
-    again = shared_initializers([art / files[0], bad, art / files[1]], min_bytes=0)
+    again = shared_initializers([art / files[0], bad, art / files[1]], min_bytes=0, min_total=0)
     assert again[1] == {} and again[0] and again[0].keys() == again[2].keys()
     assert all(again[0][n] is again[2][n] for n in again[0])
     with pytest.raises(UserError, match="onnxruntime cannot load it"):
@@ -305,6 +312,29 @@ def test_shared_initializers_hold_identical_weights_once(art, tmp_path, feeds, e
     plain = ElasticRuntime.from_dir(art, config=SessionConfig(threads=1, share_weights=False))
     for s in plain.sparsities:
         assert _err(plain.run(feeds, sparsity=s), expected[s]) < 1e-6
+
+
+def test_runtime_shares_a_large_vocabulary(tmp_path_factory, feeds):
+    """End to end: a model whose embedding table is worth sharing (9 MB here, as MiniLM's 45 MB) is
+    loaded with that table shared by every session; outputs equal the plain sessions'."""
+    from transformers import BertConfig, BertModel
+
+    from elastic_export import pipeline
+
+    root = tmp_path_factory.mktemp("vocab")
+    BertModel(BertConfig(vocab_size=36000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128, max_position_embeddings=64)).save_pretrained(root / "bert")
+    out = root / "out"
+    pipeline.run(pipeline.Options(model=str(root / "bert"), budgets=(0.5,), out=str(out), seq_len=16,
+                                  method="magnitude", verify=False, elastic_graph=False), echo=lambda s: None)
+    shared = ElasticRuntime.from_dir(out, config=SessionConfig(threads=1))
+    plain = ElasticRuntime.from_dir(out, config=SessionConfig(threads=1, share_weights=False))
+    names = shared.shared_weights()
+    assert all(any("word_embeddings" in n for n in v) for v in names.values()), names
+    assert names[0.0] == names[0.5] and all(v == () for v in plain.shared_weights().values())
+    for s in shared.sparsities:
+        a, b = shared.run(feeds, sparsity=s), plain.run(feeds, sparsity=s)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_runner_plain_and_bound(art, feeds, expected):
