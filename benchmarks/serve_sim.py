@@ -13,7 +13,8 @@ machine makes both slower alike).
 * **load-adaptive**: :class:`elastic_export.runtime.LoadAdaptivePolicy` with the measured p50
   service times; at every dispatch the server reports the queue depth and the arrival rate over
   the last ``--rate-window`` seconds (``rt.observe``), and the request runs at the policy's budget
-  (``--high-utilization`` 0.7 / ``--low-utilization`` 0.45: the hysteresis band).
+  (``--high-utilization`` / ``--low-utilization``, the hysteresis band: the policy's own
+  defaults, 0.85 / 0.6, unless given).
 
 Latency = queueing + service. Reported per server: served, dropped, late (latency > the p99
 target), p50/p99 latency, mean sparsity, budget switches. Also the median ``set_budget`` cost.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import heapq
+import inspect
 import json
 import os
 import sys
@@ -48,6 +50,7 @@ from elastic_export.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_p
 from elastic_export.targets.onnxruntime import SessionConfig  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+POLICY_DEFAULTS = inspect.signature(LoadAdaptivePolicy).parameters
 DEFAULT_ARTIFACTS = Path.home() / ".cache" / "elastic-export" / "serve_sim-minilm-fisher"
 DEFAULT_PROFILE = "0:0.5,0.2:0.5,0.4:1.5,0.65:1.5,0.85:0.5,1:0.5"
 
@@ -196,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--rate-window", type=float, default=1.0)
-    ap.add_argument("--high-utilization", type=float, default=0.7, help="policy: go sparser above this")
-    ap.add_argument("--low-utilization", type=float, default=0.45, help="policy: go denser only below this")
+    ap.add_argument("--high-utilization", type=float, default=POLICY_DEFAULTS["high_utilization"].default,
+                    help="policy: go sparser above this (default: the policy's)")
+    ap.add_argument("--low-utilization", type=float, default=POLICY_DEFAULTS["low_utilization"].default,
+                    help="policy: go denser only below this (default: the policy's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -244,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
           f"Poisson arrivals, rate profile `{args.profile}` (x dense capacity {capacity:.1f} req/s), "
           f"{args.duration:.0f} simulated s, seed {args.seed}, {args.workers} worker(s), {args.threads} thread(s), "
           f"batch 1 x {args.seq_len} tokens, queue limit {args.queue_limit}, p99 target {target:.0f} ms "
-          f"(5x dense p50 unless given).", "",
+          f"(5x dense p50 unless given); load-adaptive policy utilisation band {args.high_utilization:g} / "
+          f"{args.low_utilization:g} (high / low).", "",
           *rows, "",
           "Service p50 (ms) per sparsity: " + ", ".join(f"{s:g}: {v:.1f}" for s, v in service.items()) + ".",
           f"Median set_budget cost: {switch_ms * 1e3:.2f} µs.", ""]
