@@ -39,16 +39,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_check import PAPER, T0, log  # noqa: E402  (the paper's A100 figures, timestamped progress)
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER = {"throughput_gain": {0.1: 1.08, 0.6: 1.80}, "latency_gain_at_0.6": 1.26, "switch_ms": 0.46, "gpu": "A100"}
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 class Model:

@@ -48,7 +48,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -415,8 +415,6 @@ class ElasticRuntime:
         else:
             config = _config(providers, config)
             if config.provider == "tensorrt" and config.trt_profile is None:
-                from dataclasses import replace
-
                 config = replace(config, trt_profile=tensorrt_ep_profile(manifest, elastic=mode == "elastic"))
             provider = config.provider
             key = "onnx" if precision == "fp32" else "onnx_fp16"
@@ -661,8 +659,6 @@ def tensorrt_ep_profile(manifest: dict, elastic: bool = False, **ranges: int | N
 
 
 def _config(providers: Sequence[str] | str | None, config: SessionConfig | None) -> SessionConfig:
-    from dataclasses import replace
-
     config = config or SessionConfig()
     if providers:
         first = providers if isinstance(providers, str) else providers[0]

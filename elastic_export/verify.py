@@ -278,6 +278,15 @@ def _load(path: Path | None, rel: str) -> Path:
     return path
 
 
+def _open(d: Path, rel: str):
+    """An onnxruntime session of the manifest file ``rel``, after :func:`_load`'s checks."""
+    path = _load(resolve(d, rel), rel)
+    try:
+        return _session(path)
+    except Exception as e:
+        raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
+
+
 def _run(sess, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
     names = [i.name for i in sess.get_inputs()]
     missing = [n for n in names if n not in feeds]
@@ -484,12 +493,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
         def go() -> Check:
             if not isinstance(rel, str):
                 raise _Failed(CORRUPT, f"manifest entry {rel!r} is not a file name")
-            path = _load(resolve(d, rel), rel)
-            try:
-                sess = _session(path)
-            except Exception as e:
-                raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
-            got = _run(sess, feeds, outputs)
+            got = _run(_open(d, rel), feeds, outputs)
             return _compare(check, want, got, atol if kind == "fp32" else None, rtol_fp16)
 
         report.checks.append(_guard(check, go))
@@ -528,11 +532,7 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
         try:
             if not isinstance(rel, str) or not isinstance(index_name, str):
                 raise _Failed(CORRUPT, f"manifest 'elastic' needs '{key}' and 'budget_input' strings")
-            path = _load(resolve(d, rel), rel)
-            try:
-                sess = _session(path)
-            except Exception as e:
-                raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
+            sess = _open(d, rel)
             spec = next((i for i in sess.get_inputs() if i.name == index_name), None)
             if spec is None:
                 raise _Failed(CORRUPT, f"has no input {index_name!r} (the manifest's budget_input)")

@@ -245,9 +245,12 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
                 size = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
             except Exception:  # a type numpy has no dtype for: leave it
                 continue
-            if size < max(min_bytes, 1) or not t.raw_data:
+            if size < max(min_bytes, 1):
                 continue
-            key = (t.name, t.data_type, tuple(t.dims), hashlib.sha1(t.raw_data, usedforsecurity=False).digest())
+            raw = t.raw_data  # a copy per access: read once
+            if not raw:
+                continue
+            key = (t.name, t.data_type, tuple(t.dims), hashlib.sha1(raw, usedforsecurity=False).digest())
             keys[t.name] = key
             count[key] = count.get(key, 0) + 1
             if count[key] == 2:  # a second file has it: keep one copy, from this file
