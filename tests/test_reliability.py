@@ -129,13 +129,61 @@ def uninterrupted(tmp_path_factory, bert_dir) -> bytes:
     return (root / "r.safetensors").read_bytes()
 
 
+# The CLI, run so that it holds (sleeps) right after writing its first checkpoint: the signal then
+# always arrives mid-ranking, however fast the machine (the run cannot finish first).
+_HOLD_AFTER_CHECKPOINT = """
+import runpy, sys, time
+import elastic_export.soft_ranking as sr
+_save = sr._save_checkpoint
+def _save_and_hold(*a, **k):
+    _save(*a, **k)
+    time.sleep(600)
+sr._save_checkpoint = _save_and_hold
+sys.argv = ["elastic-export", *sys.argv[1:]]
+runpy.run_module("elastic_export", run_name="__main__")
+"""
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default action. A parent that ignores SIGINT
+    (a non-interactive shell's background job, such as a CI runner) passes "ignore" on to its
+    children, and the product rightly keeps a disposition its parent chose; the test must not
+    depend on how pytest was launched."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (the SigIgn mask of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    raise AssertionError(f"no SigIgn line for pid {pid}")  # pragma: no cover
+
+
+def test_sigint_reset_works_under_an_ignoring_parent():
+    """The reset above is effective even when this process itself ignores SIGINT."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        inherited = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        reset = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=_default_sigint)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        assert _ignores_sigint(inherited.pid) and not _ignores_sigint(reset.pid)
+    finally:
+        for p in (inherited, reset):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_killed_ranking_resumes_to_the_identical_ranking(tmp_path, bert_dir, uninterrupted, sig):
     ckpt = tmp_path / "r.safetensors.checkpoint"
-    p = subprocess.Popen([sys.executable, "-m", "elastic_export", *RANK, "--model", str(bert_dir),
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_AFTER_CHECKPOINT, *RANK, "--model", str(bert_dir),
                           "--out", "r.safetensors"], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     try:
+        assert not _ignores_sigint(p.pid), "the child inherited an ignored SIGINT"
         deadline = time.time() + 300
         while not ckpt.exists() and p.poll() is None and time.time() < deadline:
             time.sleep(0.05)
@@ -145,7 +193,7 @@ def test_killed_ranking_resumes_to_the_identical_ranking(tmp_path, bert_dir, uni
     finally:
         p.kill()
     if p.returncode == 0:
-        pytest.fail("the ranking finished before the signal arrived; raise --steps")  # pragma: no cover
+        pytest.fail("the ranking finished before the signal arrived")  # pragma: no cover
     if sig == signal.SIGINT:
         assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     assert not (tmp_path / "r.safetensors").exists()  # nothing half-written
