@@ -116,6 +116,7 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
         )
     data_config = None
     if adapter.modality == "image":
+        seq_len = 0  # N comes from the image size and patches (as for timm models)
         data_config = _hf_image_config(path, adapter.image_size(model))
     return Encoder(model, adapter, str(path), type(model).__name__, seq_len, extras, tokenizer, data_config)
 
