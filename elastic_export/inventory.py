@@ -3,7 +3,8 @@
 Per unit, at nominal token count N, model width D and head width d_h:
 
 * MLP neuron: ``4·D·N`` FLOPs (SwiGLU: ``6·D·N``);
-* attention head: ``8·D·d_h·N + 4·d_h·N² + 3·N²``.
+* attention head: ``8·D·d_h·N + 4·d_h·N² + 3·N²``; with sliding-window attention each query reads
+  ``K = min(N, window)`` keys: ``8·D·d_h·N + 4·d_h·N·K + 3·N·K``.
 
 The model total adds the FLOPs of every layer that is not prunable (embeddings' patch projection,
 pooler, classifier ...) counted as 2·MACs of each ``nn.Linear`` / ``nn.Conv2d`` in one forward pass
@@ -29,9 +30,11 @@ def neuron_flops(width: int, tokens: int, swiglu: bool = False) -> int:
     return (6 if swiglu else 4) * width * tokens
 
 
-def head_flops(width: int, head_dim: int, tokens: int) -> int:
-    """FLOPs of one attention head: ``8·D·d_h·N + 4·d_h·N² + 3·N²``."""
-    return 8 * width * head_dim * tokens + 4 * head_dim * tokens**2 + 3 * tokens**2
+def head_flops(width: int, head_dim: int, tokens: int, window: int | None = None) -> int:
+    """FLOPs of one attention head: ``8·D·d_h·N + 4·d_h·N·K + 3·N·K`` with ``K = N`` keys per query
+    (global attention) or ``K = min(N, window)`` (sliding window)."""
+    keys = tokens if window is None else min(tokens, window)
+    return 8 * width * head_dim * tokens + 4 * head_dim * tokens * keys + 3 * tokens * keys
 
 
 def unit_params(group: UnitGroup) -> int:
@@ -164,7 +167,7 @@ def build_inventory(encoder: Encoder) -> Inventory:
                 head_dim=h.width,
                 neurons=n.count,
                 swiglu=n.swiglu,
-                head_cost=head_flops(D, h.width, N),
+                head_cost=head_flops(D, h.width, N, h.window),
                 neuron_cost=neuron_flops(D, N, n.swiglu),
                 head_params=unit_params(h),
                 neuron_params=unit_params(n),

@@ -58,3 +58,9 @@ def test_minilm_inventory(minilm):
 def test_text_tokens_follow_seq_len(seq_len):
     enc = load_encoder(None, seq_len=seq_len)
     assert build_inventory(enc).tokens == seq_len
+
+
+def test_sliding_window_head_cost():
+    """A sliding-window head reads min(N, window) keys per query; a window >= N costs as global."""
+    assert head_flops(64, 16, 200, window=50) == 8 * 64 * 16 * 200 + 4 * 16 * 200 * 50 + 3 * 200 * 50
+    assert head_flops(64, 16, 40, window=50) == head_flops(64, 16, 40)

@@ -48,6 +48,8 @@ class UnitGroup:
         swiglu: MLP with a gate and an up projection (cost 6·D·N per neuron instead of 4·D·N).
         resize: called with the new unit count after the torch slicer cut the weights, to update
             attributes such as ``num_heads`` (and to bypass the sub-block when the count is 0).
+        window: heads only: sliding-window attention, each query reads at most this many keys
+            (the head's attention FLOPs use ``min(N, window)`` keys); None for global attention.
     """
 
     kind: str
@@ -58,6 +60,7 @@ class UnitGroup:
     module: nn.Module
     swiglu: bool = False
     resize: Callable[[int], None] | None = None
+    window: int | None = None
 
     @property
     def roles(self) -> list[LinearRole]:
