@@ -51,6 +51,9 @@ def _apply(group: UnitGroup, units: np.ndarray) -> None:
     for role in group.roles:
         groups = role.groups if role.side == "out" else 1
         _select(role, feature_index(units, group.count, group.width, groups))
+    for index in group.indices:  # e.g. the shared position-bias rows the heads read, in the new order
+        value = index.value
+        setattr(index.module, index.attr, value[torch.as_tensor(np.asarray(units, dtype=np.int64), device=value.device)])
 
 
 def permute_units(blocks: list[BlockUnits], ranking: Ranking) -> None:

@@ -138,12 +138,26 @@ def budget_input(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
     return graph.toposort()
 
 
+def _slice_indices(graph: gs.Graph, consts: dict, indices: list[dict], k: np.ndarray, zero: gs.Constant,
+                   name: str) -> None:
+    """Per-unit index initializers (rows of a tensor shared by all layers) -> a ``Slice`` of their
+    first ``max(k, 1)`` entries (the units the producers compute at each budget)."""
+    if not indices:
+        return
+    end = _select(graph, np.maximum(k, 1)[:, None], f"{name}/index_end")
+    for ix in indices:
+        const = consts[ix["index"]]
+        uses = list(const.outputs)
+        _replace_uses(const, _slice(graph, const, zero, end, 0, f"elastic/{ix['index']}"), uses)
+
+
 @register_pass("elastic-slice-weights")
 def elastic_slice_weights(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
     """For every layer and kind where some budget keeps k < count units: each producer weight
     (and bias) is replaced by a ``Slice`` of its first ``max(k, 1)`` units in every packed group
     (fused qkv, packed GLU: the stored weight is reshaped to expose the group axis), and the
-    consumer weight by a ``Slice`` of the matching input rows, where the table gives k per budget.
+    consumer weight by a ``Slice`` of the matching input rows, where the table gives k per budget;
+    per-unit index initializers (``indices``) by a ``Slice`` of their first ``max(k, 1)`` entries.
 
     Where some budget keeps k = 0, the consumer weight gets one unit's worth of zero rows appended,
     and that budget slices exactly those rows: the sub-block then adds exactly 0 before its output
@@ -177,6 +191,7 @@ def elastic_slice_weights(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
                         flat = [0, -1] if ax == 1 else ([-1, values.shape[1]] if values.ndim == 2 else [-1])
                         out = _reshape(graph, out, flat, f"elastic/{tname}")
                     _replace_uses(const, out, uses)
+            _slice_indices(graph, consts, layer[kind].get("indices", []), k, zero, f"elastic/l{i}/{kind}")
             c = layer[kind]["consumer"]
             const = consts[c["weight"]]
             starts, ends = np.zeros_like(k), k * width
