@@ -101,6 +101,16 @@ def _clip_vision(projection: bool):
     return (transformers.CLIPVisionModelWithProjection if projection else transformers.CLIPVisionModel)(cfg)
 
 
+def _decoder(cfg_name: str, **kw):
+    """A tiny decoder-only embedder (Qwen3Model, Qwen2Model, LlamaModel, MistralModel): 4 query heads."""
+    import transformers
+
+    base = dict(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, intermediate_size=64, max_position_embeddings=72)
+    cfg = getattr(transformers, f"{cfg_name}Config")(**{**base, **kw})
+    return getattr(transformers, f"{cfg_name}Model")(cfg)
+
+
 # name -> (builder, extras)
 TINY = {
     "timm-vit": (lambda: _timm(), {}),
@@ -122,6 +132,10 @@ TINY = {
     "hf-vit": (_hf_vit, {}),
     "hf-dinov2": (lambda: _dinov2(False), {}),
     "hf-dinov2-swiglu": (lambda: _dinov2(True), {}),
+    "hf-qwen3": (lambda: _decoder("Qwen3"), {"pooling": "lasttoken", "normalize": True}),
+    "hf-qwen2": (lambda: _decoder("Qwen2"), {}),
+    "hf-llama": (lambda: _decoder("Llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True), {}),
+    "hf-mistral": (lambda: _decoder("Mistral", sliding_window=8), {"pooling": "mean"}),
 }
 
 
