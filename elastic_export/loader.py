@@ -43,7 +43,9 @@ def _sentence_transformers_extras(path: Path) -> dict:
                 cfg = json.loads(cfg_file.read_text())
             except (OSError, ValueError) as e:
                 raise UserError(f"{cfg_file}: unreadable pooling config ({e})")
-            if cfg.get("pooling_mode_cls_token"):
+            if cfg.get("pooling_mode_lasttoken"):
+                extras["pooling"] = "lasttoken"
+            elif cfg.get("pooling_mode_cls_token"):
                 extras["pooling"] = "cls"
             elif cfg.get("pooling_mode_max_tokens"):
                 extras["pooling"] = "max"

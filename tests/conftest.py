@@ -133,7 +133,7 @@ TINY = {
     "hf-dinov2": (lambda: _dinov2(False), {}),
     "hf-dinov2-swiglu": (lambda: _dinov2(True), {}),
     "hf-qwen3": (lambda: _decoder("Qwen3"), {"pooling": "lasttoken", "normalize": True}),
-    "hf-qwen2": (lambda: _decoder("Qwen2"), {}),
+    "hf-qwen2": (lambda: _decoder("Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), {}),
     "hf-llama": (lambda: _decoder("Llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True), {}),
     "hf-mistral": (lambda: _decoder("Mistral", sliding_window=8), {"pooling": "mean"}),
 }

@@ -152,13 +152,6 @@ def describe_decoder_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
     return decoder_heads(layer.self_attn), neurons
 
 
-def last_token(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The state at the last position whose mask is 1, per row (left or right padding)."""
-    positions = torch.arange(hidden.shape[1], device=hidden.device)
-    last = (positions * (attention_mask > 0).long()).amax(dim=1)
-    return torch.gather(hidden, 1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-
-
 class _DecoderExport(nn.Module):
     def __init__(self, model: nn.Module, pooling: str, normalize: bool) -> None:
         super().__init__()
@@ -168,10 +161,7 @@ class _DecoderExport(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        if self.pooling == LAST_TOKEN:
-            emb = last_token(hidden, attention_mask)
-        else:
-            emb = pool_tokens(hidden, attention_mask, self.pooling)
+        emb = pool_tokens(hidden, attention_mask, self.pooling)
         if self.normalize:
             emb = F.normalize(emb, p=2.0, dim=-1)
         return hidden, emb
