@@ -218,6 +218,10 @@ def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code):
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
         click.echo("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    shared = [L for L in inv.layers if L.kv_heads]
+    if shared:
+        click.echo(f"grouped-query attention: {shared[0].kv_heads} key/value heads per layer, {shared[0].kv_cost:,} FLOPs "
+                   "each while any query head reading it is kept (head FLOPs above include an even share)")
     click.echo(f"prunable GFLOPs: {inv.prunable_flops / 1e9:.4f}")
     click.echo(f"total GFLOPs:    {inv.total_flops / 1e9:.4f}")
     click.echo(f"params:          {inv.total_params:,}")

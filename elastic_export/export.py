@@ -194,8 +194,12 @@ def _shared_map(g: _Graph, by_digest: dict, grp) -> dict:
     gathers = []
     for p in producers:
         node = _kv_gather(g, p["reshape"], index)
-        g.rename_input(node, node.input[1], name)
+        old = node.input[1]
+        g.rename_input(node, old, name)
         gathers.append(node.name)
+        const = g.producer.get(old)
+        if const is not None and const.op_type == "Constant" and not g.consumers.get(old):
+            g.model.graph.node.remove(const)  # the exporter's copy of the index, now unread
     return {"count": kv.count, "producers": producers, "index": index.tolist(), "indices": name, "gathers": gathers}
 
 
