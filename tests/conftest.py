@@ -125,6 +125,35 @@ TINY = {
 }
 
 
+# timm model classes reach the CLI as a saved timm directory (config.json with the architecture and
+# its model_args, model.safetensors), so they are built by registered name: class -> (name, kwargs)
+TIMM_SAVED = {
+    "VisionTransformer": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4,
+                                                       num_classes=10)),
+}
+
+
+def save_tiny(model_class: type, path) -> None:
+    """Save a tiny model of ``model_class`` (a registered adapter's class) as the directory a user
+    would pass to ``--model``: ``save_pretrained`` for Hugging Face models, timm's ``save_for_hf``
+    layout for timm models."""
+    if model_class.__name__ in TIMM_SAVED:
+        import timm
+        from timm.models import save_for_hf
+
+        name, kw = TIMM_SAVED[model_class.__name__]
+        torch.manual_seed(0)
+        save_for_hf(_perturb(timm.create_model(name, pretrained=False, **kw), seed=1), path, safe_serialization=True)
+        return
+    for tiny_name, (builder, _) in TINY.items():
+        torch.manual_seed(0)
+        module = builder()
+        if type(module) is model_class:
+            _perturb(module, seed=1).save_pretrained(path)
+            return
+    raise KeyError(f"no TINY model of class {model_class.__name__}")
+
+
 def tiny_encoder(name: str):
     builder, extras = TINY[name]
     torch.manual_seed(0)
