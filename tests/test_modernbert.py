@@ -24,8 +24,8 @@ from elastic_export.inventory import build_inventory
 from elastic_export.loader import load_encoder, wrap_module
 from elastic_export.passes import slice_model
 from elastic_export.reference import hard_mask, ranked_keep, sliced_copy
-from elastic_export.scoring import METHODS
 from elastic_export.ranking import Ranking
+from elastic_export.scoring import METHODS
 
 
 def _encoder(seq_len: int = 16, **config):
@@ -64,7 +64,8 @@ def test_window_is_what_the_mask_lets_a_query_read(local_attention, keys):
     sliding-window mask (``|q - k| <= local_attention // 2``)."""
     cfg = _modernbert(local_attention=local_attention, max_position_embeddings=300).config
     n = 2 * keys + 5
-    mask = create_bidirectional_sliding_window_mask(cfg, torch.zeros(1, n, cfg.hidden_size), torch.ones(1, n, dtype=torch.long))
+    embeds, ones = torch.zeros(1, n, cfg.hidden_size), torch.ones(1, n, dtype=torch.long)
+    mask = create_bidirectional_sliding_window_mask(cfg, embeds, ones)
     readable = (mask[0, 0] == 0).sum(-1)
     assert attention_window(cfg, "sliding_attention") == keys == int(readable.max())
     assert attention_window(cfg, "full_attention") is None
