@@ -101,6 +101,16 @@ def _clip_vision(projection: bool):
     return (transformers.CLIPVisionModelWithProjection if projection else transformers.CLIPVisionModel)(cfg)
 
 
+def _modernbert(**kw):
+    """Layers global, local, local (every 3rd global); local layers read 2·(8 // 2) + 1 = 9 keys."""
+    from transformers import ModernBertConfig, ModernBertModel
+
+    base = dict(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=72, global_attn_every_n_layers=3, local_attention=8, pad_token_id=0,
+                bos_token_id=1, cls_token_id=1, eos_token_id=2, sep_token_id=2, attn_implementation="eager")
+    return ModernBertModel(ModernBertConfig(**{**base, **kw}))
+
+
 # name -> (builder, extras)
 TINY = {
     "timm-vit": (lambda: _timm(), {}),
@@ -122,6 +132,7 @@ TINY = {
     "hf-vit": (_hf_vit, {}),
     "hf-dinov2": (lambda: _dinov2(False), {}),
     "hf-dinov2-swiglu": (lambda: _dinov2(True), {}),
+    "hf-modernbert": (_modernbert, {"pooling": "mean", "normalize": True}),
 }
 
 

@@ -25,11 +25,13 @@ def test_inventory_vit_b16_matches_hand_numbers():
 
 
 def test_swiglu_neuron_cost(tiny):
+    """Unit costs at N tokens; a sliding-window head reads K = min(N, window) keys per query."""
     inv = build_inventory(tiny)
     D, N = tiny.width, tiny.tokens
-    for L in inv.layers:
+    for L, b in zip(inv.layers, tiny.blocks()):
+        K = N if b.heads.window is None else min(N, b.heads.window)
         assert L.neuron_cost == (6 if L.swiglu else 4) * D * N
-        assert L.head_cost == 8 * D * L.head_dim * N + 4 * L.head_dim * N * N + 3 * N * N
+        assert L.head_cost == 8 * D * L.head_dim * N + 4 * L.head_dim * N * K + 3 * N * K
 
 
 def test_unit_params_add_up(tiny):
