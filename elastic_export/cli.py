@@ -211,7 +211,7 @@ def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code):
     click.echo(f"tokens N={inv.tokens}  width D={inv.width}")
     head = ("layer", "heads", "head_dim", "neurons", "MLP", "head FLOPs", "neuron FLOPs", "layer GFLOPs")
     rows = [head] + [
-        (str(L.index), str(L.heads), str(L.head_dim), str(L.neurons), "SwiGLU" if L.swiglu else "plain",
+        (str(L.index), str(L.heads), str(L.head_dim), str(L.neurons), "gated" if L.swiglu else "plain",
          f"{L.head_cost:,}", f"{L.neuron_cost:,}", f"{L.flops / 1e9:.4f}")
         for L in inv.layers
     ]

@@ -20,7 +20,7 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__
+from elastic_export import __version__, preprocess
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
@@ -72,14 +72,6 @@ class Options:
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
-
-
-def _jsonable(cfg: dict | None) -> dict | None:
-    """An image preprocessing config as plain JSON (tuples become lists)."""
-    if cfg is None:
-        return None
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()
-            if isinstance(v, (int, float, str, tuple, list, type(None)))}
 
 
 def check_device(device: str) -> torch.device:
@@ -347,7 +339,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             "inputs": io_specs(dense.graph.input),
             "outputs": io_specs(onnx.shape_inference.infer_shapes(dense).graph.output),
             "tokens": inventory.tokens,
-            "preprocess": _jsonable(encoder.data_config),
+            "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
             "prunable_gflops": inventory.prunable_flops / 1e9,
             "align": opts.align,
             "precisions": ["fp32", "fp16"] if opts.precision == "fp16" else ["fp32"],

@@ -30,6 +30,7 @@ from elastic_export.adapters import hf_vision  # noqa: E402,F401
 from elastic_export.adapters import hf_distilbert  # noqa: E402,F401
 from elastic_export.adapters import hf_clip  # noqa: E402,F401
 from elastic_export.adapters import hf_decoder  # noqa: E402,F401
+from elastic_export.adapters import hf_modernbert  # noqa: E402,F401
 
 
 def supported() -> list[str]:
