@@ -64,7 +64,7 @@ def model_path(spec: str) -> str | None:
 
             cfg = Qwen3Config(**QWEN3[spec], max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6)
             torch.manual_seed(0)
-            with torch.device("cpu"):
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init is fast there
                 Qwen3Model(cfg).to(torch.bfloat16).save_pretrained(path)
         return str(path)
     raise ValueError(f"unknown model {spec!r}")
