@@ -32,6 +32,26 @@ OPSET = 17
 PASS_THROUGH = {"Identity", "Cast", "Dropout"}
 
 
+PROTOBUF_LIMIT = 2**31 - 1  # bytes: one ONNX ModelProto, weights inside, serialises to at most this
+
+
+def check_exportable(params: int) -> None:
+    """Refuse, before any ranking, a model whose fp32 weights cannot sit inside one ONNX file.
+
+    The export, the passes and the per-budget files keep the weights inside the protobuf (no
+    external data yet), which serialises to at most 2 GB: about 530M fp32 parameters.
+
+    Raises:
+        UserError: the model is too large; the message says what still works.
+    """
+    size = params * 4
+    if size >= PROTOBUF_LIMIT:
+        raise UserError(
+            f"{params / 1e6:,.0f}M parameters are {size / 1e9:.1f} GB in fp32, over the 2 GB an ONNX file without "
+            "external data can hold; exporting such models is not supported yet: rank it with `elastic-export rank` "
+            "(--weights-dtype bf16, --device cuda)")
+
+
 def permuted_module(encoder: Encoder, ranking: Ranking) -> torch.nn.Module:
     """A copy of the model with every layer's units in rank order."""
     module = copy.deepcopy(encoder.module)

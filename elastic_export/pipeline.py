@@ -25,7 +25,7 @@ from elastic_export.budgets import budget_tag
 from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
-from elastic_export.export import export_dense
+from elastic_export.export import check_exportable, export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
 from elastic_export.fp16 import add_fp16, check_precision
 from elastic_export.inventory import Inventory, build_inventory
@@ -277,6 +277,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
          f"{inventory.total_params / 1e6:.2f}M params")
     check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
+    check_exportable(inventory.total_params)
     rank_seconds = None  # time taken to rank (None: reused)
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
