@@ -11,7 +11,8 @@ import torch
 
 from elastic_export.adapters import adapter_for
 from elastic_export.encoder import Encoder
-from elastic_export.errors import UserError
+from elastic_export import preprocess
+from elastic_export.errors import UserError, first_line
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
@@ -43,7 +44,9 @@ def _sentence_transformers_extras(path: Path) -> dict:
                 cfg = json.loads(cfg_file.read_text())
             except (OSError, ValueError) as e:
                 raise UserError(f"{cfg_file}: unreadable pooling config ({e})")
-            if cfg.get("pooling_mode_cls_token"):
+            if cfg.get("pooling_mode_lasttoken"):
+                extras["pooling"] = "lasttoken"
+            elif cfg.get("pooling_mode_cls_token"):
                 extras["pooling"] = "cls"
             elif cfg.get("pooling_mode_max_tokens"):
                 extras["pooling"] = "max"
@@ -99,7 +102,7 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
         if not trust_remote_code and "trust_remote_code" in str(e):
             raise UserError(f"{path}: the model ships its own Python code, which is not run by default; "
                             "pass --trust-remote-code only if you trust its source")
-        raise UserError(f"{path}: not a loadable Hugging Face model directory ({str(e).splitlines()[0]})")
+        raise UserError(f"{path}: not a loadable Hugging Face model directory ({first_line(e)})")
     has_weights = any((path / f).exists() for f in ("model.safetensors", "model.safetensors.index.json"))
     if not has_weights:
         raise UserError(
@@ -111,7 +114,7 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
             attn_implementation="eager", output_loading_info=True,
         )
     except Exception as e:
-        raise UserError(f"{path}: could not load the model ({str(e).splitlines()[0]})")
+        raise UserError(f"{path}: could not load the model ({first_line(e)})")
     _check_loaded(model, info, path)
     model = model.float().eval()
     adapter = adapter_for(model)
@@ -139,21 +142,26 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
     data_config = None
     if adapter.modality == "image":
         seq_len = 0  # N comes from the image size and patches (as for timm models)
-        data_config = _hf_image_config(path, adapter.image_size(model))
+        data_config = preprocess.hf_config(path, adapter.image_size(model))
     return Encoder(model, adapter, str(path), type(model).__name__, seq_len, extras, tokenizer, data_config)
 
 
-def _hf_image_config(path: Path, size: tuple[int, int]) -> dict:
-    cfg = {"input_size": (3, *size), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "interpolation": "bilinear"}
-    pp = path / "preprocessor_config.json"
-    if pp.is_file():
-        try:
-            d = json.loads(pp.read_text())
-            cfg["mean"] = tuple(d.get("image_mean", cfg["mean"]))
-            cfg["std"] = tuple(d.get("image_std", cfg["std"]))
-        except ValueError:
-            pass
-    return cfg
+def is_timm_dir(path: Path) -> bool:
+    """A timm model directory (the Hugging Face hub layout timm saves with ``save_for_hf``):
+    ``config.json`` names a timm ``architecture`` (a transformers config names a ``model_type``)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "architecture" in cfg and "model_type" not in cfg
+
+
+def _load_timm_dir(path: Path, image_size: int | None) -> Encoder:
+    if not any((path / f).exists() for f in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")):
+        raise UserError(f"{path}: a timm model directory without weights (model.safetensors)")
+    enc = _load_timm(f"local-dir:{path}", True, image_size)
+    enc.source = str(path)
+    return enc
 
 
 def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
@@ -163,7 +171,9 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
     try:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
+        if name.startswith("local-dir:"):
+            raise UserError(f"{name[len('local-dir:'):]}: could not load the timm model directory ({msg})")
         if pretrained:
             raise UserError(
                 f"could not load pretrained weights for timm model {name!r} ({msg}); "
@@ -175,9 +185,10 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
     patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     if image_size is not None and patch is not None and image_size < max(patch):
         raise UserError(f"--image-size {image_size} is smaller than the model's {max(patch)}-pixel patches")
-    data_config = dict(timm.data.resolve_data_config({}, model=model))
+    data_config = {"library": "timm", **timm.data.resolve_data_config({}, model=model)}
     data_config["input_size"] = (3, *adapter.image_size(model))  # the size the model was built for
-    return Encoder(model, adapter, name, f"{type(model).__name__}:{name}", 0, {}, None, data_config)
+    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", name) if name.startswith("local-dir:") else name
+    return Encoder(model, adapter, name, f"{type(model).__name__}:{arch}", 0, {}, None, data_config)
 
 
 def wrap_module(
@@ -203,8 +214,8 @@ def wrap_module(
     adapter = adapter_for(module)
     arch = type(module).__name__
     if adapter.modality == "image" and data_config is None:
-        size = adapter.image_size(module)
-        data_config = {"input_size": (3, *size), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}
+        data_config = {"library": "timm", "input_size": (3, *adapter.image_size(module)), "mean": (0.5, 0.5, 0.5),
+                       "std": (0.5, 0.5, 0.5), "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"}
     return Encoder(module, adapter, source, arch, seq_len if adapter.modality == "text" else 0,
                    dict(extras or {}), tokenizer, data_config)
 
@@ -223,7 +234,8 @@ def load_encoder(
     """Load the encoder the user named.
 
     Args:
-        model: a local Hugging Face model directory, a timm model name, or None for the embedded
+        model: a local Hugging Face model directory, a timm model directory (``config.json`` with
+            an ``architecture``, as timm saves it), a timm model name, or None for the embedded
             default (all-MiniLM-L6-v2).
         pretrained: timm names only: load pretrained weights (needs a download) or random init.
         seq_len: nominal text length N for FLOP accounting (text models); None: 128, or the
@@ -246,6 +258,8 @@ def load_encoder(
         return enc
     path = Path(os.path.expanduser(model))
     if path.is_dir():
+        if is_timm_dir(path):
+            return _load_timm_dir(path.resolve(), image_size)
         return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code)
     if path.exists():
         raise UserError(f"--model {model}: is a file; give a Hugging Face model directory or a timm model name")

@@ -210,7 +210,7 @@ def test_mpnet_sliced_heads_read_their_own_position_bias_rows(kept, tmp_path):
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for i, k in enumerate(kept):
         if k:  # the sliced layer reads the bias rows of its kept heads, best first
-            name = get_units(model)[i]["heads"]["indices"][0]["index"]
+            name = get_units(model)[i]["heads"]["shared_rows"][0]["index"]
             assert inits[name].tolist() == MPNET_ORDERS[i][:k]
     keep = {(i, HEADS): np.array(MPNET_ORDERS[i][:k]) for i, k in enumerate(kept)}
     keep.update({(i, NEURONS): np.arange(n) for i, n in enumerate(neurons)})

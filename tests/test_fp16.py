@@ -29,7 +29,7 @@ from elastic_export.scoring import METHODS
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 # text (mean pooling + L2 normalisation), fused qkv + SwiGLU + classifier head, HF vision with
 # position-embedding interpolation (Resize), global average pooling before the last norm
-ARCHS = ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "timm-vit-gap", "hf-mpnet"]
+ARCHS = ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "timm-vit-gap", "hf-modernbert", "hf-mpnet"]
 
 
 def _types(model: onnx.ModelProto) -> dict[str, int]:

@@ -17,6 +17,7 @@ from elastic_export.adapters.base import (  # noqa: F401
     IndexRole,
     InputSpec,
     LinearRole,
+    SharedHeads,
     UnitGroup,
     find_blocks,
 )
@@ -29,6 +30,8 @@ from elastic_export.adapters import hf_bert  # noqa: E402,F401
 from elastic_export.adapters import hf_vision  # noqa: E402,F401
 from elastic_export.adapters import hf_distilbert  # noqa: E402,F401
 from elastic_export.adapters import hf_clip  # noqa: E402,F401
+from elastic_export.adapters import hf_decoder  # noqa: E402,F401
+from elastic_export.adapters import hf_modernbert  # noqa: E402,F401
 from elastic_export.adapters import hf_mpnet  # noqa: E402,F401
 
 

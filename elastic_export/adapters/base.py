@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 from torch import nn
 
 from elastic_export.unit_map import HEADS, NEURONS  # noqa: E402,F401 (the unit kinds)
@@ -57,6 +58,28 @@ class IndexRole:
 
 
 @dataclass
+class SharedHeads:
+    """Key / value heads that groups of query heads share (grouped-query attention, DESIGN.md §1).
+
+    The query head is the unit; a key / value head is not one. It stays while any query head that
+    reads it stays. The torch slicer keeps, after the query heads, the key / value heads they read
+    (in order of first use) and calls ``store`` with the new index.
+
+    Args:
+        producers: the key and value projections (kv head j owns output features j·width .. (j+1)·width).
+        count: number of key / value heads.
+        index: the kv head each query head reads (one entry per query head, in query-head order).
+        store: called with a new index (and so a new kv head count) after the torch slicer cut the
+            weights; makes the attention module read its key / value heads through it.
+    """
+
+    producers: list[LinearRole]
+    count: int
+    index: np.ndarray
+    store: Callable[[np.ndarray], None]
+
+
+@dataclass
 class UnitGroup:
     """All units of one kind in one block: the MLP neurons or the attention heads.
 
@@ -72,8 +95,11 @@ class UnitGroup:
             attributes such as ``num_heads`` (and to bypass the sub-block when the count is 0).
         window: heads only: sliding-window attention, each query reads at most this many keys
             (the head's attention FLOPs use ``min(N, window)`` keys); None for global attention.
-        indices: per-unit index buffers (:class:`IndexRole`) that select the units' rows of a
+        shared_rows: per-unit index buffers (:class:`IndexRole`) that select the units' rows of a
             tensor shared across layers; permuted and sliced with the units.
+        kv: heads only: key / value heads shared by the query heads (grouped-query attention);
+            ``producers`` then holds the query projection alone. None: every head has its own
+            q, k, v rows.
     """
 
     kind: str
@@ -85,11 +111,18 @@ class UnitGroup:
     swiglu: bool = False
     resize: Callable[[int], None] | None = None
     window: int | None = None
-    indices: list[IndexRole] = field(default_factory=list)
+    shared_rows: list[IndexRole] = field(default_factory=list)
+    kv: SharedHeads | None = None
+
+    @property
+    def unit_roles(self) -> list[LinearRole]:
+        """The layers whose features are indexed by this group's units (producers and consumer)."""
+        return [*self.producers, self.consumer]
 
     @property
     def roles(self) -> list[LinearRole]:
-        return [*self.producers, self.consumer]
+        """Every prunable layer of the group: :attr:`unit_roles` plus shared key / value producers."""
+        return [*self.unit_roles, *(self.kv.producers if self.kv is not None else [])]
 
 
 @dataclass
@@ -133,7 +166,7 @@ def find_blocks(model: nn.Module) -> list[BlockUnits]:
         for group in (heads, neurons):
             for role in group.roles:
                 role.name = names[role.linear]
-            for index in group.indices:
+            for index in group.shared_rows:
                 index.name = f"{names[index.module]}.{index.attr}".lstrip(".")
         blocks.append(BlockUnits(len(blocks), heads, neurons, module))
     return blocks

@@ -54,7 +54,7 @@ def describe_mpnet_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
         sa.all_head_size = n * sa.attention_head_size  # the head-merge view reads it
 
     heads.resize = resize
-    heads.indices = [_bias_heads(sa)]
+    heads.shared_rows = [_bias_heads(sa)]
     return heads, mlp_neurons(layer.intermediate, layer.intermediate.dense, layer.output.dense)
 
 
