@@ -192,19 +192,30 @@ def _cli() -> str:
 
 
 def _main_job_md(res: dict) -> str:
-    m = res["manifest"]
+    m, mb = res["manifest"], res.get("files_mb", {})
     lines = [f"# Main job on the real {NAME} (MPNetModel)", "",
              f"Machine: {res['machine']}. Model: {res['model_dir']} ({res['model_mb']:.0f} MB safetensors).", "",
              "| step | command | exit | wall (s) | peak RSS (MB) |", "|---|---|---|---|---|"]
     for step in ("inspect", "main_job", "verify"):
         r = res[step]
         lines.append(f"| {step} | `{r['cmd']}` | {r['rc']} | {r['wall_s']} | {r['peak_rss_mb']} |")
-    lines += ["", f"Ranking method: {m['ranking']['method']}; N = {m['tokens']}; dense {m['dense']['gflops']:.2f} GFLOPs.", "",
-              "| sparsity | achieved | GFLOPs | heads per layer | neurons per layer |", "|---|---|---|---|---|"]
+    lines += ["", f"Ranking method: {m['ranking']['method']} ({m['ranking'].get('seconds', '?')} s of the main job); "
+              f"N = {m['tokens']}; dense {m['dense']['gflops']:.2f} GFLOPs, {mb.get('dense.onnx', 0):.0f} MB. "
+              f"Elastic graph: max abs error {m['elastic']['max_abs_error']:.1e}. "
+              f"verify: {res.get('verify_summary', '')}", "",
+              "| sparsity | achieved | GFLOPs | ONNX MB | max abs err | heads per layer | neurons per layer |",
+              "|---|---|---|---|---|---|---|"]
     for b in m["budgets"]:
         lines.append(f"| {b['sparsity']:.2f} | {b['achieved_sparsity']:.4f} | {b['gflops']:.2f} | "
-                     f"{b['heads_per_layer']} | {b['neurons_per_layer']} |")
+                     f"{mb.get(b['onnx'], 0):.0f} | {b['max_abs_error']:.1e} | {b['heads_per_layer']} | {b['neurons_per_layer']} |")
     return "\n".join(lines) + "\n"
+
+
+def _add_outcome(res: dict, out: Path, verify_log: Path) -> None:
+    """File sizes and the verify summary line, into ``res``."""
+    res["files_mb"] = {f.name: round(f.stat().st_size / 1e6, 1) for f in sorted(out.glob("*.onnx"))}
+    summary = [ln for ln in verify_log.read_text(errors="replace").splitlines() if "checks passed" in ln or "differ" in ln]
+    res["verify_summary"] = summary[-1].split(": ", 1)[-1] if summary else None
 
 
 def run_main(model: Path, out: Path, extra: list[str], results: Path) -> int:
@@ -221,6 +232,7 @@ def run_main(model: Path, out: Path, extra: list[str], results: Path) -> int:
         print((logs / "main_job.log").read_text()[-3000:], file=sys.stderr)
         return 1
     res["manifest"] = json.loads((out / "manifest.json").read_text())
+    _add_outcome(res, out, logs / "verify.log")
     results.mkdir(parents=True, exist_ok=True)
     (results / "mpnet_main_job.json").write_text(json.dumps(res, indent=2) + "\n")
     (results / "mpnet_main_job.md").write_text(_main_job_md(res))
