@@ -165,9 +165,9 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
             producers = []
             for role in grp.producers:
                 mm, out_axis = _own_weight(g, by_digest, role.linear.weight, f"{role.name}.weight")
-                add, out = _bias_after(g, mm, role.linear.bias, f"{role.name}.bias")
+                add, out = _bias_after(g, mm, role.bias, f"{role.name}.bias")
                 p = {"weight": f"{role.name}.weight", "axis": out_axis, "groups": role.groups,
-                     "bias": f"{role.name}.bias" if role.linear.bias is not None else None, "matmul": mm.name}
+                     "bias": f"{role.name}.bias" if role.bias is not None else None, "matmul": mm.name}
                 if kind == HEADS:
                     p["reshape"] = _next_reshape(g, out)
                 producers.append(p)

@@ -37,13 +37,23 @@ def head_flops(width: int, head_dim: int, tokens: int, window: int | None = None
     return 8 * width * head_dim * tokens + 4 * head_dim * tokens * keys + 3 * tokens * keys
 
 
+def _bias_groups(role) -> int:
+    """Packed groups of a producer whose bias entries are parameters (a separately stored part may
+    be a constant buffer, e.g. timm EVA's all-zero ``k_bias``)."""
+    from torch import nn
+
+    if role.bias_parts:
+        return sum(isinstance(getattr(m, attr), nn.Parameter) for m, attr in role.bias_parts)
+    return role.groups if role.linear.bias is not None else 0
+
+
 def unit_params(group: UnitGroup) -> int:
     """Parameters that one unit of ``group`` owns (its rows, columns and bias entries)."""
     total = 0
     for role in group.roles:
         lin = role.linear
         if role.side == "out":
-            total += role.groups * group.width * (lin.in_features + (1 if lin.bias is not None else 0))
+            total += group.width * (role.groups * lin.in_features + _bias_groups(role))
         else:
             total += group.width * lin.out_features
     return total
