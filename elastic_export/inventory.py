@@ -126,6 +126,14 @@ class Inventory:
         }
 
 
+def _mha_flops(mod, query, key, value) -> int:
+    """FLOPs of one ``nn.MultiheadAttention`` call (batch 1): q/k/v and output projections plus
+    the attention scores and weighted sum over all heads."""
+    E = mod.embed_dim
+    q, k = query.numel() // E, key.numel() // mod.kdim
+    return 2 * q * E * E + 2 * k * (mod.kdim + mod.vdim) * E + 4 * q * k * E + 2 * q * E * E
+
+
 def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
     """2·MACs of every non-prunable Linear / Conv2d in one forward pass at N tokens (batch 1)."""
     import torch
@@ -144,6 +152,10 @@ def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
             k *= s
         total += 2 * k * out.numel()
 
+    def mha_hook(mod, args, kwargs, out):  # nn.MultiheadAttention (e.g. SigLIP's pooling head)
+        nonlocal total
+        total += _mha_flops(mod, *(list(args) + [kwargs.get(k) for k in ("query", "key", "value")])[:3])
+
     handles = []
     for m in encoder.module.modules():
         if m in prunable:
@@ -152,6 +164,8 @@ def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
             handles.append(m.register_forward_hook(linear_hook))
         elif isinstance(m, nn.Conv2d):
             handles.append(m.register_forward_hook(conv_hook))
+        elif isinstance(m, nn.MultiheadAttention):  # uses its projections' weights, not their forward
+            handles.append(m.register_forward_hook(mha_hook, with_kwargs=True))
     try:
         feeds = encoder.sample_inputs(batch=1, seq_len=encoder.tokens)
         if "attention_mask" in feeds:
