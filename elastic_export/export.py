@@ -30,6 +30,21 @@ OPSET = 17
 PASS_THROUGH = {"Identity", "Cast", "Dropout"}
 
 
+def _rms_norm_symbolic(g, x, shape, weight, eps):
+    """``aten::rms_norm`` (``F.rms_norm``: timm ``RmsNorm``, ``nn.RMSNorm``), which the TorchScript
+    exporter lacks at opset 17: ``x / sqrt(mean(x², normalized dims) + eps) · weight``."""
+    from torch.onnx import symbolic_helper as sh
+
+    dims = sh._get_const(shape, "is", "normalized_shape")
+    e = torch.finfo(torch.float32).eps if sh._is_none(eps) else sh._get_const(eps, "f", "eps")
+    mean = g.op("ReduceMean", g.op("Mul", x, x), axes_i=list(range(-len(dims), 0)), keepdims_i=1)
+    y = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(e, dtype=torch.float32)))))
+    return y if sh._is_none(weight) else g.op("Mul", y, weight)
+
+
+torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm_symbolic, OPSET)
+
+
 def permuted_module(encoder: Encoder, ranking: Ranking) -> torch.nn.Module:
     """A copy of the model with every layer's units in rank order."""
     module = copy.deepcopy(encoder.module)

@@ -125,11 +125,14 @@ def _siglip(tower: str, version: int = 1):
 
 
 def _eva_postnorm():
-    """timm Eva with post-norm blocks, ``AttentionRope`` (fused qkv with its own bias), RoPE only."""
+    """timm Eva with post-norm blocks, ``AttentionRope`` (fused qkv with its own bias), RoPE only and
+    RMSNorm (``aten::rms_norm`` in the export)."""
+    from timm.layers import RmsNorm
     from timm.models.eva import Eva
 
     return Eva(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, mlp_ratio=2.0, num_classes=10,
-               use_post_norm=True, attn_type="rope", use_rot_pos_emb=True, use_abs_pos_emb=False)
+               use_post_norm=True, attn_type="rope", use_rot_pos_emb=True, use_abs_pos_emb=False,
+               norm_layer=RmsNorm)
 
 
 # name -> (builder, extras)
