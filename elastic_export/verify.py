@@ -361,7 +361,7 @@ def run_engine(path: Path, feeds: dict[str, np.ndarray], outputs: list[str]) -> 
 
 
 # --- torch ---------------------------------------------------------------------------------------
-def _torch_reference(manifest: dict, directory: Path, model: str | None, seq_len: int,
+def _torch_reference(manifest: dict, directory: Path, model: str | None, tower: str | None, seq_len: int,
                      budgets: list[dict]) -> tuple[Callable | None, str]:
     """(function budget-index-or-None -> outputs, description), or (None, why not)."""
     try:
@@ -383,7 +383,8 @@ def _torch_reference(manifest: dict, directory: Path, model: str | None, seq_len
         image = next((i for i in manifest["inputs"] if i.get("name") == "pixel_values"), None)
         size = _image_size(image, manifest)[0] if image else None
         enc = load_encoder(source, pretrained=False, seq_len=max(seq_len, 1),
-                           image_size=size if image and not Path(source).is_dir() else None)
+                           image_size=size if image and not Path(source).is_dir() else None,
+                           tower=tower or manifest["model"].get("tower"))
     except Exception as e:  # UserError, or whatever a broken model directory raises
         if explicit:
             raise UserError(f"--model {source}: cannot load it ({_first_line(e)})")
@@ -429,7 +430,7 @@ def _check_budgets(manifest: dict, path: Path) -> list[dict]:
 
 
 def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = None, seed: int = 0,
-               model: str | None = None, use_torch: bool = True, atol: float = ATOL,
+               model: str | None = None, tower: str | None = None, use_torch: bool = True, atol: float = ATOL,
                rtol_fp16: float = FP16_RTOL, echo: Callable[[str], None] = lambda s: None) -> Report:
     """Check every artifact of ``directory`` against the hard-masked dense model.
 
@@ -440,6 +441,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
         seed: seed of the sample inputs.
         model: the original model (path or timm name) for the torch check; None: the manifest's
             ``model.source`` when it loads offline and matches (otherwise that row is skipped).
+        tower: the tower of a dual-encoder ``model`` (default: the manifest's ``model.tower``).
         use_torch: False skips the torch check.
         atol: fp32 tolerance (max abs error).
         rtol_fp16: fp16 / TensorRT tolerance (relative error).
@@ -515,7 +517,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
     dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
     _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
     if use_torch:
-        _check_torch(report, d, manifest, model, feeds, budgets, dense_out, refs, outputs, atol, seq_len)
+        _check_torch(report, d, manifest, (model, tower), feeds, budgets, dense_out, refs, outputs, atol, seq_len)
     return report
 
 
@@ -586,11 +588,13 @@ def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, fee
         report.checks.append(_guard(check, go))
 
 
-def _check_torch(report: Report, d: Path, manifest: dict, model: str | None, feeds: dict, budgets: list[dict],
-                 dense_out: list, refs: list, outputs: list[str], atol: float, seq_len: int | None) -> None:
-    """Compare the reference (dense and every masked dense model) with the torch hard-masked model."""
+def _check_torch(report: Report, d: Path, manifest: dict, model: tuple[str | None, str | None], feeds: dict,
+                 budgets: list[dict], dense_out: list, refs: list, outputs: list[str], atol: float,
+                 seq_len: int | None) -> None:
+    """Compare the reference (dense and every masked dense model) with the torch hard-masked model
+    (``model``: the ``--model`` and ``--tower`` given, or Nones for the manifest's)."""
     seq = next((v.shape[1] for k, v in feeds.items() if k == "input_ids"), None)
-    fn, what = _torch_reference(manifest, d, model, seq or seq_len or 32, budgets)
+    fn, what = _torch_reference(manifest, d, *model, seq or seq_len or 32, budgets)
     if fn is None:
         report.checks.append(Check("all", "-", "torch", "-", status=SKIPPED, detail=what))
         return

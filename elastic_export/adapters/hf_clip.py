@@ -13,12 +13,19 @@ Outputs (the embedding the ranking distils is the last one named here):
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModel, CLIPVisionModelWithProjection
+from transformers import (
+    CLIPModel,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPVisionModel,
+    CLIPVisionModelWithProjection,
+)
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from elastic_export.adapters.base import (
@@ -29,7 +36,7 @@ from elastic_export.adapters.base import (
     register_block,
 )
 from elastic_export.adapters.hf_vision import HFVisionAdapter
-from elastic_export.adapters.registry import ModelAdapter, register_adapter
+from elastic_export.adapters.registry import ModelAdapter, register_adapter, register_towers
 
 
 @register_block(CLIPEncoderLayer)
@@ -147,3 +154,23 @@ class HFClipVisionAdapter(HFVisionAdapter):
 
     def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
         return _ClipVisionExport(model)
+
+
+# --- dual encoder ------------------------------------------------------------------------------
+
+
+@register_towers(CLIPModel)
+def clip_tower(model: nn.Module, tower: str) -> nn.Module:
+    """One tower of a ``CLIPModel`` with its projection, as the ``...WithProjection`` class that
+    transformers has for it (sharing the full model's modules; nothing is copied)."""
+    if tower == "text":
+        cls, cfg, parts = CLIPTextModelWithProjection, model.config.text_config, ("text_model", "text_projection")
+    else:
+        cls, cfg, parts = CLIPVisionModelWithProjection, model.config.vision_config, ("vision_model", "visual_projection")
+    cfg = copy.deepcopy(cfg)
+    cfg.projection_dim = model.config.projection_dim
+    with torch.device("meta"):  # every module is replaced by the full model's below
+        out = cls(cfg)
+    for name in parts:
+        setattr(out, name, getattr(model, name))
+    return out.eval()
