@@ -31,7 +31,7 @@ F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 # position-embedding interpolation (Resize), global average pooling before the last norm, RoPE
 # (timm EVA02 with its separately stored qkv biases; HF DINOv3), SigLIP's nn.MultiheadAttention pooling head
 ARCHS = ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "timm-vit-gap", "hf-modernbert", "hf-qwen3", "timm-eva02",
-         "hf-dinov3-gated", "hf-siglip-vision"]
+         "hf-dinov3-gated", "hf-siglip-vision", "hf-mpnet"]
 
 
 def _types(model: onnx.ModelProto) -> dict[str, int]:
