@@ -187,6 +187,18 @@ def _prev_reshape(g: _Graph, tensor: str) -> str:
     raise UserError(f"dense export: no head-merge Reshape before {tensor} (unsupported attention pattern)")
 
 
+def _read_names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name a node of ``graph`` reads, also from inside its subgraphs (an ``If``
+    branch reads outer tensors by name, without listing them as inputs)."""
+    names = set()
+    for n in graph.node:
+        names.update(n.input)
+        for a in n.attribute:
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                names |= _read_names(sub)
+    return names
+
+
 def _is_index_gather(g: _Graph, node, value: np.ndarray) -> bool:
     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
     if node.op_type != "Gather" or axis != 1 or len(node.input) < 2:
@@ -300,7 +312,7 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
             if grp.kv is not None:
                 entry[kind]["kv"] = _shared_map(g, by_digest, grp)
         layers.append(entry)
-    used = {i for n in model.graph.node for i in n.input}
+    used = _read_names(model.graph)
     dead = [n for n in model.graph.node if n.op_type == "Constant" and not set(n.output) & used]
     for n in dead:  # index constants replaced by a layer's own initializer
         model.graph.node.remove(n)
