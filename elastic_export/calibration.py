@@ -17,13 +17,13 @@ name from the model's pretrained config, or, for 1000-class models, its ImageNet
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from elastic_export import preprocess
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
 
@@ -147,23 +147,6 @@ def _image_files(path: Path) -> list[Path]:
     return files
 
 
-def _preprocess(img, cfg: dict) -> torch.Tensor:
-    _, h, w = cfg["input_size"]
-    crop_pct = cfg.get("crop_pct", 1.0) or 1.0
-    img = img.convert("RGB")
-    scale = int(math.floor(min(h, w) / crop_pct))
-    iw, ih = img.size
-    r = scale / min(iw, ih)
-    img = img.resize((max(1, round(iw * r)), max(1, round(ih * r))))
-    iw, ih = img.size
-    left, top = (iw - w) // 2, (ih - h) // 2
-    img = img.crop((left, top, left + w, top + h))
-    t = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1).float() / 255
-    mean = torch.tensor(cfg["mean"]).view(3, 1, 1)
-    std = torch.tensor(cfg["std"]).view(3, 1, 1)
-    return (t - mean) / std
-
-
 def class_index(encoder: Encoder) -> dict[str, int]:
     """Folder names that name the model's classes -> class index (empty for non-classifiers)."""
     if "logits" not in encoder.output_names():
@@ -209,11 +192,12 @@ def _image_tensors(path: Path, cfg: dict, size: int,
 
     files = _spread(_image_files(path), size)
     labels, why = _folder_labels(encoder, path, files) if encoder is not None else (None, "none")
+    prep = preprocess.transform(cfg)
     out, kept, failed = [], [], 0
     for j, f in enumerate(files):
         try:
             with Image.open(f) as img:
-                out.append(_preprocess(img, cfg))
+                out.append(prep(img))
             kept.append(j)
         except Exception:
             failed += 1

@@ -214,13 +214,17 @@ def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code, tower
     click.echo(f"tokens N={inv.tokens}  width D={inv.width}")
     head = ("layer", "heads", "head_dim", "neurons", "MLP", "head FLOPs", "neuron FLOPs", "layer GFLOPs")
     rows = [head] + [
-        (str(L.index), str(L.heads), str(L.head_dim), str(L.neurons), "SwiGLU" if L.swiglu else "plain",
+        (str(L.index), str(L.heads), str(L.head_dim), str(L.neurons), "gated" if L.swiglu else "plain",
          f"{L.head_cost:,}", f"{L.neuron_cost:,}", f"{L.flops / 1e9:.4f}")
         for L in inv.layers
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
         click.echo("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    shared = [L for L in inv.layers if L.kv_heads]
+    if shared:
+        click.echo(f"grouped-query attention: {shared[0].kv_heads} key/value heads per layer, {shared[0].kv_cost:,} FLOPs "
+                   "each while any query head reading it is kept (head FLOPs above include an even share)")
     click.echo(f"prunable GFLOPs: {inv.prunable_flops / 1e9:.4f}")
     click.echo(f"total GFLOPs:    {inv.total_flops / 1e9:.4f}")
     click.echo(f"params:          {inv.total_params:,}")

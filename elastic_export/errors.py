@@ -13,3 +13,9 @@ class CheckFailed(Exception):
 
     The CLI prints ``error: <message>`` on one line and exits with code 1 (bad input stays 2).
     """
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type name when the message is empty."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -168,15 +168,15 @@ def _image_files(folder: Path) -> list[tuple[Path, int, str]]:
     return out
 
 
-def load_image_folder(path: str | Path, cfg: dict) -> tuple[np.ndarray, np.ndarray, list[str], int]:
+def load_image_folder(path: str | Path, cfg: dict, base: Path | None = None) -> tuple[np.ndarray, np.ndarray, list[str], int]:
     """Preprocessed images, integer labels, class names and the number that failed to decode.
 
-    The folder holds one sub-folder per class; preprocessing is
-    ``elastic_export.calibration._preprocess`` with ``cfg`` (input_size, mean, std, crop_pct).
+    The folder holds one sub-folder per class; preprocessing is the model's own
+    (:func:`elastic_export.preprocess.transform` of ``cfg``, relative paths under ``base``).
     """
     from PIL import Image
 
-    from elastic_export.calibration import _preprocess
+    from elastic_export.preprocess import transform
 
     folder = Path(path)
     if not folder.is_dir():
@@ -184,11 +184,12 @@ def load_image_folder(path: str | Path, cfg: dict) -> tuple[np.ndarray, np.ndarr
     files = _image_files(folder)
     if not files:
         raise UserError(f"--images {path}: no images in class sub-folders (expected DIR/<class>/<image>.png ...)")
+    prep = transform(cfg, base)
     tensors, labels, failed = [], [], 0
     for f, label, _ in files:
         try:
             with Image.open(f) as img:
-                tensors.append(_preprocess(img, cfg).numpy())
+                tensors.append(prep(img).numpy())
             labels.append(label)
         except Exception:
             failed += 1
@@ -541,7 +542,7 @@ def _eval_image(art: Artifact, folder: Path | None, split: float | None, batch_s
             imgs = synthetic_images(cfg, SYNTHETIC_IMAGES, SYNTHETIC_SEED)
             cache[key] = (np.stack([t.numpy() for t in imgs]).astype(np.float32), None)
         else:
-            pixels, labels, classes, failed = load_image_folder(folder, cfg)
+            pixels, labels, classes, failed = load_image_folder(folder, cfg, art.directory)
             cache[key] = (pixels, labels)
             datasets["images"].update(count=len(labels), classes=classes, failed_to_decode=failed)
     pixels, labels = cache[key]

@@ -4,7 +4,9 @@ The exported graph computes exactly what the original model computes (units are 
 Afterwards every prunable weight is renamed to its torch parameter name (found by value, so the
 exporter's own naming does not matter) and the graph carries, in ``metadata_props``
 (``elastic_export.units``), where each layer's units live: weight and bias initializers with the
-unit axis, the MatMul / Add nodes, and the attention Reshape nodes. The passes read only that.
+unit axis, the MatMul / Add nodes, and the attention Reshape nodes; for grouped-query attention
+also (``heads.kv``) the shared key / value heads: their count, producers, the query -> kv index and
+the Gathers that apply it. The passes read only that.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ from elastic_export.unit_map import UNITS_KEY, get_units, set_units  # noqa: F40
 
 OPSET = 17
 PASS_THROUGH = {"Identity", "Cast", "Dropout"}
+
+
+PROTOBUF_LIMIT = 2**31 - 1  # bytes: one ONNX ModelProto, weights inside, serialises to at most this
+
+
+def check_exportable(params: int) -> None:
+    """Refuse, before any ranking, a model whose fp32 weights cannot sit inside one ONNX file.
+
+    The export, the passes and the per-budget files keep the weights inside the protobuf (no
+    external data yet), which serialises to at most 2 GB: about 530M fp32 parameters.
+
+    Raises:
+        UserError: the model is too large; the message says what still works.
+    """
+    size = params * 4
+    if size >= PROTOBUF_LIMIT:
+        raise UserError(
+            f"{params / 1e6:,.0f}M parameters are {size / 1e9:.1f} GB in fp32, over the 2 GB an ONNX file without "
+            "external data can hold; exporting such models is not supported yet: rank it with `elastic-export rank` "
+            "(--weights-dtype bf16, --device cuda)")
 
 
 def _rms_norm_symbolic(g, x, shape, weight, eps):
@@ -165,6 +187,57 @@ def _prev_reshape(g: _Graph, tensor: str) -> str:
     raise UserError(f"dense export: no head-merge Reshape before {tensor} (unsupported attention pattern)")
 
 
+def _producer(g: _Graph, by_digest: dict, role, heads: bool) -> dict:
+    """Unit-map entry of one producer layer: its weight, bias, MatMul and (heads) split Reshape."""
+    mm, out_axis = _own_weight(g, by_digest, role.linear.weight, f"{role.name}.weight")
+    add, out = _bias_after(g, mm, role.bias, f"{role.name}.bias")
+    p = {"weight": f"{role.name}.weight", "axis": out_axis, "groups": role.groups,
+         "bias": f"{role.name}.bias" if role.bias is not None else None, "matmul": mm.name}
+    if heads:
+        p["reshape"] = _next_reshape(g, out)
+    return p
+
+
+def _kv_gather(g: _Graph, reshape: str, index: np.ndarray) -> object:
+    """The Gather (axis 1) that reads the query heads' key / value heads after ``reshape``: the
+    first one downstream whose indices are the constant ``index``."""
+    node = next(n for n in g.model.graph.node if n.name == reshape)
+    frontier, seen = [node.output[0]], set()
+    while frontier and len(seen) < 64:
+        tensor = frontier.pop(0)
+        for n in g.consumers.get(tensor, []):
+            if n.name in seen:
+                continue
+            seen.add(n.name)
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+            if n.op_type == "Gather" and n.input[0] == tensor and axis == 1:
+                value = g.const(n.input[1])
+                if value is not None and value.ndim == 1 and np.array_equal(value, index):
+                    return n
+            frontier.extend(n.output)
+    raise UserError(f"dense export: no key / value head Gather after {reshape} (unsupported attention pattern)")
+
+
+def _shared_map(g: _Graph, by_digest: dict, grp) -> dict:
+    """Unit-map entry of shared key / value heads: their producers, the query -> kv index and the
+    Gathers that apply it, which all read one initializer named ``<attention>.kv_index``."""
+    kv = grp.kv
+    producers = [_producer(g, by_digest, role, True) for role in kv.producers]
+    index = np.asarray(kv.index, dtype=np.int64)
+    name = f"{kv.producers[0].name.rsplit('.', 1)[0]}.kv_index"
+    g.add_init(index.copy(), name)
+    gathers = []
+    for p in producers:
+        node = _kv_gather(g, p["reshape"], index)
+        old = node.input[1]
+        g.rename_input(node, old, name)
+        gathers.append(node.name)
+        const = g.producer.get(old)
+        if const is not None and const.op_type == "Constant" and not g.consumers.get(old):
+            g.model.graph.node.remove(const)  # the exporter's copy of the index, now unread
+    return {"count": kv.count, "producers": producers, "index": index.tolist(), "indices": name, "gathers": gathers}
+
+
 def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
     g = _Graph(model)
     by_digest: dict[str, str] = {}
@@ -177,15 +250,7 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
         entry = {}
         for kind in (HEADS, NEURONS):
             grp = b.group(kind)
-            producers = []
-            for role in grp.producers:
-                mm, out_axis = _own_weight(g, by_digest, role.linear.weight, f"{role.name}.weight")
-                add, out = _bias_after(g, mm, role.bias, f"{role.name}.bias")
-                p = {"weight": f"{role.name}.weight", "axis": out_axis, "groups": role.groups,
-                     "bias": f"{role.name}.bias" if role.bias is not None else None, "matmul": mm.name}
-                if kind == HEADS:
-                    p["reshape"] = _next_reshape(g, out)
-                producers.append(p)
+            producers = [_producer(g, by_digest, role, kind == HEADS) for role in grp.producers]
             c = grp.consumer
             mm, out_axis = _own_weight(g, by_digest, c.linear.weight, f"{c.name}.weight")
             add, out = _bias_after(g, mm, c.linear.bias, f"{c.name}.bias")
@@ -195,6 +260,8 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
             if kind == HEADS:
                 consumer["reshape"] = _prev_reshape(g, mm.input[0])
             entry[kind] = {"count": grp.count, "width": grp.width, "producers": producers, "consumer": consumer}
+            if grp.kv is not None:
+                entry[kind]["kv"] = _shared_map(g, by_digest, grp)
         layers.append(entry)
     used = {i for n in model.graph.node for i in n.input}
     keep = [t for t in model.graph.initializer if t.name in used]

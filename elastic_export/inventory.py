@@ -4,7 +4,12 @@ Per unit, at nominal token count N, model width D and head width d_h:
 
 * MLP neuron: ``4·D·N`` FLOPs (SwiGLU: ``6·D·N``);
 * attention head: ``8·D·d_h·N + 4·d_h·N² + 3·N²``; with sliding-window attention each query reads
-  ``K = min(N, window)`` keys: ``8·D·d_h·N + 4·d_h·N·K + 3·N·K``.
+  ``K = min(N, window)`` keys: ``8·D·d_h·N + 4·d_h·N·K + 3·N·K``;
+* grouped-query attention: a query head owns ``4·D·d_h·N + 4·d_h·N·K + 3·N·K`` (q rows, o columns,
+  its attention) and a key / value head costs ``4·D·d_h·N`` (k and v rows) while any query head
+  reading it is kept. The exact count (:meth:`LayerInventory.kept_head_flops`) depends on which
+  query heads are kept; the per-unit cost the ranking uses (``head_cost``) spreads the kv heads'
+  cost evenly over the query heads.
 
 The model total adds the FLOPs of every layer that is not prunable (embeddings' patch projection,
 pooler, classifier ...) counted as 2·MACs of each ``nn.Linear`` / ``nn.Conv2d`` in one forward pass
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from elastic_export.unit_map import HEADS
 
@@ -47,16 +54,26 @@ def _bias_groups(role) -> int:
     return role.groups if role.linear.bias is not None else 0
 
 
-def unit_params(group: UnitGroup) -> int:
-    """Parameters that one unit of ``group`` owns (its rows, columns and bias entries)."""
+def _role_params(roles, width: int) -> int:
     total = 0
-    for role in group.roles:
+    for role in roles:
         lin = role.linear
         if role.side == "out":
-            total += group.width * (role.groups * lin.in_features + _bias_groups(role))
+            total += width * (role.groups * lin.in_features + _bias_groups(role))
         else:
-            total += group.width * lin.out_features
+            total += width * lin.out_features
     return total
+
+
+def unit_params(group: UnitGroup) -> int:
+    """Parameters that one unit of ``group`` owns (its rows, columns and bias entries); shared
+    key / value heads are not owned by a query head (see :func:`kv_params`)."""
+    return _role_params(group.unit_roles, group.width)
+
+
+def kv_params(group: UnitGroup) -> int:
+    """Parameters of one shared key / value head of ``group`` (0 without shared heads)."""
+    return _role_params(group.kv.producers, group.width) if group.kv is not None else 0
 
 
 @dataclass
@@ -72,10 +89,46 @@ class LayerInventory:
     neuron_cost: int
     head_params: int
     neuron_params: int
+    kv_heads: int = 0
+    kv_cost: int = 0
+    kv_params: int = 0
+    kv_index: tuple[int, ...] = ()
 
     @property
     def flops(self) -> int:
-        return self.heads * self.head_cost + self.neurons * self.neuron_cost
+        return self.kept_head_flops(self.heads) + self.neurons * self.neuron_cost
+
+    @property
+    def head_own_cost(self) -> int:
+        """FLOPs of one head without its share of key / value heads (= ``head_cost`` without them)."""
+        return self.head_cost - (self.kv_cost * self.kv_heads) // self.heads if self.kv_heads else self.head_cost
+
+    def kv_kept(self, k: int, order: np.ndarray | None = None) -> int:
+        """Key / value heads still read when the first ``k`` heads of ``order`` (default: the
+        model's head order) are kept; 0 without shared key / value heads."""
+        if not self.kv_heads or k == 0:
+            return 0
+        kept = np.arange(k) if order is None else np.asarray(order)[:k]
+        return len(np.unique(np.asarray(self.kv_index)[kept]))
+
+    def kept_head_flops(self, k: int, order: np.ndarray | None = None) -> int:
+        """Exact FLOPs of the attention when the first ``k`` heads of ``order`` are kept."""
+        if not self.kv_heads:
+            return k * self.head_cost
+        return k * self.head_own_cost + self.kv_kept(k, order) * self.kv_cost
+
+    def head_marginals(self, order: np.ndarray) -> list[int]:
+        """Exact FLOPs each head adds when the heads are kept one by one in ``order``: its own
+        cost, plus a key / value head's cost where it is the first reader of one."""
+        if not self.kv_heads:
+            return [self.head_cost] * len(order)
+        seen: set[int] = set()
+        out = []
+        for h in order:
+            kv = self.kv_index[int(h)]
+            out.append(self.head_own_cost + (self.kv_cost if kv not in seen else 0))
+            seen.add(kv)
+        return out
 
     def cost(self, kind: str) -> int:
         return self.head_cost if kind == HEADS else self.neuron_cost
@@ -102,13 +155,21 @@ class Inventory:
     def total_flops(self) -> int:
         return self.prunable_flops + self.fixed_flops
 
-    def kept_flops(self, heads: list[int], neurons: list[int]) -> int:
-        return sum(h * L.head_cost + n * L.neuron_cost for L, h, n in zip(self.layers, heads, neurons))
+    def kept_flops(self, heads: list[int], neurons: list[int], head_orders: list | None = None) -> int:
+        """Prunable FLOPs kept when each layer keeps the first ``heads[i]`` heads of
+        ``head_orders[i]`` (default: the model's order; only grouped-query layers depend on it)
+        and ``neurons[i]`` neurons."""
+        orders = head_orders or [None] * len(self.layers)
+        return sum(L.kept_head_flops(h, o) + n * L.neuron_cost
+                   for L, h, n, o in zip(self.layers, heads, neurons, orders))
 
-    def kept_params(self, heads: list[int], neurons: list[int]) -> int:
+    def kept_params(self, heads: list[int], neurons: list[int], head_orders: list | None = None) -> int:
+        """Parameters kept (every non-prunable one plus the kept units' and key / value heads')."""
+        orders = head_orders or [None] * len(self.layers)
         removed = sum(
-            (L.heads - h) * L.head_params + (L.neurons - n) * L.neuron_params
-            for L, h, n in zip(self.layers, heads, neurons)
+            (L.heads - h) * L.head_params + (L.kv_heads - L.kv_kept(h, o)) * L.kv_params
+            + (L.neurons - n) * L.neuron_params
+            for L, h, n, o in zip(self.layers, heads, neurons, orders)
         )
         return self.total_params - removed
 
@@ -120,7 +181,8 @@ class Inventory:
             "total_flops": self.total_flops,
             "total_params": self.total_params,
             "layers": [
-                {k: getattr(L, k) for k in ("heads", "head_dim", "neurons", "swiglu", "head_cost", "neuron_cost")}
+                {k: getattr(L, k) for k in ("heads", "head_dim", "neurons", "swiglu", "head_cost", "neuron_cost")
+                 + (("kv_heads", "kv_cost") if L.kv_heads else ())}
                 for L in self.layers
             ],
         }
@@ -178,25 +240,28 @@ def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
     return total
 
 
+def _shared_kv(group: UnitGroup, width: int, tokens: int) -> dict:
+    """Inventory fields of a head group with shared key / value heads (none without): the kv
+    projections' cost and parameters per kv head, and ``head_cost`` as own cost + an even share."""
+    kv = group.kv
+    if kv is None:
+        return {}
+    kv_cost = 2 * width * group.width * tokens * len(kv.producers)
+    own = head_flops(width, group.width, tokens, group.window) - kv_cost
+    return {"head_cost": own + (kv_cost * kv.count) // group.count, "kv_heads": kv.count, "kv_cost": kv_cost,
+            "kv_params": kv_params(group), "kv_index": tuple(int(i) for i in kv.index)}
+
+
 def build_inventory(encoder: Encoder) -> Inventory:
     """Count units, unit costs, parameters and the non-prunable FLOPs of ``encoder``."""
     N, D = encoder.tokens, encoder.width
     layers, prunable = [], set()
     for b in encoder.blocks():
         h, n = b.heads, b.neurons
-        layers.append(
-            LayerInventory(
-                index=b.index,
-                heads=h.count,
-                head_dim=h.width,
-                neurons=n.count,
-                swiglu=n.swiglu,
-                head_cost=head_flops(D, h.width, N, h.window),
-                neuron_cost=neuron_flops(D, N, n.swiglu),
-                head_params=unit_params(h),
-                neuron_params=unit_params(n),
-            )
-        )
+        fields = dict(index=b.index, heads=h.count, head_dim=h.width, neurons=n.count, swiglu=n.swiglu,
+                      head_cost=head_flops(D, h.width, N, h.window), neuron_cost=neuron_flops(D, N, n.swiglu),
+                      head_params=unit_params(h), neuron_params=unit_params(n))
+        layers.append(LayerInventory(**{**fields, **_shared_kv(h, D, N)}))
         prunable.update(r.linear for r in (*h.roles, *n.roles))
     if not layers:
         raise RuntimeError(f"{encoder.architecture}: the adapter found no transformer blocks")

@@ -12,7 +12,8 @@ import torch
 from elastic_export.adapters import adapter_for
 from elastic_export.adapters.registry import TOWER_NAMES
 from elastic_export.encoder import Encoder
-from elastic_export.errors import UserError
+from elastic_export import preprocess
+from elastic_export.errors import UserError, first_line
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
@@ -44,7 +45,9 @@ def _sentence_transformers_extras(path: Path) -> dict:
                 cfg = json.loads(cfg_file.read_text())
             except (OSError, ValueError) as e:
                 raise UserError(f"{cfg_file}: unreadable pooling config ({e})")
-            if cfg.get("pooling_mode_cls_token"):
+            if cfg.get("pooling_mode_lasttoken"):
+                extras["pooling"] = "lasttoken"
+            elif cfg.get("pooling_mode_cls_token"):
                 extras["pooling"] = "cls"
             elif cfg.get("pooling_mode_max_tokens"):
                 extras["pooling"] = "max"
@@ -91,6 +94,11 @@ def _select_tower(model: Any, tower: str | None, where: str) -> Any:
     return pick(model, tower)
 
 
+def _no_tower(tower: str | None, what: str) -> None:
+    if tower is not None:
+        raise UserError(f"--tower {tower}: {what}, a single encoder; drop --tower")
+
+
 def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code: bool,
              tower: str | None = None) -> Encoder:
     from transformers import AutoConfig, AutoModel
@@ -101,7 +109,7 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
         if not trust_remote_code and "trust_remote_code" in str(e):
             raise UserError(f"{path}: the model ships its own Python code, which is not run by default; "
                             "pass --trust-remote-code only if you trust its source")
-        raise UserError(f"{path}: not a loadable Hugging Face model directory ({str(e).splitlines()[0]})")
+        raise UserError(f"{path}: not a loadable Hugging Face model directory ({first_line(e)})")
     has_weights = any((path / f).exists() for f in ("model.safetensors", "model.safetensors.index.json"))
     if not has_weights:
         raise UserError(
@@ -113,7 +121,7 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
             attn_implementation="eager",
         )
     except Exception as e:
-        raise UserError(f"{path}: could not load the model ({str(e).splitlines()[0]})")
+        raise UserError(f"{path}: could not load the model ({first_line(e)})")
     model = _select_tower(model.float().eval(), tower, str(path))
     config = model.config
     adapter = adapter_for(model)
@@ -141,22 +149,27 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
     data_config = None
     if adapter.modality == "image":
         seq_len = 0  # N comes from the image size and patches (as for timm models)
-        data_config = _hf_image_config(path, adapter.image_size(model))
+        data_config = preprocess.hf_config(path, adapter.image_size(model))
     return Encoder(model, adapter, str(path), type(model).__name__, seq_len, extras, tokenizer, data_config,
                    tower=tower)
 
 
-def _hf_image_config(path: Path, size: tuple[int, int]) -> dict:
-    cfg = {"input_size": (3, *size), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "interpolation": "bilinear"}
-    pp = path / "preprocessor_config.json"
-    if pp.is_file():
-        try:
-            d = json.loads(pp.read_text())
-            cfg["mean"] = tuple(d.get("image_mean", cfg["mean"]))
-            cfg["std"] = tuple(d.get("image_std", cfg["std"]))
-        except ValueError:
-            pass
-    return cfg
+def is_timm_dir(path: Path) -> bool:
+    """A timm model directory (the Hugging Face hub layout timm saves with ``save_for_hf``):
+    ``config.json`` names a timm ``architecture`` (a transformers config names a ``model_type``)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "architecture" in cfg and "model_type" not in cfg
+
+
+def _load_timm_dir(path: Path, image_size: int | None) -> Encoder:
+    if not any((path / f).exists() for f in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")):
+        raise UserError(f"{path}: a timm model directory without weights (model.safetensors)")
+    enc = _load_timm(f"local-dir:{path}", True, image_size)
+    enc.source = str(path)
+    return enc
 
 
 def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
@@ -166,7 +179,9 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
     try:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
+        if name.startswith("local-dir:"):
+            raise UserError(f"{name[len('local-dir:'):]}: could not load the timm model directory ({msg})")
         if pretrained:
             raise UserError(
                 f"could not load pretrained weights for timm model {name!r} ({msg}); "
@@ -178,9 +193,10 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
     patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     if image_size is not None and patch is not None and image_size < max(patch):
         raise UserError(f"--image-size {image_size} is smaller than the model's {max(patch)}-pixel patches")
-    data_config = dict(timm.data.resolve_data_config({}, model=model))
+    data_config = {"library": "timm", **timm.data.resolve_data_config({}, model=model)}
     data_config["input_size"] = (3, *adapter.image_size(model))  # the size the model was built for
-    return Encoder(model, adapter, name, f"{type(model).__name__}:{name}", 0, {}, None, data_config)
+    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", name) if name.startswith("local-dir:") else name
+    return Encoder(model, adapter, name, f"{type(model).__name__}:{arch}", 0, {}, None, data_config)
 
 
 def wrap_module(
@@ -206,8 +222,8 @@ def wrap_module(
     adapter = adapter_for(module)
     arch = type(module).__name__
     if adapter.modality == "image" and data_config is None:
-        size = adapter.image_size(module)
-        data_config = {"input_size": (3, *size), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}
+        data_config = {"library": "timm", "input_size": (3, *adapter.image_size(module)), "mean": (0.5, 0.5, 0.5),
+                       "std": (0.5, 0.5, 0.5), "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"}
     return Encoder(module, adapter, source, arch, seq_len if adapter.modality == "text" else 0,
                    dict(extras or {}), tokenizer, data_config)
 
@@ -227,7 +243,8 @@ def load_encoder(
     """Load the encoder the user named.
 
     Args:
-        model: a local Hugging Face model directory, a timm model name, or None for the embedded
+        model: a local Hugging Face model directory, a timm model directory (``config.json`` with
+            an ``architecture``, as timm saves it), a timm model name, or None for the embedded
             default (all-MiniLM-L6-v2).
         pretrained: timm names only: load pretrained weights (needs a download) or random init.
         seq_len: nominal text length N for FLOP accounting (text models); None: 128, or the
@@ -255,6 +272,9 @@ def load_encoder(
         return enc
     path = Path(os.path.expanduser(model))
     if path.is_dir():
+        if is_timm_dir(path):
+            _no_tower(tower, f"{model} is a timm model directory")
+            return _load_timm_dir(path.resolve(), image_size)
         return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code, tower)
     if path.exists():
         raise UserError(f"--model {model}: is a file; give a Hugging Face model directory or a timm model name")
@@ -262,8 +282,7 @@ def load_encoder(
 
     looks_like_path = os.sep in model or model.startswith(".") or model.startswith("~")
     if not looks_like_path and timm.is_model(model):
-        if tower is not None:
-            raise UserError(f"--tower {tower}: {model} is a timm model, a single encoder; drop --tower")
+        _no_tower(tower, f"{model} is a timm model")
         return _load_timm(model, pretrained, image_size)
     if looks_like_path:
         raise UserError(f"--model {model}: no such directory")

@@ -20,12 +20,12 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__
+from elastic_export import __version__, preprocess
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
-from elastic_export.export import export_dense
+from elastic_export.export import check_exportable, export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
 from elastic_export.fp16 import add_fp16, check_precision
 from elastic_export.inventory import Inventory, build_inventory
@@ -73,14 +73,6 @@ class Options:
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
-
-
-def _jsonable(cfg: dict | None) -> dict | None:
-    """An image preprocessing config as plain JSON (tuples become lists)."""
-    if cfg is None:
-        return None
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()
-            if isinstance(v, (int, float, str, tuple, list, type(None)))}
 
 
 def check_device(device: str) -> torch.device:
@@ -286,6 +278,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
          f"{inventory.total_params / 1e6:.2f}M params")
     check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
+    check_exportable(inventory.total_params)
     rank_seconds = None  # time taken to rank (None: reused)
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
@@ -349,7 +342,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             "inputs": io_specs(dense.graph.input),
             "outputs": io_specs(onnx.shape_inference.infer_shapes(dense).graph.output),
             "tokens": inventory.tokens,
-            "preprocess": _jsonable(encoder.data_config),
+            "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
             "prunable_gflops": inventory.prunable_flops / 1e9,
             "align": opts.align,
             "precisions": ["fp32", "fp16"] if opts.precision == "fp16" else ["fp32"],

@@ -2,7 +2,8 @@
 
 Units are taken in one global order (descending score) and kept while they fit the budget
 ``(1 - s) · prunable FLOPs``; the first unit that does not fit ends the prefix (skipping it would
-break nesting). Because every layer's units appear in that order in their own rank order, each
+break nesting). A unit costs its exact marginal FLOPs: a grouped-query head that is the first kept
+reader of a key / value head also pays for that head's k / v projections. Because every layer's units appear in that order in their own rank order, each
 layer keeps a *prefix* of its ranked units, and a higher sparsity keeps a prefix of a lower one's
 (DESIGN.md invariant 1). With ``align=K`` a layer's neurons move in chunks of K (in rank order,
 chunk score = mean score), so every neuron count is a multiple of K (or the layer's full width).
@@ -48,9 +49,9 @@ def _items(ranking: Ranking, inventory: Inventory, align: int) -> list[tuple[flo
     """(score, layer, kind_id, position, units, cost) for every head and every neuron chunk."""
     items = []
     for i, L in enumerate(inventory.layers):
-        h_scores = ranking.scores(HEADS, i)[ranking.order(HEADS, i)]
-        for pos, s in enumerate(h_scores):
-            items.append((float(s), i, 0, pos, 1, L.head_cost))
+        order = ranking.order(HEADS, i)
+        for pos, (s, cost) in enumerate(zip(ranking.scores(HEADS, i)[order], L.head_marginals(order))):
+            items.append((float(s), i, 0, pos, 1, cost))
         n_scores = ranking.scores(NEURONS, i)[ranking.order(NEURONS, i)].astype(np.float64)
         for pos, start in enumerate(range(0, len(n_scores), align)):
             chunk = n_scores[start : start + align]
@@ -86,6 +87,7 @@ def make_plans(ranking: Ranking, inventory: Inventory, sparsities: list[float], 
     costs = np.array([t[5] for t in items], dtype=np.int64)
     cum = np.cumsum(costs)
     P = inventory.prunable_flops
+    orders = [ranking.order(HEADS, i) for i in range(len(inventory.layers))]
     plans = []
     for s in sparsities:
         budget = (1.0 - s) * P
@@ -97,7 +99,7 @@ def make_plans(ranking: Ranking, inventory: Inventory, sparsities: list[float], 
                 heads[layer] += units
             else:
                 neurons[layer] += units
-        kept = inventory.kept_flops(heads, neurons)
+        kept = inventory.kept_flops(heads, neurons, orders)
         plans.append(
             BudgetPlan(
                 sparsity=s,
@@ -106,7 +108,7 @@ def make_plans(ranking: Ranking, inventory: Inventory, sparsities: list[float], 
                 kept_flops=kept,
                 prunable_flops=P,
                 total_flops=kept + inventory.fixed_flops,
-                params=inventory.kept_params(heads, neurons),
+                params=inventory.kept_params(heads, neurons, orders),
             )
         )
     return plans

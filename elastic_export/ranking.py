@@ -3,7 +3,8 @@
 Layout: tensors ``layers.{i}.heads`` and ``layers.{i}.neurons`` (float32, higher = more
 important, one scale for both kinds), and one metadata entry ``elastic_export`` holding a JSON
 object: ``version``, ``fingerprint``, ``method``, ``tokens``, ``units`` (per layer: counts and unit
-costs), ``hyperparameters``, ``calibration``. No timestamps: the same inputs give the same bytes.
+costs; grouped-query layers also ``kv_heads``, ``kv_cost``, ``kv_index``), ``hyperparameters``,
+``calibration``. No timestamps: the same inputs give the same bytes.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def make_meta(inventory: Inventory, fingerprint: str, method: str, hyper: dict, 
         "method": method,
         "tokens": inventory.tokens,
         "units": [
-            {"heads": L.heads, "neurons": L.neurons, "head_cost": L.head_cost, "neuron_cost": L.neuron_cost}
+            {"heads": L.heads, "neurons": L.neurons, "head_cost": L.head_cost, "neuron_cost": L.neuron_cost,
+             **({"kv_heads": L.kv_heads, "kv_cost": L.kv_cost, "kv_index": list(L.kv_index)} if L.kv_heads else {})}
             for L in inventory.layers
         ],
         "hyperparameters": hyper,

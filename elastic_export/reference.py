@@ -3,9 +3,12 @@
 * :func:`permute_units` reorders each layer's units into rank order in place (the function the
   model computes does not change), so that every budget keeps a per-layer *prefix*;
 * :func:`hard_mask` multiplies each unit's output by 0/1 (forward pre-hooks on the consumer layer):
-  the dense model with hard masks, the ground truth of DESIGN.md invariant 2;
+  the dense model with hard masks, the ground truth of DESIGN.md invariant 2 (grouped-query
+  attention: query heads are masked; a key / value head whose readers are all masked contributes
+  nothing, as in the sliced model, which drops it);
 * :func:`slice_units` physically removes units (one slicing rule per layer role, and the adapter's
-  ``resize`` for attributes such as ``num_heads``).
+  ``resize`` for attributes such as ``num_heads``); shared key / value heads follow the query heads
+  that read them (:func:`shared_order`).
 """
 
 from __future__ import annotations
@@ -59,10 +62,38 @@ def _select(role: LinearRole, idx: torch.Tensor) -> None:
 
 
 def _apply(group: UnitGroup, units: np.ndarray) -> None:
-    for role in group.roles:
+    for role in group.unit_roles:
         groups = role.groups if role.side == "out" else 1
         _select(role, feature_index(units, group.count, group.width, groups))
         _select_parts(role, units, group.count, group.width)
+    if group.kv is not None:
+        _apply_shared(group, units)
+
+
+def shared_order(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Key / value heads that the query heads read (``index``: kv head per query head), in order of
+    first use, and the index re-expressed in positions of that order.
+
+    Ordered this way, the first k query heads read exactly the first ``max(new_index[:k]) + 1``
+    kv heads, so a prefix of query heads needs a prefix of kv heads (plans nest, DESIGN.md §2).
+    """
+    index = np.asarray(index, dtype=np.int64)
+    _, first = np.unique(index, return_index=True)
+    order = index[np.sort(first)]
+    position = np.empty(int(index.max()) + 1 if index.size else 0, dtype=np.int64)
+    position[order] = np.arange(len(order))
+    return order, position[index]
+
+
+def _apply_shared(group: UnitGroup, units: np.ndarray) -> None:
+    """After the query heads became ``units`` (in that order): keep the key / value heads they read,
+    in order of first use, and store the new query -> kv index."""
+    kv = group.kv
+    order, index = shared_order(kv.index[np.asarray(units, dtype=np.int64)])
+    for role in kv.producers:
+        _select(role, feature_index(order, kv.count, group.width, role.groups))
+    kv.count, kv.index = len(order), index
+    kv.store(index)
 
 
 def permute_units(blocks: list[BlockUnits], ranking: Ranking) -> None:

@@ -125,7 +125,9 @@ def _plans_for(ranking, manifest: dict):
         raise ValueError("its metadata has no per-layer unit costs")
     layers = [LayerInventory(index=i, heads=int(u["heads"]), head_dim=0, neurons=int(u["neurons"]), swiglu=False,
                              head_cost=int(u["head_cost"]), neuron_cost=int(u["neuron_cost"]), head_params=0,
-                             neuron_params=0) for i, u in enumerate(units)]
+                             neuron_params=0, kv_heads=int(u.get("kv_heads", 0)), kv_cost=int(u.get("kv_cost", 0)),
+                             kv_index=tuple(int(x) for x in u.get("kv_index", ())))
+              for i, u in enumerate(units)]
     inv = Inventory(layers, int(ranking.meta["tokens"]), 0, 0, 0)
     align = manifest.get("align") if isinstance(manifest.get("align"), int) else 1
     plans = make_plans(ranking, inv, [float(b["sparsity"]) for b in manifest["budgets"]], align=align)

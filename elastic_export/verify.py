@@ -302,15 +302,16 @@ def _run(sess, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndar
 
 
 def _compare(check: Check, want: list[np.ndarray], got: list[np.ndarray], atol: float | None,
-             rtol: float | None) -> Check:
-    """Fill ``check`` with the errors of ``got`` against ``want`` and the verdict."""
+             rtol: float | None, valid: np.ndarray | None = None) -> Check:
+    """Fill ``check`` with the errors of ``got`` against ``want`` and the verdict (the relative
+    error, which ``rtol`` bounds, at real tokens only where ``valid`` is the attention mask)."""
     shapes = [(np.shape(a), np.shape(b)) for a, b in zip(want, got) if np.shape(a) != np.shape(b)]
     if shapes:
         check.status, check.detail = MISMATCH, f"output shape {shapes[0][1]}, expected {shapes[0][0]}"
         return check
     diffs = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) for a, b in zip(want, got)]
     check.max_abs = max((float(d.max(initial=0.0)) if np.all(np.isfinite(d)) else math.inf) for d in diffs)
-    check.rel = relative_error(want, got)
+    check.rel = relative_error(want, got, valid)
     if atol is not None:
         check.tol = f"abs {atol:.0e}"
         if not check.max_abs <= atol:
@@ -496,7 +497,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
             if not isinstance(rel, str):
                 raise _Failed(CORRUPT, f"manifest entry {rel!r} is not a file name")
             got = _run(_open(d, rel), feeds, outputs)
-            return _compare(check, want, got, atol if kind == "fp32" else None, rtol_fp16)
+            return _compare(check, want, got, atol if kind == "fp32" else None, rtol_fp16, feeds.get("attention_mask"))
 
         report.checks.append(_guard(check, go))
 
@@ -550,7 +551,8 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
             check = Check(f"{b['sparsity']:.2f}", f"{rel}[{i}]", kind, "masked dense")
             index = np.full(shape, i, np.int64)
             report.checks.append(_guard(check, lambda check=check, ref=ref, index=index, sess=sess: _compare(
-                check, ref, _run(sess, {**feeds, index_name: index}, outputs), file_atol, file_rtol)))
+                check, ref, _run(sess, {**feeds, index_name: index}, outputs), file_atol, file_rtol,
+                feeds.get("attention_mask"))))
 
 
 def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, feeds: dict,
@@ -581,7 +583,7 @@ def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, fee
                 raise
             except Exception as e:  # TensorRT / CUDA errors
                 raise _Failed(CORRUPT, f"TensorRT: {_first_line(e)}")
-            return _compare(check, ref, got, None, rtol)
+            return _compare(check, ref, got, None, rtol, feeds.get("attention_mask"))
 
         report.checks.append(_guard(check, go))
 

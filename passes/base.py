@@ -155,6 +155,12 @@ def _budget_context(units: list[dict], heads: list[int], neurons: list[int]) -> 
     return PassContext(units, list(heads), list(neurons))
 
 
+def kv_kept(kv: dict, k: int) -> int:
+    """Shared key / value heads that the first ``k`` query heads read: ``max(index[:k]) + 1``, since
+    the dense export orders them by first use (a prefix of query heads reads a prefix of them)."""
+    return int(max(kv["index"][:k])) + 1 if k else 0
+
+
 def _sliced_units(ctx: PassContext) -> list[dict]:
     """The unit map of a sliced model: each layer's counts become the kept counts."""
     out = []
@@ -163,6 +169,9 @@ def _sliced_units(ctx: PassContext) -> list[dict]:
         for kind in ("heads", "neurons"):
             k = ctx.target(kind, i)
             entry[kind] = dict(layer[kind], count=k) if k else {"count": 0, "width": layer[kind]["width"]}
+            kv = layer[kind].get("kv") if k else None
+            if kv is not None:
+                entry[kind]["kv"] = dict(kv, count=kv_kept(kv, k), index=kv["index"][:k])
         out.append(entry)
     return out
 
@@ -197,6 +206,22 @@ _TENSOR_KEYS = ("weight", "bias")
 _NODE_KEYS = ("reshape", "matmul", "add")
 
 
+def _check_shared(i: int, kv: dict, count: int, tensors: dict, nodes: set) -> None:
+    """Shared key / value heads: the index has one entry per query head, each a kv head in order of
+    first use (so prefixes nest); the index initializer and its Gathers exist."""
+    index = kv["index"]
+    firsts = [h for j, h in enumerate(index) if h not in index[:j]]
+    if len(index) != count or firsts != list(range(kv["count"])):
+        raise UserError(f"layer {i} heads: the key / value index {index} does not fit {count} query heads and "
+                        f"{kv['count']} key / value heads in order of first use; {_FIX}")
+    if not isinstance(tensors.get(kv["indices"]), gs.Constant):
+        raise UserError(f"layer {i} heads: the unit map names index {kv['indices']!r}, which is not a constant "
+                        f"of the graph; {_FIX}")
+    for name in kv["gathers"]:
+        if name not in nodes:
+            raise UserError(f"layer {i} heads: the unit map names node {name!r}, which the graph lacks; {_FIX}")
+
+
 def check_unit_map(graph: gs.Graph, units: list[dict]) -> None:
     """Refuse (one-line :class:`UserError`) a model whose unit map does not describe its graph:
     every layer needs counts and widths, and every weight, bias, node and output it names must
@@ -211,7 +236,10 @@ def check_unit_map(graph: gs.Graph, units: list[dict]) -> None:
                 entry = layer[kind]
                 if entry["count"] == 0:
                     continue
-                for role in [*entry["producers"], entry["consumer"]]:
+                kv = entry.get("kv")
+                if kv is not None:
+                    _check_shared(i, kv, entry["count"], tensors, nodes)
+                for role in [*entry["producers"], entry["consumer"], *(kv["producers"] if kv else [])]:
                     for key in _TENSOR_KEYS:
                         name = role.get(key)
                         if name is not None and not isinstance(tensors.get(name), gs.Constant):

@@ -35,7 +35,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from elastic_export.errors import UserError
-from elastic_export.passes.base import PassContext, constants, nodes_by_name, register_pass, run_passes
+from elastic_export.passes.base import PassContext, constants, kv_kept, nodes_by_name, register_pass, run_passes
 from elastic_export.passes.head_reshapes import _shape_rank
 
 ELASTIC_KEY = "elastic_export.elastic"
@@ -138,12 +138,51 @@ def budget_input(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
     return graph.toposort()
 
 
+def _slice_producer(graph: gs.Graph, consts: dict, p: dict, features: int, end: gs.Tensor, zero: gs.Constant) -> None:
+    """Replace a producer's weight and bias by a ``Slice`` of their first ``end`` unit features in
+    every packed group (the stored weight is reshaped to expose the group axis)."""
+    g, axis = p["groups"], p["axis"]
+    for tname, ax in ((p["weight"], axis), (p["bias"], 0)):
+        if tname is None:
+            continue
+        const = consts[tname]
+        values = np.asarray(const.values)
+        if g > 1:  # expose the group axis: (..., g, count·width, ...)
+            shape = list(values.shape)
+            const.values = np.ascontiguousarray(values.reshape(shape[:ax] + [g, features] + shape[ax + 1:]))
+        uses = list(const.outputs)
+        out = _slice(graph, const, zero, end, ax + (1 if g > 1 else 0), f"elastic/{tname}")
+        if g > 1:
+            flat = [0, -1] if ax == 1 else ([-1, values.shape[1]] if values.ndim == 2 else [-1])
+            out = _reshape(graph, out, flat, f"elastic/{tname}")
+        _replace_uses(const, out, uses)
+
+
+def _slice_shared(graph: gs.Graph, consts: dict, kv: dict, k: np.ndarray, width: int, name: str,
+                  zero: gs.Constant) -> None:
+    """Shared key / value heads per budget: the producers keep the first m kv heads and the index
+    Gathers read the first ``max(k, 1)`` entries of the query -> kv index, with m the kv heads
+    those query heads read (``max(k, 1)``: the one computed head of an emptied sub-block)."""
+    kept = np.maximum(k, 1)
+    m = np.array([kv_kept(kv, int(n)) for n in kept], dtype=np.int64)
+    end = _select(graph, (m * width)[:, None], f"{name}/kv_end")
+    for p in kv["producers"]:
+        _slice_producer(graph, consts, p, kv["count"] * width, end, zero)
+    const = consts[kv["indices"]]
+    uses = list(const.outputs)
+    out = _slice(graph, const, zero, _select(graph, kept[:, None], f"{name}/kv_index_end"), 0, f"elastic/{kv['indices']}")
+    _replace_uses(const, out, uses)
+
+
 @register_pass("elastic-slice-weights")
 def elastic_slice_weights(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
     """For every layer and kind where some budget keeps k < count units: each producer weight
     (and bias) is replaced by a ``Slice`` of its first ``max(k, 1)`` units in every packed group
     (fused qkv, packed GLU: the stored weight is reshaped to expose the group axis), and the
     consumer weight by a ``Slice`` of the matching input rows, where the table gives k per budget.
+
+    Grouped-query attention: the shared key / value producers keep the kv heads the first
+    ``max(k, 1)`` query heads read, and the index Gathers that many entries of the index.
 
     Where some budget keeps k = 0, the consumer weight gets one unit's worth of zero rows appended,
     and that budget slices exactly those rows: the sub-block then adds exactly 0 before its output
@@ -162,21 +201,9 @@ def elastic_slice_weights(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
             k = ctx.column(kind, i)
             end = _select(graph, (np.maximum(k, 1) * width)[:, None], f"elastic/l{i}/{kind}/end")
             for p in layer[kind]["producers"]:
-                g, axis = p["groups"], p["axis"]
-                for tname, ax in ((p["weight"], axis), (p["bias"], 0)):
-                    if tname is None:
-                        continue
-                    const = consts[tname]
-                    values = np.asarray(const.values)
-                    if g > 1:  # expose the group axis: (..., g, count·width, ...)
-                        shape = list(values.shape)
-                        const.values = np.ascontiguousarray(values.reshape(shape[:ax] + [g, count * width] + shape[ax + 1:]))
-                    uses = list(const.outputs)
-                    out = _slice(graph, const, zero, end, ax + (1 if g > 1 else 0), f"elastic/{tname}")
-                    if g > 1:
-                        flat = [0, -1] if ax == 1 else ([-1, values.shape[1]] if values.ndim == 2 else [-1])
-                        out = _reshape(graph, out, flat, f"elastic/{tname}")
-                    _replace_uses(const, out, uses)
+                _slice_producer(graph, consts, p, count * width, end, zero)
+            if "kv" in layer[kind]:
+                _slice_shared(graph, consts, layer[kind]["kv"], k, width, f"elastic/l{i}/{kind}", zero)
             c = layer[kind]["consumer"]
             const = consts[c["weight"]]
             starts, ends = np.zeros_like(k), k * width
@@ -199,8 +226,9 @@ def elastic_slice_weights(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
 @register_pass("elastic-head-reshapes")
 def elastic_head_reshapes(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
     """For every layer where some budget keeps fewer than all heads: each q/k/v split Reshape
-    reads its shape ``[0, 0, h, d]`` (fused qkv: ``[0, 0, 3, h, d]``) and the merge Reshape
-    ``[0, 0, h·d]`` from a per-budget table, with ``h = max(kept heads, 1)`` (the slice width of
+    reads its shape ``[0, 0, h, d]`` (fused qkv: ``[0, 0, 3, h, d]``; shared key / value heads:
+    ``[0, 0, m, d]``, m the kv heads those h query heads read) and the merge Reshape ``[0, 0, h·d]``
+    from a per-budget table, with ``h = max(kept heads, 1)`` (the slice width of
     ``elastic-slice-weights``). Layers every budget keeps whole stay as exported.
     """
     nodes = nodes_by_name(graph)
@@ -210,9 +238,12 @@ def elastic_head_reshapes(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
         d = layer["heads"]["width"]
         h = np.maximum(ctx.column("heads", i), 1)
         zeros = np.zeros_like(h)
-        for j, p in enumerate(layer["heads"]["producers"]):
+        kv = layer["heads"].get("kv")
+        m = np.array([kv_kept(kv, int(n)) for n in h], dtype=np.int64) if kv else None
+        split = [(p, h) for p in layer["heads"]["producers"]] + [(p, m) for p in (kv["producers"] if kv else [])]
+        for j, (p, n) in enumerate(split):
             node = nodes[p["reshape"]]
-            cols = [zeros, zeros] + ([np.full_like(h, p["groups"])] if p["groups"] > 1 else []) + [h, np.full_like(h, d)]
+            cols = [zeros, zeros] + ([np.full_like(h, p["groups"])] if p["groups"] > 1 else []) + [n, np.full_like(h, d)]
             rank = _shape_rank(node)
             if rank is not None and rank != len(cols):
                 raise RuntimeError(f"layer {i}: split reshape {node.name} has rank {rank}, expected {len(cols)}")

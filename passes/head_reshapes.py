@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from elastic_export.passes.base import PassContext, nodes_by_name, register_pass
+from elastic_export.passes.base import PassContext, kv_kept, nodes_by_name, register_pass
 
 
 def _shape_rank(node: gs.Node) -> int | None:
@@ -23,8 +23,9 @@ def _shape_rank(node: gs.Node) -> int | None:
 def fix_head_reshapes(graph: gs.Graph, ctx: PassContext) -> gs.Graph:
     """For every layer that keeps k > 0 heads of width d: each q/k/v split Reshape gets the
     constant shape ``[0, 0, k, d]`` (fused qkv: ``[0, 0, 3, k, d]``) and the merge Reshape before
-    the output projection gets ``[0, 0, k·d]``. No -1 and no shape arithmetic is left, so
-    onnxruntime's attention fusion and TensorRT read the head count directly.
+    the output projection gets ``[0, 0, k·d]``; shared key / value heads (grouped-query attention)
+    get ``[0, 0, m, d]``, m the kv heads the k query heads read. No -1 and no shape arithmetic is
+    left, so onnxruntime's attention fusion and TensorRT read the head count directly.
     """
     nodes = nodes_by_name(graph)
     for i, layer in enumerate(ctx.units):
@@ -32,9 +33,11 @@ def fix_head_reshapes(graph: gs.Graph, ctx: PassContext) -> gs.Graph:
         k, d = ctx.target("heads", i), heads["width"]
         if k == 0:
             continue
-        for p in heads["producers"]:
+        kv = heads.get("kv")
+        split = [(p, k) for p in heads["producers"]] + [(p, kv_kept(kv, k)) for p in (kv["producers"] if kv else [])]
+        for p, n in split:
             node = nodes[p["reshape"]]
-            dims = [0, 0] + ([p["groups"]] if p["groups"] > 1 else []) + [k, d]
+            dims = [0, 0] + ([p["groups"]] if p["groups"] > 1 else []) + [n, d]
             rank = _shape_rank(node)
             if rank is not None and rank != len(dims):
                 raise RuntimeError(f"layer {i}: split reshape {node.name} has rank {rank}, expected {len(dims)}")

@@ -101,6 +101,26 @@ def _clip_vision(projection: bool):
     return (transformers.CLIPVisionModelWithProjection if projection else transformers.CLIPVisionModel)(cfg)
 
 
+def _decoder(cfg_name: str, **kw):
+    """A tiny decoder-only embedder (Qwen3Model, Qwen2Model, LlamaModel, MistralModel): 4 query heads."""
+    import transformers
+
+    base = dict(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, intermediate_size=64, max_position_embeddings=72)
+    cfg = getattr(transformers, f"{cfg_name}Config")(**{**base, **kw})
+    return getattr(transformers, f"{cfg_name}Model")(cfg)
+
+
+def _modernbert(**kw):
+    """Layers global, local, local (every 3rd global); local layers read 2·(8 // 2) + 1 = 9 keys."""
+    from transformers import ModernBertConfig, ModernBertModel
+
+    base = dict(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=72, global_attn_every_n_layers=3, local_attention=8, pad_token_id=0,
+                bos_token_id=1, cls_token_id=1, eos_token_id=2, sep_token_id=2, attn_implementation="eager")
+    return ModernBertModel(ModernBertConfig(**{**base, **kw}))
+
+
 def _dinov3(gated: bool):
     from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
@@ -156,6 +176,11 @@ TINY = {
     "hf-vit": (_hf_vit, {}),
     "hf-dinov2": (lambda: _dinov2(False), {}),
     "hf-dinov2-swiglu": (lambda: _dinov2(True), {}),
+    "hf-modernbert": (_modernbert, {"pooling": "mean", "normalize": True}),
+    "hf-qwen3": (lambda: _decoder("Qwen3"), {"pooling": "lasttoken", "normalize": True}),
+    "hf-qwen2": (lambda: _decoder("Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), {}),
+    "hf-llama": (lambda: _decoder("Llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True), {}),
+    "hf-mistral": (lambda: _decoder("Mistral", sliding_window=8), {"pooling": "mean"}),
     # timm Eva: EVA02 (fused qkv, q/v biases stored apart, packed GluMlp, RoPE); timm DINOv3 with
     # separate q/k/v, SwiGLU, layer scale and 4 registers; post-norm blocks with AttentionRope
     "timm-eva02": (lambda: _timm_named("eva02_tiny_patch14_224", mlp_ratio=4 * 2 / 3), {}),
@@ -167,6 +192,37 @@ TINY = {
     "hf-siglip-text": (lambda: _siglip("text"), {}),
     "hf-siglip2-text": (lambda: _siglip("text", 2), {}),
 }
+
+
+# timm model classes reach the CLI as a saved timm directory (config.json with the architecture and
+# its model_args, model.safetensors), so they are built by registered name: class -> (name, kwargs)
+TIMM_SAVED = {
+    "VisionTransformer": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4,
+                                                       num_classes=10)),
+    "Eva": ("eva02_tiny_patch14_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4,
+                                           num_classes=10)),
+}
+
+
+def save_tiny(model_class: type, path) -> None:
+    """Save a tiny model of ``model_class`` (a registered adapter's class) as the directory a user
+    would pass to ``--model``: ``save_pretrained`` for Hugging Face models, timm's ``save_for_hf``
+    layout for timm models."""
+    if model_class.__name__ in TIMM_SAVED:
+        import timm
+        from timm.models import save_for_hf
+
+        name, kw = TIMM_SAVED[model_class.__name__]
+        torch.manual_seed(0)
+        save_for_hf(_perturb(timm.create_model(name, pretrained=False, **kw), seed=1), path, safe_serialization=True)
+        return
+    for tiny_name, (builder, _) in TINY.items():
+        torch.manual_seed(0)
+        module = builder()
+        if type(module) is model_class:
+            _perturb(module, seed=1).save_pretrained(path)
+            return
+    raise KeyError(f"no TINY model of class {model_class.__name__}")
 
 
 def tiny_encoder(name: str):

@@ -65,7 +65,7 @@ def test_every_budget_index_matches_its_budget(tiny, tmp_path):
         assert max_err(got, masked_torch(enc, plan, rk, feeds)) <= 1e-4, (b, plan.sparsity)
 
 
-@pytest.mark.parametrize("name", ["hf-bert", "timm-vit", "timm-vit-glu-packed", "hf-dinov2-swiglu"])
+@pytest.mark.parametrize("name", ["hf-bert", "timm-vit", "timm-vit-glu-packed", "hf-dinov2-swiglu", "hf-modernbert"])
 def test_arbitrary_tables_with_empty_and_constant_columns(name, tmp_path):
     """Tables need not nest: random counts, every layer empty at one budget, full at another, and
     columns that never change (a constant instead of a Gather), including one constant at 0."""
@@ -177,7 +177,7 @@ def test_bad_tables_are_refused(bert):
         build_elastic_model(dense, [h], [n], budget_input="input_ids")
 
 
-@pytest.mark.parametrize("name", ["hf-bert", "timm-vit-glu-packed"])
+@pytest.mark.parametrize("name", ["hf-bert", "timm-vit-glu-packed", "hf-modernbert"])
 def test_no_zero_sized_matmul_at_run_time(name, tmp_path):
     """A budget that empties every sub-block runs no 0-sized MatMul (DESIGN.md invariant 3): every
     MatMul input and output, observed in onnxruntime, has only non-zero dimensions."""

@@ -25,11 +25,20 @@ def test_inventory_vit_b16_matches_hand_numbers():
 
 
 def test_swiglu_neuron_cost(tiny):
+    """Unit costs by hand: sliding windows read min(N, window) keys; a grouped-query head costs its
+    own q / o rows and attention plus an even share of the k / v projections (4·D·d_h·N per kv head)."""
     inv = build_inventory(tiny)
     D, N = tiny.width, tiny.tokens
-    for L in inv.layers:
+    for L, b in zip(inv.layers, tiny.blocks()):
         assert L.neuron_cost == (6 if L.swiglu else 4) * D * N
-        assert L.head_cost == 8 * D * L.head_dim * N + 4 * L.head_dim * N * N + 3 * N * N
+        K = N if b.heads.window is None else min(N, b.heads.window)
+        full = 8 * D * L.head_dim * N + 4 * L.head_dim * N * K + 3 * N * K
+        kv = 4 * D * L.head_dim * N
+        if L.kv_heads:
+            assert (L.kv_cost, L.head_own_cost) == (kv, full - kv)
+            assert L.head_cost == full - kv + kv * L.kv_heads // L.heads
+        else:
+            assert L.head_cost == full
 
 
 def test_unit_params_add_up(tiny):

@@ -25,7 +25,7 @@ def _setup(name):
     return enc, inv, cal
 
 
-@pytest.mark.parametrize("name", ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "timm-eva02", "hf-siglip-vision",
+@pytest.mark.parametrize("name", ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "hf-modernbert", "timm-eva02",
                                   "hf-siglip-text"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_runs_on_tiny_models(name, method):

@@ -16,6 +16,7 @@ from elastic_export.adapters.base import (  # noqa: F401
     BlockUnits,
     InputSpec,
     LinearRole,
+    SharedHeads,
     UnitGroup,
     find_blocks,
 )
@@ -34,6 +35,8 @@ from elastic_export.adapters import hf_bert  # noqa: E402,F401
 from elastic_export.adapters import hf_vision  # noqa: E402,F401
 from elastic_export.adapters import hf_distilbert  # noqa: E402,F401
 from elastic_export.adapters import hf_clip  # noqa: E402,F401
+from elastic_export.adapters import hf_decoder  # noqa: E402,F401
+from elastic_export.adapters import hf_modernbert  # noqa: E402,F401
 from elastic_export.adapters import timm_eva  # noqa: E402,F401
 from elastic_export.adapters import hf_siglip  # noqa: E402,F401
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -48,6 +49,28 @@ class LinearRole:
 
 
 @dataclass
+class SharedHeads:
+    """Key / value heads that groups of query heads share (grouped-query attention, DESIGN.md §1).
+
+    The query head is the unit; a key / value head is not one. It stays while any query head that
+    reads it stays. The torch slicer keeps, after the query heads, the key / value heads they read
+    (in order of first use) and calls ``store`` with the new index.
+
+    Args:
+        producers: the key and value projections (kv head j owns output features j·width .. (j+1)·width).
+        count: number of key / value heads.
+        index: the kv head each query head reads (one entry per query head, in query-head order).
+        store: called with a new index (and so a new kv head count) after the torch slicer cut the
+            weights; makes the attention module read its key / value heads through it.
+    """
+
+    producers: list[LinearRole]
+    count: int
+    index: np.ndarray
+    store: Callable[[np.ndarray], None]
+
+
+@dataclass
 class UnitGroup:
     """All units of one kind in one block: the MLP neurons or the attention heads.
 
@@ -63,6 +86,9 @@ class UnitGroup:
             attributes such as ``num_heads`` (and to bypass the sub-block when the count is 0).
         window: heads only: sliding-window attention, each query reads at most this many keys
             (the head's attention FLOPs use ``min(N, window)`` keys); None for global attention.
+        kv: heads only: key / value heads shared by the query heads (grouped-query attention);
+            ``producers`` then holds the query projection alone. None: every head has its own
+            q, k, v rows.
     """
 
     kind: str
@@ -74,10 +100,17 @@ class UnitGroup:
     swiglu: bool = False
     resize: Callable[[int], None] | None = None
     window: int | None = None
+    kv: SharedHeads | None = None
+
+    @property
+    def unit_roles(self) -> list[LinearRole]:
+        """The layers whose features are indexed by this group's units (producers and consumer)."""
+        return [*self.producers, self.consumer]
 
     @property
     def roles(self) -> list[LinearRole]:
-        return [*self.producers, self.consumer]
+        """Every prunable layer of the group: :attr:`unit_roles` plus shared key / value producers."""
+        return [*self.unit_roles, *(self.kv.producers if self.kv is not None else [])]
 
 
 @dataclass

@@ -56,10 +56,19 @@ def describe_bert_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
     return heads, neurons
 
 
+def last_token(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The state at the last position whose mask is 1, per row (left or right padding)."""
+    positions = torch.arange(hidden.shape[1], device=hidden.device)
+    last = (positions * (attention_mask > 0).long()).amax(dim=1)
+    return torch.gather(hidden, 1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+
+
 def pool_tokens(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Sentence-transformers pooling of token states: ``mean``, ``cls`` or ``max``."""
+    """Sentence-transformers pooling of token states: ``mean``, ``cls``, ``max`` or ``lasttoken``."""
     if mode == "cls":
         return hidden[:, 0]
+    if mode == "lasttoken":
+        return last_token(hidden, attention_mask)
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     if mode == "max":
         return (hidden - (1.0 - mask) * 1e9).max(dim=1).values
