@@ -7,8 +7,10 @@ text): asymmetric recall@1/@10 against a dense index, symmetric recall, fidelity
 
 Usage:
     python benchmarks/ranking_quality.py [--pairs 0] [--methods elastic,initial,...] [--work DIR]
+        [--model DIR --name NAME [--lean]]
 
-Writes benchmarks/results/ranking_quality.{json,md,png} and prints the table and the checks of
+Writes benchmarks/results/ranking_quality.{json,md,png} (``--name``: ranking_quality_NAME.*; another
+model: ``--model``, e.g. all-mpnet-base-v2 through ``benchmarks/mpnet.py ranking``) and prints the table and the checks of
 issue 3 (elastic beats every other method at 40/50/60 %, keeps >= 98 % of dense R@10 at 10 %,
 no budget more than 1 point below the line between its neighbours).
 """
@@ -59,6 +61,36 @@ def _checks(rows: dict[str, dict[float, float]], dense: float) -> list[tuple[str
     return checks
 
 
+def _build(encoder, inventory, method: str, budgets: tuple, work: Path, lean: bool) -> tuple[float, Path]:
+    """Ranking of ``method`` (seconds it took) and its artifact directory (no elastic graph when lean)."""
+    opts = Options(method=method, budgets=budgets, out=str(work / method), overwrite=True, verify=False,
+                   checkpoint=str(work / f".{method}.checkpoint"), elastic_graph=not lean)
+    t0 = time.perf_counter()
+    ranking = rank_encoder(encoder, inventory, opts, echo=lambda s: print(s, file=sys.stderr))
+    seconds = time.perf_counter() - t0
+    save_ranking(ranking, work / f"{method}.safetensors")
+    opts.ranking = str(work / f"{method}.safetensors")
+    run(opts, echo=lambda s: None)
+    print(f"{method}: ranking built in {seconds:.1f}s", file=sys.stderr)
+    return seconds, work / method
+
+
+def _lean_method(encoder, inventory, method: str, budgets: tuple, work: Path, pairs: list) -> tuple[float, dict]:
+    """Build, evaluate and delete one method's ONNX files; the result is cached in ``work`` (a rerun
+    after an interruption skips the methods already done)."""
+    cached = work / f"{method}.eval.json"
+    if cached.is_file():
+        done = json.loads(cached.read_text())
+        print(f"{method}: cached in {cached}", file=sys.stderr)
+        return done["seconds"], done["result"]
+    seconds, d = _build(encoder, inventory, method, budgets, work, lean=True)
+    res = evaluate([d], pairs=pairs, echo=lambda s: print(s, file=sys.stderr))
+    cached.write_text(json.dumps({"seconds": seconds, "result": res}))
+    for f in d.glob("*.onnx*"):
+        f.unlink()
+    return seconds, res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=0,
@@ -67,32 +99,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="0.05..0.6:0.05")
     ap.add_argument("--work", default="/tmp/elastic-ranking-quality", help="artifact directories go here")
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded all-MiniLM-L6-v2)")
+    ap.add_argument("--name", default="", help="results go to ranking_quality_NAME.* (default ranking_quality.*)")
+    ap.add_argument("--lean", action="store_true",
+                    help="large models: no elastic graph, each method evaluated then its ONNX files deleted, "
+                         "results cached per method in --work (a rerun resumes)")
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     budgets = tuple(parse_budgets(args.budgets))
     work, results_dir = Path(args.work), Path(args.results)
     work.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)
+    stem = "ranking_quality" + (f"_{args.name}" if args.name else "")
 
-    encoder = load_encoder(None)
+    encoder = load_encoder(args.model)
     inventory = build_inventory(encoder)
-    timings, dirs = {}, []
-    for method in methods:
-        opts = Options(method=method, budgets=budgets, out=str(work / method), overwrite=True, verify=False,
-                       checkpoint=str(work / f".{method}.checkpoint"))
-        t0 = time.perf_counter()
-        ranking = rank_encoder(encoder, inventory, opts, echo=lambda s: print(s, file=sys.stderr))
-        timings[method] = time.perf_counter() - t0
-        save_ranking(ranking, work / f"{method}.safetensors")
-        opts.ranking = str(work / f"{method}.safetensors")
-        run(opts, echo=lambda s: None)
-        dirs.append(work / method)
-        print(f"{method}: ranking built in {timings[method]:.1f}s", file=sys.stderr)
-
     pairs = heldout_pairs(args.pairs or 10**9)
-    res = evaluate(dirs, pairs=pairs, echo=lambda s: print(s, file=sys.stderr))
+    timings, dirs, parts = {}, [], []
+    for method in methods:
+        if args.lean:
+            timings[method], one = _lean_method(encoder, inventory, method, budgets, work, pairs)
+            parts.append(one)
+        else:
+            timings[method], d = _build(encoder, inventory, method, budgets, work, lean=False)
+            dirs.append(d)
+    if args.lean:
+        res = {**parts[0], "results": [r for p in parts for r in p["results"]]}
+    else:
+        res = evaluate(dirs, pairs=pairs, echo=lambda s: print(s, file=sys.stderr))
     res["ranking_seconds"] = {m: round(t, 1) for m, t in timings.items()}
     res["machine"] = f"{os.cpu_count()} CPU cores, onnxruntime CPU"
+    res["model"] = encoder.source
     rows: dict[str, dict[float, float]] = {}
     dense_r10 = None
     for r in res["results"]:
@@ -103,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault(r["method"], {})[b["sparsity"]] = b["recall@10"]
     checks = _checks(rows, dense_r10)
     res["checks"] = [{"check": c, "passed": ok} for c, ok in checks]
-    write_results(results_dir / "ranking_quality.json", res)
-    plot_results(res, results_dir / "ranking_quality.png")
+    write_results(results_dir / f"{stem}.json", res)
+    plot_results(res, results_dir / f"{stem}.png")
 
-    lines = ["# Ranking quality: all-MiniLM-L6-v2, held-out stdlib-docstring retrieval",
+    title = Path(encoder.source).name if args.model else "all-MiniLM-L6-v2"
+    lines = [f"# Ranking quality: {title}, held-out stdlib-docstring retrieval",
              "",
              f"{len(pairs)} query/doc pairs; asymmetric recall@10 (queries by the pruned model, documents by the "
              f"dense model); dense R@10 = {dense_r10:.3f}.",
@@ -118,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Ranking time (s): " + ", ".join(f"{m} {t:.1f}" for m, t in timings.items()), "", "Checks:"]
     lines += [f"- [{'x' if ok else ' '}] {c}" for c, ok in checks]
     text = "\n".join(lines) + "\n"
-    (results_dir / "ranking_quality.md").write_text(text)
+    (results_dir / f"{stem}.md").write_text(text)
     print(text)
     return 0 if all(ok for _, ok in checks) else 1
 

@@ -187,12 +187,44 @@ def _prev_reshape(g: _Graph, tensor: str) -> str:
     raise UserError(f"dense export: no head-merge Reshape before {tensor} (unsupported attention pattern)")
 
 
+def _is_index_gather(g: _Graph, node, value: np.ndarray) -> bool:
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    if node.op_type != "Gather" or axis != 1 or len(node.input) < 2:
+        return False
+    index = g.const(node.input[1])
+    return index is not None and index.shape == value.shape and np.array_equal(index, value)
+
+
+def _index_gather(g: _Graph, start: str, value: np.ndarray, name: str):
+    """The ``Gather(shared, index, axis=1)`` whose constant index is ``value`` and whose output
+    meets the attention within a few nodes after the head-split Reshape ``start`` (the layer's
+    rows of a tensor shared by all layers, e.g. MPNet's position bias); it gets its own index
+    initializer ``name`` (the exporter may share one constant between layers with equal values)."""
+    nodes = {n.name: n for n in g.model.graph.node}
+    frontier, seen = [nodes[start]], set()
+    for _ in range(8):
+        nxt = []
+        for node in frontier:
+            for inp in node.input:
+                src = g.producer.get(inp)
+                if src is not None and _is_index_gather(g, src, value):
+                    g.add_init(value.copy(), name)
+                    g.rename_input(src, src.input[1], name)
+                    return src
+            for out in node.output:
+                nxt += [n for n in g.consumers.get(out, []) if n.name not in seen]
+        seen.update(n.name for n in nxt)
+        frontier = nxt
+    raise UserError(f"dense export: no Gather of {name} after {start} (unsupported attention pattern)")
+
+
 def _producer(g: _Graph, by_digest: dict, role, heads: bool) -> dict:
     """Unit-map entry of one producer layer: its weight, bias, MatMul and (heads) split Reshape."""
     mm, out_axis = _own_weight(g, by_digest, role.linear.weight, f"{role.name}.weight")
-    add, out = _bias_after(g, mm, role.bias, f"{role.name}.bias")
+    bias = role.bias
+    add, out = _bias_after(g, mm, bias, f"{role.name}.bias")
     p = {"weight": f"{role.name}.weight", "axis": out_axis, "groups": role.groups,
-         "bias": f"{role.name}.bias" if role.bias is not None else None, "matmul": mm.name}
+         "bias": f"{role.name}.bias" if bias is not None else None, "matmul": mm.name}
     if heads:
         p["reshape"] = _next_reshape(g, out)
     return p
@@ -260,10 +292,18 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
             if kind == HEADS:
                 consumer["reshape"] = _prev_reshape(g, mm.input[0])
             entry[kind] = {"count": grp.count, "width": grp.width, "producers": producers, "consumer": consumer}
+            if grp.shared_rows:
+                entry[kind]["shared_rows"] = [
+                    {"index": ix.name, "gather": _index_gather(g, producers[0].get("reshape") or producers[0]["matmul"],
+                                                               ix.value.detach().cpu().numpy(), ix.name).name}
+                    for ix in grp.shared_rows]
             if grp.kv is not None:
                 entry[kind]["kv"] = _shared_map(g, by_digest, grp)
         layers.append(entry)
     used = {i for n in model.graph.node for i in n.input}
+    dead = [n for n in model.graph.node if n.op_type == "Constant" and not set(n.output) & used]
+    for n in dead:  # index constants replaced by a layer's own initializer
+        model.graph.node.remove(n)
     keep = [t for t in model.graph.initializer if t.name in used]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)

@@ -61,7 +61,9 @@ def _sentence_transformers_extras(path: Path) -> dict:
 def _model_class(config: Any, fallback: type) -> type:
     """The class ``config.architectures`` names when an adapter is registered for it, else
     ``fallback`` (AutoModel). ``AutoModel`` would load a saved ``CLIPTextModelWithProjection`` /
-    ``CLIPVisionModelWithProjection`` as the bare tower and drop its projection."""
+    ``CLIPVisionModelWithProjection`` as the bare tower and drop its projection. A name with no
+    adapter (e.g. ``MPNetForMaskedLM`` in sentence-transformers' all-mpnet-base-v2, whose
+    ``model.safetensors`` holds the bare ``MPNetModel``) falls back to the bare model."""
     import transformers
 
     from elastic_export.adapters import ADAPTERS, TOWERS
@@ -71,6 +73,27 @@ def _model_class(config: Any, fallback: type) -> type:
         if isinstance(cls, type) and (cls in ADAPTERS or cls in TOWERS):
             return cls
     return fallback
+
+
+def _check_loaded(model: torch.nn.Module, info: dict, path: Path) -> None:
+    """Refuse a model whose checkpoint left weights randomly initialised (missing or of another
+    shape). A missing ``pooler`` (saved with ``add_pooling_layer=False``, or a masked-LM checkpoint
+    loaded as the bare model) is dropped instead: no output then comes from random weights.
+
+    Raises:
+        UserError: some weight is missing from ``model.safetensors`` or has the wrong shape.
+    """
+    missing = sorted(info.get("missing_keys") or [])
+    if missing and all(k.startswith("pooler.") for k in missing) and hasattr(model, "pooler"):
+        model.pooler = None
+        missing = []
+    bad = missing + sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or [])
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise UserError(f"{path}: model.safetensors lacks weights of {type(model).__name__} "
+                        f"({', '.join(bad[:3])}{more}); they would be random")
+
+
 
 
 def _select_tower(model: Any, tower: str | None, where: str) -> Any:
@@ -116,12 +139,13 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
             f"{path}: no model.safetensors found (only safetensors weights are loaded; convert .bin files first)"
         )
     try:
-        model = _model_class(config, AutoModel).from_pretrained(
+        model, info = _model_class(config, AutoModel).from_pretrained(
             str(path), config=config, use_safetensors=True, trust_remote_code=trust_remote_code,
-            attn_implementation="eager",
+            attn_implementation="eager", output_loading_info=True,
         )
     except Exception as e:
         raise UserError(f"{path}: could not load the model ({first_line(e)})")
+    _check_loaded(model, info, path)
     model = _select_tower(model.float().eval(), tower, str(path))
     config = model.config
     adapter = adapter_for(model)
@@ -129,7 +153,7 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
     tokenizer = None
     if adapter.modality == "text":
         max_pos = getattr(config, "max_position_embeddings", None)
-        offset = 2 if config.model_type in ("roberta", "xlm-roberta") else 0
+        offset = 2 if config.model_type in ("roberta", "xlm-roberta", "mpnet") else 0  # positions from pad + 1
         if seq_len is None:  # the default: 128 tokens, or fewer where the model has fewer positions
             seq_len = DEFAULT_SEQ_LEN if max_pos is None else min(DEFAULT_SEQ_LEN, max_pos - offset)
         if max_pos is not None and seq_len > max_pos - offset:

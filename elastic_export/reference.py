@@ -66,6 +66,9 @@ def _apply(group: UnitGroup, units: np.ndarray) -> None:
         groups = role.groups if role.side == "out" else 1
         _select(role, feature_index(units, group.count, group.width, groups))
         _select_parts(role, units, group.count, group.width)
+    for index in group.shared_rows:  # e.g. the shared position-bias rows the heads read, in the new order
+        value = index.value
+        setattr(index.module, index.attr, value[torch.as_tensor(np.asarray(units, dtype=np.int64), device=value.device)])
     if group.kv is not None:
         _apply_shared(group, units)
 

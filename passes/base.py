@@ -250,6 +250,10 @@ def check_unit_map(graph: gs.Graph, units: list[dict]) -> None:
                         if name is not None and name not in nodes:
                             raise UserError(f"layer {i} {kind}: the unit map names node {name!r}, which the graph "
                                             f"lacks; {_FIX}")
+                for ix in entry.get("shared_rows", []):
+                    if not isinstance(tensors.get(ix["index"]), gs.Constant) or ix["gather"] not in nodes:
+                        raise UserError(f"layer {i} {kind}: the unit map names index {ix['index']!r} or node "
+                                        f"{ix['gather']!r}, which the graph lacks; {_FIX}")
                 out = entry["consumer"].get("output")
                 if out is not None and out not in tensors:
                     raise UserError(f"layer {i} {kind}: the unit map names tensor {out!r}, which the graph lacks; {_FIX}")

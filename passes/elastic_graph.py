@@ -138,6 +138,19 @@ def budget_input(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
     return graph.toposort()
 
 
+def _slice_shared_rows(graph: gs.Graph, consts: dict, indices: list[dict], k: np.ndarray, zero: gs.Constant,
+                   name: str) -> None:
+    """Per-unit index initializers (rows of a tensor shared by all layers) -> a ``Slice`` of their
+    first ``max(k, 1)`` entries (the units the producers compute at each budget)."""
+    if not indices:
+        return
+    end = _select(graph, np.maximum(k, 1)[:, None], f"{name}/index_end")
+    for ix in indices:
+        const = consts[ix["index"]]
+        uses = list(const.outputs)
+        _replace_uses(const, _slice(graph, const, zero, end, 0, f"elastic/{ix['index']}"), uses)
+
+
 def _slice_producer(graph: gs.Graph, consts: dict, p: dict, features: int, end: gs.Tensor, zero: gs.Constant) -> None:
     """Replace a producer's weight and bias by a ``Slice`` of their first ``end`` unit features in
     every packed group (the stored weight is reshaped to expose the group axis)."""
@@ -179,7 +192,8 @@ def elastic_slice_weights(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
     """For every layer and kind where some budget keeps k < count units: each producer weight
     (and bias) is replaced by a ``Slice`` of its first ``max(k, 1)`` units in every packed group
     (fused qkv, packed GLU: the stored weight is reshaped to expose the group axis), and the
-    consumer weight by a ``Slice`` of the matching input rows, where the table gives k per budget.
+    consumer weight by a ``Slice`` of the matching input rows, where the table gives k per budget;
+    per-unit index initializers (``shared_rows``) by a ``Slice`` of their first ``max(k, 1)`` entries.
 
     Grouped-query attention: the shared key / value producers keep the kv heads the first
     ``max(k, 1)`` query heads read, and the index Gathers that many entries of the index.
@@ -204,6 +218,7 @@ def elastic_slice_weights(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
                 _slice_producer(graph, consts, p, count * width, end, zero)
             if "kv" in layer[kind]:
                 _slice_shared(graph, consts, layer[kind]["kv"], k, width, f"elastic/l{i}/{kind}", zero)
+            _slice_shared_rows(graph, consts, layer[kind].get("shared_rows", []), k, zero, f"elastic/l{i}/{kind}")
             c = layer[kind]["consumer"]
             const = consts[c["weight"]]
             starts, ends = np.zeros_like(k), k * width

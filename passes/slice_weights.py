@@ -16,7 +16,8 @@ def _take(const: gs.Constant, idx: np.ndarray, axis: int) -> None:
 def slice_weights(graph: gs.Graph, ctx: PassContext) -> gs.Graph:
     """For every layer and kind that keeps 0 < k < count units: producer weights keep the output
     features of the first k units (every packed group: fused qkv, packed GLU), their biases too,
-    and the consumer weight keeps the matching input features.
+    the consumer weight keeps the matching input features, and per-unit index initializers
+    (``shared_rows``: which rows of a tensor shared by all layers each unit reads) keep k entries.
 
     Grouped-query attention: the shared key / value producers keep the kv heads the first k query
     heads read, and the index Gathers their first k entries.
@@ -35,6 +36,8 @@ def slice_weights(graph: gs.Graph, ctx: PassContext) -> gs.Graph:
                 _take(consts[p["weight"]], idx, p["axis"])
                 if p["bias"] is not None:
                     _take(consts[p["bias"]], idx, 0)
+            for ix in layer[kind].get("shared_rows", []):  # rows of a shared tensor (MPNet position bias)
+                _take(consts[ix["index"]], np.arange(k), 0)
             c = layer[kind]["consumer"]
             _take(consts[c["weight"]], feature_positions(k, count, width), c["axis"])
             if "kv" in layer[kind]:

@@ -84,6 +84,15 @@ def _distilbert():
     return DistilBertModel(cfg)
 
 
+def _mpnet():
+    from transformers import MPNetConfig, MPNetModel
+
+    # 32 buckets: MPNetEncoder.compute_position_bias always bucketises into 32, whatever the config says
+    cfg = MPNetConfig(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                      max_position_embeddings=72, relative_attention_num_buckets=32)
+    return MPNetModel(cfg)
+
+
 def _clip_text(projection: bool, **kw):
     import transformers
 
@@ -169,6 +178,7 @@ TINY = {
     "timm-deit-distilled": (lambda: _timm_named("deit_tiny_distilled_patch16_224"), {}),
     "timm-deit3": (lambda: _timm_named("deit3_small_patch16_224", init_values=0.5), {}),
     "hf-distilbert": (_distilbert, {"pooling": "mean"}),
+    "hf-mpnet": (_mpnet, {"pooling": "mean", "normalize": True}),
     "hf-clip-text": (lambda: _clip_text(False), {}),
     "hf-clip-text-proj": (lambda: _clip_text(True, eos_token_id=2), {"normalize": True}),
     "hf-clip-vision": (lambda: _clip_vision(False), {}),
@@ -200,7 +210,7 @@ TIMM_SAVED = {
     "VisionTransformer": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4,
                                                        num_classes=10)),
     "Eva": ("eva02_tiny_patch14_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4,
-                                           num_classes=10)),
+                                           mlp_ratio=4 * 2 / 3, num_classes=10)),
 }
 
 

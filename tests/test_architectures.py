@@ -1,5 +1,5 @@
 """Architecture-specific behaviour: registry coverage, CLIP / SigLIP towers, DistilBERT, DeiT, DINOv3,
-timm Eva, loading saved towers and dual-encoder directories (``--tower``).
+timm Eva, MPNet, loading saved towers and dual-encoder directories (``--tower``).
 
 The generic checks (inventory, torch reference, every ONNX pass against the hard-masked model) run
 for every architecture through the ``tiny`` fixture; these tests pin down what differs per family.
@@ -168,7 +168,7 @@ def test_load_saved_directory(name, tmp_path):
     assert max_err(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("name,positions", [("hf-clip-text-proj", 40), ("hf-bert", 72)])
+@pytest.mark.parametrize("name,positions", [("hf-clip-text-proj", 40), ("hf-bert", 72), ("hf-mpnet", 70)])
 def test_default_seq_len_fits_the_model(name, positions, tmp_path):
     """Without --seq-len, N is 128 or the model's position count where that is smaller (CLIP: 77)."""
     from elastic_export.errors import UserError
@@ -406,3 +406,126 @@ def test_tower_through_the_cli(tmp_path, capsys):
     rc, out, err = cli("verify", str(out_dir))
     assert rc == 0, out + err
     assert "torch" in out and "skipped" not in out
+
+
+# --- MPNet: one relative position bias shared by all layers, one row per head -------------------
+
+MPNET_ORDERS = [[3, 1, 0, 2], [0, 2, 3, 1], [2, 3, 1, 0]]  # a different head order in every layer
+
+
+def _mpnet_ranking(enc):
+    """Heads ranked in MPNET_ORDERS, neurons by a seeded random score."""
+    from elastic_export.ranking import Ranking
+
+    heads = [np.argsort(order).astype(np.float32) * -1.0 for order in MPNET_ORDERS]  # rank r -> score -r
+    g = np.random.default_rng(0)
+    neurons = [g.random(b.neurons.count).astype(np.float32) for b in enc.blocks()]
+    return Ranking(heads, neurons, {})
+
+
+@pytest.mark.parametrize("kept", [[2, 2, 1], [1, 3, 2], [4, 0, 3]])
+def test_mpnet_sliced_heads_read_their_own_position_bias_rows(kept, tmp_path):
+    """Every layer keeps a different subset of heads, in a different order: the per-budget ONNX
+    (each layer's bias-row Gather cut to its kept heads) equals the hard-masked dense model."""
+    from elastic_export.adapters import HEADS, NEURONS
+    from elastic_export.export import export_dense
+    from elastic_export.passes import slice_model
+    from elastic_export.reference import hard_mask
+
+    enc = tiny_encoder("hf-mpnet")
+    bias = enc.module.encoder.relative_attention_bias.weight.detach()
+    assert float((bias - bias.mean(1, keepdim=True)).abs().min()) > 0  # every head has its own bias
+    rk = _mpnet_ranking(enc)
+    assert [rk.order(HEADS, i).tolist() for i in range(3)] == MPNET_ORDERS
+    dense = export_dense(enc, rk, tmp_path / "dense.onnx")
+    neurons = [b.neurons.count for b in enc.blocks()]
+    model = slice_model(dense, kept, neurons)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for i, k in enumerate(kept):
+        if k:  # the sliced layer reads the bias rows of its kept heads, best first
+            name = get_units(model)[i]["heads"]["shared_rows"][0]["index"]
+            assert inits[name].tolist() == MPNET_ORDERS[i][:k]
+    keep = {(i, HEADS): np.array(MPNET_ORDERS[i][:k]) for i, k in enumerate(kept)}
+    keep.update({(i, NEURONS): np.arange(n) for i, n in enumerate(neurons)})
+    feeds = enc.sample_inputs(batch=3, seq_len=12)
+    with torch.no_grad():
+        with hard_mask(enc.blocks(), keep):
+            want = [t.numpy() for t in enc.export_module()(*feeds.values())]
+        dense_out = [t.numpy() for t in enc.export_module()(*feeds.values())]
+    got = run_onnx(model, feeds)
+    assert max_err(got, want) <= 1e-4
+    assert max_err(got, dense_out) > 1e-3  # the budget really differs from the dense model
+
+
+def test_mpnet_without_the_bias_gather_would_be_wrong(tmp_path):
+    """Negative control: the same sliced weights reading the first k bias rows (what a layer gets
+    without the per-layer gather) miss the hard-masked model by far more than 1e-4."""
+    from elastic_export.adapters import HEADS, NEURONS, find_blocks
+    from elastic_export.export import permuted_module
+    from elastic_export.reference import hard_mask, prefix_keep, sliced_copy
+    from elastic_export.plans import BudgetPlan
+
+    enc = tiny_encoder("hf-mpnet")
+    rk = _mpnet_ranking(enc)
+    neurons = [b.neurons.count for b in enc.blocks()]
+    plan = BudgetPlan(0.3, [2, 2, 1], neurons, 0, 1, 1, 0)
+    sliced = sliced_copy(permuted_module(enc, rk), find_blocks, prefix_keep(plan))
+    feeds = enc.sample_inputs(batch=2, seq_len=12)
+    keep = {(i, HEADS): np.array(MPNET_ORDERS[i][:k]) for i, k in enumerate(plan.heads_per_layer)}
+    keep.update({(i, NEURONS): np.arange(n) for i, n in enumerate(neurons)})
+    with torch.no_grad():
+        with hard_mask(enc.blocks(), keep):
+            want = [t.numpy() for t in enc.export_module()(*feeds.values())]
+        got = [t.numpy() for t in enc.export_module(sliced)(*feeds.values())]
+        assert max_err(got, want) <= 1e-4
+        for b in find_blocks(sliced):
+            sa = b.heads.module
+            sa.bias_heads = torch.arange(len(sa.bias_heads))
+        wrong = [t.numpy() for t in enc.export_module(sliced)(*feeds.values())]
+    assert max_err(wrong, want) > 1e-3
+
+
+def _save_as_masked_lm_config(module, path) -> None:
+    import json
+
+    module.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["MPNetForMaskedLM"]  # as in sentence-transformers' all-mpnet-base-v2
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_mpnet_masked_lm_config_loads_the_bare_model(tmp_path):
+    """A directory whose config names MPNetForMaskedLM but whose weights are the bare model loads
+    as MPNetModel with every weight (none random) and computes what the saved model computes."""
+    enc = tiny_encoder("hf-mpnet")
+    _save_as_masked_lm_config(enc.module, tmp_path)
+    loaded = load_encoder(str(tmp_path), seq_len=16)
+    assert type(loaded.module).__name__ == "MPNetModel" and loaded.module.pooler is not None
+    want_sd, got_sd = enc.module.state_dict(), loaded.module.state_dict()
+    assert sorted(got_sd) == sorted(want_sd) and all(torch.equal(got_sd[k], want_sd[k]) for k in want_sd)
+    feeds = enc.sample_inputs(batch=2, seq_len=8)
+    with torch.no_grad():
+        want = [t.numpy() for t in enc.module(**feeds).to_tuple()]
+        got = [t.numpy() for t in loaded.module(**feeds).to_tuple()]
+    assert max_err(got, want) == 0.0
+
+
+def test_mpnet_missing_weights_are_refused(tmp_path):
+    """A checkpoint without some encoder weight is refused (it would load as random numbers); a
+    masked-LM checkpoint (no pooler) loads as the bare model with the pooler dropped."""
+    from safetensors.torch import load_file, save_file
+    from transformers import MPNetForMaskedLM
+
+    from elastic_export.errors import UserError
+
+    enc = tiny_encoder("hf-mpnet")
+    _save_as_masked_lm_config(enc.module, tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["encoder.layer.1.attention.attn.q.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match="lacks weights.*encoder.layer.1.attention.attn.q.weight"):
+        load_encoder(str(tmp_path))
+    mlm = tmp_path / "mlm"
+    MPNetForMaskedLM(enc.module.config).save_pretrained(mlm)
+    loaded = load_encoder(str(mlm), seq_len=16)
+    assert type(loaded.module).__name__ == "MPNetModel" and loaded.module.pooler is None

@@ -65,7 +65,7 @@ def test_every_budget_index_matches_its_budget(tiny, tmp_path):
         assert max_err(got, masked_torch(enc, plan, rk, feeds)) <= 1e-4, (b, plan.sparsity)
 
 
-@pytest.mark.parametrize("name", ["hf-bert", "timm-vit", "timm-vit-glu-packed", "hf-dinov2-swiglu", "hf-modernbert"])
+@pytest.mark.parametrize("name", ["hf-bert", "timm-vit", "timm-vit-glu-packed", "hf-dinov2-swiglu", "hf-modernbert", "hf-mpnet"])
 def test_arbitrary_tables_with_empty_and_constant_columns(name, tmp_path):
     """Tables need not nest: random counts, every layer empty at one budget, full at another, and
     columns that never change (a constant instead of a Gather), including one constant at 0."""

@@ -28,10 +28,10 @@ from elastic_export.scoring import METHODS
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 # text (mean pooling + L2 normalisation), fused qkv + SwiGLU + classifier head, HF vision with
-# position-embedding interpolation (Resize), global average pooling before the last norm, RoPE with
-# separately stored qkv biases (timm EVA02), SigLIP's nn.MultiheadAttention pooling head
+# position-embedding interpolation (Resize), global average pooling before the last norm, RoPE
+# (timm EVA02 with its separately stored qkv biases; HF DINOv3), SigLIP's nn.MultiheadAttention pooling head
 ARCHS = ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "timm-vit-gap", "hf-modernbert", "hf-qwen3", "timm-eva02",
-         "hf-siglip-vision"]
+         "hf-dinov3-gated", "hf-siglip-vision", "hf-mpnet"]
 
 
 def _types(model: onnx.ModelProto) -> dict[str, int]:

@@ -26,7 +26,7 @@ def _setup(name):
 
 
 @pytest.mark.parametrize("name", ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "hf-modernbert", "timm-eva02",
-                                  "hf-siglip-text"])
+                                  "hf-siglip-vision", "hf-siglip-text", "hf-mpnet"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_runs_on_tiny_models(name, method):
     enc, inv, cal = _setup(name)

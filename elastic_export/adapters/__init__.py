@@ -14,6 +14,7 @@ from elastic_export.adapters.base import (  # noqa: F401
     HEADS,
     NEURONS,
     BlockUnits,
+    IndexRole,
     InputSpec,
     LinearRole,
     SharedHeads,
@@ -39,6 +40,7 @@ from elastic_export.adapters import hf_decoder  # noqa: E402,F401
 from elastic_export.adapters import hf_modernbert  # noqa: E402,F401
 from elastic_export.adapters import timm_eva  # noqa: E402,F401
 from elastic_export.adapters import hf_siglip  # noqa: E402,F401
+from elastic_export.adapters import hf_mpnet  # noqa: E402,F401
 
 
 def supported() -> list[str]:

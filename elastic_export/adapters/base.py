@@ -49,6 +49,28 @@ class LinearRole:
 
 
 @dataclass
+class IndexRole:
+    """A per-unit index buffer: one entry per unit, naming which slice of a tensor shared by several
+    layers each unit reads (e.g. MPNet's relative position bias, one row per head, computed once for
+    all layers). Permuted and sliced like the units; the dense export stores it as a ``Gather``
+    index initializer that the passes cut to the kept prefix.
+
+    Args:
+        module: the module that owns the buffer.
+        attr: the buffer's attribute name (a 1-D int64 tensor of length ``count``).
+        name: dotted name of the buffer inside the exported module (filled in by ``find_blocks``).
+    """
+
+    module: nn.Module
+    attr: str
+    name: str = ""
+
+    @property
+    def value(self):
+        return getattr(self.module, self.attr)
+
+
+@dataclass
 class SharedHeads:
     """Key / value heads that groups of query heads share (grouped-query attention, DESIGN.md §1).
 
@@ -86,6 +108,8 @@ class UnitGroup:
             attributes such as ``num_heads`` (and to bypass the sub-block when the count is 0).
         window: heads only: sliding-window attention, each query reads at most this many keys
             (the head's attention FLOPs use ``min(N, window)`` keys); None for global attention.
+        shared_rows: per-unit index buffers (:class:`IndexRole`) that select the units' rows of a
+            tensor shared across layers; permuted and sliced with the units.
         kv: heads only: key / value heads shared by the query heads (grouped-query attention);
             ``producers`` then holds the query projection alone. None: every head has its own
             q, k, v rows.
@@ -100,6 +124,7 @@ class UnitGroup:
     swiglu: bool = False
     resize: Callable[[int], None] | None = None
     window: int | None = None
+    shared_rows: list[IndexRole] = field(default_factory=list)
     kv: SharedHeads | None = None
 
     @property
@@ -154,6 +179,8 @@ def find_blocks(model: nn.Module) -> list[BlockUnits]:
         for group in (heads, neurons):
             for role in group.roles:
                 role.name = names[role.linear]
+            for index in group.shared_rows:
+                index.name = f"{names[index.module]}.{index.attr}".lstrip(".")
         blocks.append(BlockUnits(len(blocks), heads, neurons, module))
     return blocks
 
