@@ -117,6 +117,11 @@ def _select_tower(model: Any, tower: str | None, where: str) -> Any:
     return pick(model, tower)
 
 
+def _no_tower(tower: str | None, what: str) -> None:
+    if tower is not None:
+        raise UserError(f"--tower {tower}: {what}, a single encoder; drop --tower")
+
+
 def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code: bool,
              tower: str | None = None) -> Encoder:
     from transformers import AutoConfig, AutoModel
@@ -292,8 +297,7 @@ def load_encoder(
     path = Path(os.path.expanduser(model))
     if path.is_dir():
         if is_timm_dir(path):
-            if tower is not None:
-                raise UserError(f"--tower {tower}: {path} is a timm model, not a dual encoder")
+            _no_tower(tower, f"{model} is a timm model directory")
             return _load_timm_dir(path.resolve(), image_size)
         return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code, tower)
     if path.exists():
@@ -302,8 +306,7 @@ def load_encoder(
 
     looks_like_path = os.sep in model or model.startswith(".") or model.startswith("~")
     if not looks_like_path and timm.is_model(model):
-        if tower is not None:
-            raise UserError(f"--tower {tower}: {model} is a timm model, a single encoder; drop --tower")
+        _no_tower(tower, f"{model} is a timm model")
         return _load_timm(model, pretrained, image_size)
     if looks_like_path:
         raise UserError(f"--model {model}: no such directory")
