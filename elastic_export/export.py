@@ -282,17 +282,6 @@ def _shared_map(g: _Graph, by_digest: dict, grp) -> dict:
     return {"count": kv.count, "producers": producers, "index": index.tolist(), "indices": name, "gathers": gathers}
 
 
-def _read_names(graph: onnx.GraphProto) -> set[str]:
-    """Every tensor name a node of ``graph`` reads, including the nodes of its subgraphs (an ``If``
-    branch reads outer values by name, e.g. the DINOv3 RoPE's constants)."""
-    used = set()
-    for n in graph.node:
-        used.update(n.input)
-        for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                used |= _read_names(sub)
-    return used
-
 
 def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
     g = _Graph(model)
