@@ -282,7 +282,6 @@ def _shared_map(g: _Graph, by_digest: dict, grp) -> dict:
     return {"count": kv.count, "producers": producers, "index": index.tolist(), "indices": name, "gathers": gathers}
 
 
-
 def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
     g = _Graph(model)
     by_digest: dict[str, str] = {}
