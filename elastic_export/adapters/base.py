@@ -263,3 +263,17 @@ def mlp_neurons(module: nn.Module, fc1: nn.Linear, fc2: nn.Linear) -> UnitGroup:
         consumer=LinearRole(fc2, "in"),
         module=module,
     )
+
+
+def gated_neurons(module: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> UnitGroup:
+    """The neurons of a gated MLP ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU): neuron j is row j
+    of ``gate`` and of ``up`` plus column j of ``down`` (cost 6·D·N)."""
+    return UnitGroup(
+        kind=NEURONS,
+        count=down.in_features,
+        width=1,
+        producers=[LinearRole(gate, "out"), LinearRole(up, "out")],
+        consumer=LinearRole(down, "in"),
+        module=module,
+        swiglu=True,
+    )

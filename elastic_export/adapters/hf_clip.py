@@ -29,14 +29,13 @@ from transformers import (
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from elastic_export.adapters.base import (
-    InputSpec,
     UnitGroup,
     mlp_neurons,
     qkv_heads,
     register_block,
 )
 from elastic_export.adapters.hf_vision import HFVisionAdapter
-from elastic_export.adapters.registry import ModelAdapter, register_adapter, register_towers
+from elastic_export.adapters.registry import EmbedderAdapter, register_adapter, register_towers
 
 
 @register_block(CLIPEncoderLayer)
@@ -77,25 +76,11 @@ def eos_id(config: Any) -> int:
 
 
 @register_adapter(CLIPTextModel, CLIPTextModelWithProjection)
-class HFClipTextAdapter(ModelAdapter):
+class HFClipTextAdapter(EmbedderAdapter):
     """CLIP text tower: inputs ``input_ids``, ``attention_mask``; outputs ``last_hidden_state`` and
     ``sentence_embedding`` (EOS-pooled, projected for ``CLIPTextModelWithProjection``)."""
 
     label = "Hugging Face CLIPTextModel / CLIPTextModelWithProjection"
-    modality = "text"
-
-    def width(self, model: nn.Module) -> int:
-        return model.config.hidden_size
-
-    def tokens(self, model: nn.Module, seq_len: int) -> int:
-        return seq_len
-
-    def input_specs(self, model: nn.Module) -> list[InputSpec]:
-        return [InputSpec(n, "int64", ["batch", "sequence"]) for n in ("input_ids", "attention_mask")]
-
-    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
-        return ["last_hidden_state", "sentence_embedding"]
-
     def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
         return _ClipTextExport(model, bool(extras.get("normalize")))
 

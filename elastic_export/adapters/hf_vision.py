@@ -13,10 +13,9 @@ from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTLayer
 from transformers.models.vit.modeling_vit import ViTLayer
 
 from elastic_export.adapters.base import (
-    NEURONS,
     InputSpec,
-    LinearRole,
     UnitGroup,
+    gated_neurons,
     mlp_neurons,
     qkv_heads,
     register_block,
@@ -33,15 +32,7 @@ def _hf_neurons(mlp: nn.Module) -> UnitGroup:
     """Gated MLP (``gate_proj``, ``up_proj``, ``down_proj``: DINOv2 SwiGLU, DINOv3 gated) or plain
     (``fc1`` / ``fc2``, DINOv3: ``up_proj`` / ``down_proj``)."""
     if hasattr(mlp, "gate_proj"):
-        return UnitGroup(
-            kind=NEURONS,
-            count=mlp.down_proj.in_features,
-            width=1,
-            producers=[LinearRole(mlp.gate_proj, "out"), LinearRole(mlp.up_proj, "out")],
-            consumer=LinearRole(mlp.down_proj, "in"),
-            module=mlp,
-            swiglu=True,
-        )
+        return gated_neurons(mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if hasattr(mlp, "up_proj"):
         return mlp_neurons(mlp, mlp.up_proj, mlp.down_proj)
     return mlp_neurons(mlp, mlp.fc1, mlp.fc2)

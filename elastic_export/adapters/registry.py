@@ -61,6 +61,25 @@ class ModelAdapter:
         raise NotImplementedError
 
 
+class EmbedderAdapter(ModelAdapter):
+    """A text embedder with inputs ``input_ids``, ``attention_mask`` and outputs
+    ``last_hidden_state``, ``sentence_embedding`` (its pooled text embedding); N = ``--seq-len``."""
+
+    modality = "text"
+
+    def width(self, model: nn.Module) -> int:
+        return model.config.hidden_size
+
+    def tokens(self, model: nn.Module, seq_len: int) -> int:
+        return seq_len
+
+    def input_specs(self, model: nn.Module) -> list[InputSpec]:
+        return [InputSpec(n, "int64", ["batch", "sequence"]) for n in ("input_ids", "attention_mask")]
+
+    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
+        return ["last_hidden_state", "sentence_embedding"]
+
+
 def register_adapter(*types: type) -> Callable[[type[ModelAdapter]], type[ModelAdapter]]:
     def deco(cls: type[ModelAdapter]) -> type[ModelAdapter]:
         inst = cls()
