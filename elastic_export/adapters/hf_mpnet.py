@@ -24,12 +24,15 @@ from elastic_export.adapters.registry import register_adapter
 BIAS_HEADS = "bias_heads"
 
 
-def _gather_bias_heads(module: nn.Module, args: tuple) -> tuple | None:
+def _gather_bias_heads(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of ``MPNetSelfAttention(hidden, mask, position_bias)``: keep the bias rows
-    of this layer's heads, in this layer's order."""
+    of this layer's heads, in this layer's order (``position_bias`` given by position or name)."""
+    index = getattr(module, BIAS_HEADS)
+    if kwargs.get("position_bias") is not None:
+        return args, {**kwargs, "position_bias": torch.index_select(kwargs["position_bias"], 1, index)}
     if len(args) < 3 or args[2] is None:
         return None
-    return (*args[:2], torch.index_select(args[2], 1, getattr(module, BIAS_HEADS)), *args[3:])
+    return (*args[:2], torch.index_select(args[2], 1, index), *args[3:]), kwargs
 
 
 def _bias_heads(sa: nn.Module) -> IndexRole:
@@ -37,7 +40,7 @@ def _bias_heads(sa: nn.Module) -> IndexRole:
     if BIAS_HEADS not in sa._buffers:
         device = sa.q.weight.device
         sa.register_buffer(BIAS_HEADS, torch.arange(sa.num_attention_heads, device=device), persistent=False)
-        sa.register_forward_pre_hook(_gather_bias_heads)
+        sa.register_forward_pre_hook(_gather_bias_heads, with_kwargs=True)
     return IndexRole(sa, BIAS_HEADS)
 
 
