@@ -106,6 +106,17 @@ def _read_text_file(path: Path) -> list[str]:
     return texts
 
 
+def by_length(encoder: Encoder, texts: list[str]) -> list[str]:
+    """``texts`` ordered by token count (stable), so that each batch holds texts of about one length
+    and pads little: batches padded to their longest text spend half their tokens on padding with
+    the default calibration text, which pairs each paragraph with its first sentence."""
+    if encoder.tokenizer is not None:
+        lengths = [len(ids) for ids in encoder.tokenizer(texts, truncation=True, max_length=encoder.seq_len)["input_ids"]]
+    else:
+        lengths = [min(len(t.split()), encoder.seq_len) for t in texts]
+    return [texts[i] for i in sorted(range(len(texts)), key=lambda i: lengths[i])]
+
+
 def _text_batches(encoder: Encoder, texts: list[str], batch_size: int) -> list[dict[str, torch.Tensor]]:
     names = [s.name for s in encoder.input_specs()]
     batches = []
@@ -250,8 +261,9 @@ def load_calibration(
             raise UserError(f"--calib {path}: a directory; text models take a .txt or .jsonl file")
         else:
             texts, desc = _read_text_file(p), {"source": str(p)}
-        texts = _spread(texts, size)
-        desc.update(samples=len(texts), seq_len=encoder.seq_len, tokenizer=encoder.tokenizer is not None)
+        texts = by_length(encoder, _spread(texts, size))
+        desc.update(samples=len(texts), seq_len=encoder.seq_len, tokenizer=encoder.tokenizer is not None,
+                    batches="length-bucketed")
         return Calibration(_text_batches(encoder, texts, batch_size), desc)
     cfg = encoder.data_config
     labels = None

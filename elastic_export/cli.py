@@ -25,7 +25,7 @@ def _echo(msg: str) -> None:
 
 # --- option groups shared by several commands (Polygraphy-style argument groups) ---------------
 def model_options(fn):
-    """--model, --pretrained/--no-pretrained, --seq-len, --image-size, --trust-remote-code."""
+    """--model, --pretrained/--no-pretrained, --seq-len, --image-size, --trust-remote-code, --tower."""
     opts = [
         click.option("--model", "model", default=None, metavar="PATH_OR_TIMM_NAME",
                      help="Local Hugging Face model directory or timm model name (default: embedded all-MiniLM-L6-v2)."),
@@ -36,6 +36,9 @@ def model_options(fn):
         click.option("--image-size", type=int, default=None, help="timm names: input resolution."),
         click.option("--trust-remote-code", is_flag=True, default=False,
                      help="Allow model code shipped inside a Hugging Face directory (off by default)."),
+        click.option("--tower", type=click.Choice(["text", "vision"]), default=None,
+                     help="Dual-encoder directories (CLIPModel, SiglipModel): export this tower "
+                          "(CLIP: with its projection)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -199,13 +202,13 @@ def export_cmd(**kw):
 
 @cli.command("inspect")
 @model_options
-def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code):
+def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code, tower):
     """Print per-layer neurons, heads, unit costs, GFLOPs and parameters."""
     from elastic_export.inventory import build_inventory
     from elastic_export.loader import load_encoder
 
     enc = load_encoder(model, pretrained=pretrained, seq_len=seq_len, image_size=image_size,
-                       trust_remote_code=trust_remote_code)
+                       trust_remote_code=trust_remote_code, tower=tower)
     inv = build_inventory(enc)
     click.echo(f"model: {enc.source}  ({enc.architecture}, {enc.modality})")
     click.echo(f"tokens N={inv.tokens}  width D={inv.width}")
@@ -253,7 +256,7 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
     if Path(out).is_dir():
         raise UserError(f"--out {out}: is a directory; give a file name, e.g. {Path(out) / 'ranking.safetensors'}")
     elastic = _elastic_config(kw)
-    model_kw = {k: kw.pop(k) for k in ("model", "pretrained", "seq_len", "image_size", "trust_remote_code")}
+    model_kw = {k: kw.pop(k) for k in ("model", "pretrained", "seq_len", "image_size", "trust_remote_code", "tower")}
     with ddp.session(kw["device"]) as device:
         kw["device"] = device
         echo = _echo if ddp.is_main() else (lambda msg: None)
@@ -315,12 +318,14 @@ def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, toke
 @click.option("--model", default=None, metavar="PATH_OR_TIMM_NAME",
               help="Also compare with the torch hard-masked model (default: the manifest's model.source "
                    "when it loads offline and matches the fingerprint).")
+@click.option("--tower", type=click.Choice(["text", "vision"]), default=None,
+              help="With --model: the tower of a dual-encoder directory (default: the manifest's).")
 @click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
               help="Compare with the torch hard-masked model where the model can be loaded.")
 @click.option("--atol", type=float, default=1e-4, show_default=True, help="fp32 tolerance: max abs error.")
 @click.option("--rtol-fp16", type=float, default=1e-2, show_default=True,
               help="fp16 / TensorRT tolerance: max abs error relative to each output's largest magnitude.")
-def verify_cmd(directory, batch, seq_len, seed, model, use_torch, atol, rtol_fp16):
+def verify_cmd(directory, batch, seq_len, seed, model, tower, use_torch, atol, rtol_fp16):
     """Re-check every artifact of DIR (budget ONNX, fp16 files, the elastic graph, TensorRT engines)
     against the hard-masked dense model derived from DIR's own dense.onnx. Exit 0: all match;
     1: something differs; 2: a missing or corrupt file, or a broken manifest."""
@@ -330,8 +335,8 @@ def verify_cmd(directory, batch, seq_len, seed, model, use_torch, atol, rtol_fp1
     for name, value in (("--atol", atol), ("--rtol-fp16", rtol_fp16)):
         if not value > 0:
             raise UserError(f"{name} must be positive, got {value}")
-    report = verify_dir(directory, batch=batch, seq_len=seq_len, seed=seed, model=model, use_torch=use_torch,
-                        atol=atol, rtol_fp16=rtol_fp16, echo=_echo)
+    report = verify_dir(directory, batch=batch, seq_len=seq_len, seed=seed, model=model, tower=tower,
+                        use_torch=use_torch, atol=atol, rtol_fp16=rtol_fp16, echo=_echo)
     click.echo(report.table())
     if report.problems:
         raise UserError(report.summary())

@@ -26,6 +26,7 @@ class Encoder:
         extras: adapter options, e.g. sentence-transformers ``pooling`` and ``normalize``.
         tokenizer: a Hugging Face tokenizer for text encoders, when the model directory has one.
         data_config: timm / HF preprocessing config for image encoders.
+        tower: ``"text"`` / ``"vision"`` when the module is one tower of a dual-encoder ``source``.
     """
 
     module: nn.Module
@@ -36,6 +37,7 @@ class Encoder:
     extras: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     data_config: dict[str, Any] | None = None
+    tower: str | None = None
 
     @property
     def modality(self) -> str:

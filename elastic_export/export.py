@@ -52,6 +52,21 @@ def check_exportable(params: int) -> None:
             "(--weights-dtype bf16, --device cuda)")
 
 
+def _rms_norm_symbolic(g, x, shape, weight, eps):
+    """``aten::rms_norm`` (``F.rms_norm``: timm ``RmsNorm``, ``nn.RMSNorm``), which the TorchScript
+    exporter lacks at opset 17: ``x / sqrt(mean(x², normalized dims) + eps) · weight``."""
+    from torch.onnx import symbolic_helper as sh
+
+    dims = sh._get_const(shape, "is", "normalized_shape")
+    e = torch.finfo(torch.float32).eps if sh._is_none(eps) else sh._get_const(eps, "f", "eps")
+    mean = g.op("ReduceMean", g.op("Mul", x, x), axes_i=list(range(-len(dims), 0)), keepdims_i=1)
+    y = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(e, dtype=torch.float32)))))
+    return y if sh._is_none(weight) else g.op("Mul", y, weight)
+
+
+torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm_symbolic, OPSET)
+
+
 def permuted_module(encoder: Encoder, ranking: Ranking) -> torch.nn.Module:
     """A copy of the model with every layer's units in rank order."""
     module = copy.deepcopy(encoder.module)
@@ -172,6 +187,18 @@ def _prev_reshape(g: _Graph, tensor: str) -> str:
     raise UserError(f"dense export: no head-merge Reshape before {tensor} (unsupported attention pattern)")
 
 
+def _read_names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name a node of ``graph`` reads, also from inside its subgraphs (an ``If``
+    branch reads outer tensors by name, without listing them as inputs)."""
+    names = set()
+    for n in graph.node:
+        names.update(n.input)
+        for a in n.attribute:
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                names |= _read_names(sub)
+    return names
+
+
 def _is_index_gather(g: _Graph, node, value: np.ndarray) -> bool:
     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
     if node.op_type != "Gather" or axis != 1 or len(node.input) < 2:
@@ -206,9 +233,10 @@ def _index_gather(g: _Graph, start: str, value: np.ndarray, name: str):
 def _producer(g: _Graph, by_digest: dict, role, heads: bool) -> dict:
     """Unit-map entry of one producer layer: its weight, bias, MatMul and (heads) split Reshape."""
     mm, out_axis = _own_weight(g, by_digest, role.linear.weight, f"{role.name}.weight")
-    add, out = _bias_after(g, mm, role.linear.bias, f"{role.name}.bias")
+    bias = role.bias
+    add, out = _bias_after(g, mm, bias, f"{role.name}.bias")
     p = {"weight": f"{role.name}.weight", "axis": out_axis, "groups": role.groups,
-         "bias": f"{role.name}.bias" if role.linear.bias is not None else None, "matmul": mm.name}
+         "bias": f"{role.name}.bias" if bias is not None else None, "matmul": mm.name}
     if heads:
         p["reshape"] = _next_reshape(g, out)
     return p
@@ -284,7 +312,7 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
             if grp.kv is not None:
                 entry[kind]["kv"] = _shared_map(g, by_digest, grp)
         layers.append(entry)
-    used = {i for n in model.graph.node for i in n.input}
+    used = _read_names(model.graph)
     dead = [n for n in model.graph.node if n.op_type == "Constant" and not set(n.output) & used]
     for n in dead:  # index constants replaced by a layer's own initializer
         model.graph.node.remove(n)

@@ -44,12 +44,22 @@ def head_flops(width: int, head_dim: int, tokens: int, window: int | None = None
     return 8 * width * head_dim * tokens + 4 * head_dim * tokens * keys + 3 * tokens * keys
 
 
+def _bias_groups(role) -> int:
+    """Packed groups of a producer whose bias entries are parameters (a separately stored part may
+    be a constant buffer, e.g. timm EVA's all-zero ``k_bias``)."""
+    from torch import nn
+
+    if role.bias_parts:
+        return sum(isinstance(getattr(m, attr), nn.Parameter) for m, attr in role.bias_parts)
+    return role.groups if role.linear.bias is not None else 0
+
+
 def _role_params(roles, width: int) -> int:
     total = 0
     for role in roles:
         lin = role.linear
         if role.side == "out":
-            total += role.groups * width * (lin.in_features + (1 if lin.bias is not None else 0))
+            total += width * (role.groups * lin.in_features + _bias_groups(role))
         else:
             total += width * lin.out_features
     return total
@@ -178,6 +188,14 @@ class Inventory:
         }
 
 
+def _mha_flops(mod, query, key, value) -> int:
+    """FLOPs of one ``nn.MultiheadAttention`` call (batch 1): q/k/v and output projections plus
+    the attention scores and weighted sum over all heads."""
+    E = mod.embed_dim
+    q, k = query.numel() // E, key.numel() // mod.kdim
+    return 2 * q * E * E + 2 * k * (mod.kdim + mod.vdim) * E + 4 * q * k * E + 2 * q * E * E
+
+
 def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
     """2·MACs of every non-prunable Linear / Conv2d in one forward pass at N tokens (batch 1)."""
     import torch
@@ -196,6 +214,10 @@ def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
             k *= s
         total += 2 * k * out.numel()
 
+    def mha_hook(mod, args, kwargs, out):  # nn.MultiheadAttention (e.g. SigLIP's pooling head)
+        nonlocal total
+        total += _mha_flops(mod, *(list(args) + [kwargs.get(k) for k in ("query", "key", "value")])[:3])
+
     handles = []
     for m in encoder.module.modules():
         if m in prunable:
@@ -204,6 +226,8 @@ def _fixed_flops(encoder: Encoder, prunable: set[nn.Module]) -> int:
             handles.append(m.register_forward_hook(linear_hook))
         elif isinstance(m, nn.Conv2d):
             handles.append(m.register_forward_hook(conv_hook))
+        elif isinstance(m, nn.MultiheadAttention):  # uses its projections' weights, not their forward
+            handles.append(m.register_forward_hook(mha_hook, with_kwargs=True))
     try:
         feeds = encoder.sample_inputs(batch=1, seq_len=encoder.tokens)
         if "attention_mask" in feeds:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from elastic_export.adapters import adapter_for
+from elastic_export.adapters.registry import TOWER_NAMES
 from elastic_export.encoder import Encoder
 from elastic_export import preprocess
 from elastic_export.errors import UserError, first_line
@@ -65,11 +66,11 @@ def _model_class(config: Any, fallback: type) -> type:
     ``model.safetensors`` holds the bare ``MPNetModel``) falls back to the bare model."""
     import transformers
 
-    from elastic_export.adapters import ADAPTERS
+    from elastic_export.adapters import ADAPTERS, TOWERS
 
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, str(name), None)
-        if isinstance(cls, type) and cls in ADAPTERS:
+        if isinstance(cls, type) and (cls in ADAPTERS or cls in TOWERS):
             return cls
     return fallback
 
@@ -93,7 +94,36 @@ def _check_loaded(model: torch.nn.Module, info: dict, path: Path) -> None:
                         f"({', '.join(bad[:3])}{more}); they would be random")
 
 
-def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code: bool) -> Encoder:
+
+
+def _select_tower(model: Any, tower: str | None, where: str) -> Any:
+    """The tower ``--tower`` names of a dual encoder (CLIP, SigLIP), or ``model`` itself.
+
+    Raises:
+        UserError: a dual encoder without ``tower``, or ``tower`` for a single-tower model.
+    """
+    from elastic_export.adapters import TOWERS
+
+    pick = next((TOWERS[c] for c in type(model).__mro__ if c in TOWERS), None)
+    name = type(model).__name__
+    if pick is None:
+        if tower is not None:
+            raise UserError(f"--tower {tower}: {where} is a single encoder ({name}), not a text + vision "
+                            "dual encoder; drop --tower")
+        return model
+    if tower is None:
+        raise UserError(f"{where}: {name} holds a text and a vision tower; choose one with --tower text "
+                        "or --tower vision")
+    return pick(model, tower)
+
+
+def _no_tower(tower: str | None, what: str) -> None:
+    if tower is not None:
+        raise UserError(f"--tower {tower}: {what}, a single encoder; drop --tower")
+
+
+def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code: bool,
+             tower: str | None = None) -> Encoder:
     from transformers import AutoConfig, AutoModel
 
     try:
@@ -116,7 +146,8 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
     except Exception as e:
         raise UserError(f"{path}: could not load the model ({first_line(e)})")
     _check_loaded(model, info, path)
-    model = model.float().eval()
+    model = _select_tower(model.float().eval(), tower, str(path))
+    config = model.config
     adapter = adapter_for(model)
     extras = _sentence_transformers_extras(path) if adapter.modality == "text" else {}
     tokenizer = None
@@ -143,7 +174,8 @@ def _load_hf(path: Path, seq_len: int, image_size: int | None, trust_remote_code
     if adapter.modality == "image":
         seq_len = 0  # N comes from the image size and patches (as for timm models)
         data_config = preprocess.hf_config(path, adapter.image_size(model))
-    return Encoder(model, adapter, str(path), type(model).__name__, seq_len, extras, tokenizer, data_config)
+    return Encoder(model, adapter, str(path), type(model).__name__, seq_len, extras, tokenizer, data_config,
+                   tower=tower)
 
 
 def is_timm_dir(path: Path) -> bool:
@@ -230,6 +262,7 @@ def load_encoder(
     seq_len: int | None = None,
     image_size: int | None = None,
     trust_remote_code: bool = False,
+    tower: str | None = None,
 ) -> Encoder:
     """Load the encoder the user named.
 
@@ -242,6 +275,9 @@ def load_encoder(
             model's position count where that is smaller (CLIP text: 77).
         image_size: timm names only: input resolution.
         trust_remote_code: allow model code shipped in the directory (off by default).
+        tower: ``"text"`` or ``"vision"``: the tower of a dual-encoder directory (``CLIPModel``:
+            with its projection, as ``CLIPTextModelWithProjection`` / ``CLIPVisionModelWithProjection``;
+            ``SiglipModel``: the tower model itself). Required for those, refused for others.
 
     Raises:
         UserError: missing path, unknown name, unsupported architecture, bad options.
@@ -250,23 +286,27 @@ def load_encoder(
         raise UserError(f"--seq-len must be a positive integer, got {seq_len}")
     if image_size is not None and image_size < 1:
         raise UserError(f"--image-size must be a positive integer, got {image_size}")
+    if tower is not None and tower not in TOWER_NAMES:
+        raise UserError(f"--tower {tower}: choose text or vision")
     torch.manual_seed(0)
     if model is None or model == DEFAULT_MODEL:
         path = default_model_path()
-        enc = _load_hf(path, seq_len, image_size, trust_remote_code)
+        enc = _load_hf(path, seq_len, image_size, trust_remote_code, tower)
         enc.source = DEFAULT_MODEL
         return enc
     path = Path(os.path.expanduser(model))
     if path.is_dir():
         if is_timm_dir(path):
+            _no_tower(tower, f"{model} is a timm model directory")
             return _load_timm_dir(path.resolve(), image_size)
-        return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code)
+        return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code, tower)
     if path.exists():
         raise UserError(f"--model {model}: is a file; give a Hugging Face model directory or a timm model name")
     import timm
 
     looks_like_path = os.sep in model or model.startswith(".") or model.startswith("~")
     if not looks_like_path and timm.is_model(model):
+        _no_tower(tower, f"{model} is a timm model")
         return _load_timm(model, pretrained, image_size)
     if looks_like_path:
         raise UserError(f"--model {model}: no such directory")

@@ -68,6 +68,7 @@ class Options:
     seed: int = 0
     verify: bool = True
     trust_remote_code: bool = False
+    tower: str | None = None  # "text" / "vision": one tower of a dual-encoder directory (CLIP, SigLIP)
     precision: str = "fp32"  # "fp16": also an fp16 twin of every ONNX file (elastic_export.fp16)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
@@ -271,7 +272,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
     check_precision(opts.precision)
     echo(f"loading {opts.model or 'all-MiniLM-L6-v2 (embedded default)'}")
     encoder = load_encoder(opts.model, pretrained=opts.pretrained, seq_len=opts.seq_len,
-                           image_size=opts.image_size, trust_remote_code=opts.trust_remote_code)
+                           image_size=opts.image_size, trust_remote_code=opts.trust_remote_code, tower=opts.tower)
     inventory = build_inventory(encoder)
     echo(f"{encoder.architecture}: {len(inventory.layers)} blocks, N={inventory.tokens} tokens, "
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
@@ -336,7 +337,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             "format": FORMAT,
             "tool": f"elastic-export {__version__}",
             "model": {"source": encoder.source, "architecture": encoder.architecture,
-                      "fingerprint": encoder.fingerprint(), "modality": encoder.modality},
+                      "fingerprint": encoder.fingerprint(), "modality": encoder.modality,
+                      **({"tower": encoder.tower} if encoder.tower else {})},
             "inputs": io_specs(dense.graph.input),
             "outputs": io_specs(onnx.shape_inference.infer_shapes(dense).graph.output),
             "tokens": inventory.tokens,

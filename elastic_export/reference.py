@@ -36,6 +36,17 @@ def feature_index(units: np.ndarray, count: int, width: int, groups: int = 1) ->
     return torch.cat([g * count * width + per_group for g in range(groups)])
 
 
+def _select_parts(role: LinearRole, units: np.ndarray, count: int, width: int) -> None:
+    """Keep ``units`` of each separately stored bias part of ``role`` (one part per packed group)."""
+    idx = feature_index(units, count, width)
+    with torch.no_grad():
+        for module, attr in role.bias_parts:
+            old = getattr(module, attr)
+            new = old.data[idx].clone()
+            setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad)
+                    if isinstance(old, nn.Parameter) else new)
+
+
 def _select(role: LinearRole, idx: torch.Tensor) -> None:
     """Keep features ``idx`` of ``role.linear`` on the unit side, in that order (in place)."""
     lin = role.linear
@@ -54,6 +65,7 @@ def _apply(group: UnitGroup, units: np.ndarray) -> None:
     for role in group.unit_roles:
         groups = role.groups if role.side == "out" else 1
         _select(role, feature_index(units, group.count, group.width, groups))
+        _select_parts(role, units, group.count, group.width)
     for index in group.shared_rows:  # e.g. the shared position-bias rows the heads read, in the new order
         value = index.value
         setattr(index.module, index.attr, value[torch.as_tensor(np.asarray(units, dtype=np.int64), device=value.device)])

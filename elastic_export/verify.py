@@ -302,15 +302,16 @@ def _run(sess, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndar
 
 
 def _compare(check: Check, want: list[np.ndarray], got: list[np.ndarray], atol: float | None,
-             rtol: float | None) -> Check:
-    """Fill ``check`` with the errors of ``got`` against ``want`` and the verdict."""
+             rtol: float | None, valid: np.ndarray | None = None) -> Check:
+    """Fill ``check`` with the errors of ``got`` against ``want`` and the verdict (the relative
+    error, which ``rtol`` bounds, at real tokens only where ``valid`` is the attention mask)."""
     shapes = [(np.shape(a), np.shape(b)) for a, b in zip(want, got) if np.shape(a) != np.shape(b)]
     if shapes:
         check.status, check.detail = MISMATCH, f"output shape {shapes[0][1]}, expected {shapes[0][0]}"
         return check
     diffs = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) for a, b in zip(want, got)]
     check.max_abs = max((float(d.max(initial=0.0)) if np.all(np.isfinite(d)) else math.inf) for d in diffs)
-    check.rel = relative_error(want, got)
+    check.rel = relative_error(want, got, valid)
     if atol is not None:
         check.tol = f"abs {atol:.0e}"
         if not check.max_abs <= atol:
@@ -360,7 +361,7 @@ def run_engine(path: Path, feeds: dict[str, np.ndarray], outputs: list[str]) -> 
 
 
 # --- torch ---------------------------------------------------------------------------------------
-def _torch_reference(manifest: dict, directory: Path, model: str | None, seq_len: int,
+def _torch_reference(manifest: dict, directory: Path, model: str | None, tower: str | None, seq_len: int,
                      budgets: list[dict]) -> tuple[Callable | None, str]:
     """(function budget-index-or-None -> outputs, description), or (None, why not)."""
     try:
@@ -382,7 +383,8 @@ def _torch_reference(manifest: dict, directory: Path, model: str | None, seq_len
         image = next((i for i in manifest["inputs"] if i.get("name") == "pixel_values"), None)
         size = _image_size(image, manifest)[0] if image else None
         enc = load_encoder(source, pretrained=False, seq_len=max(seq_len, 1),
-                           image_size=size if image and not Path(source).is_dir() else None)
+                           image_size=size if image and not Path(source).is_dir() else None,
+                           tower=tower or manifest["model"].get("tower"))
     except Exception as e:  # UserError, or whatever a broken model directory raises
         if explicit:
             raise UserError(f"--model {source}: cannot load it ({_first_line(e)})")
@@ -428,7 +430,7 @@ def _check_budgets(manifest: dict, path: Path) -> list[dict]:
 
 
 def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = None, seed: int = 0,
-               model: str | None = None, use_torch: bool = True, atol: float = ATOL,
+               model: str | None = None, tower: str | None = None, use_torch: bool = True, atol: float = ATOL,
                rtol_fp16: float = FP16_RTOL, echo: Callable[[str], None] = lambda s: None) -> Report:
     """Check every artifact of ``directory`` against the hard-masked dense model.
 
@@ -439,6 +441,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
         seed: seed of the sample inputs.
         model: the original model (path or timm name) for the torch check; None: the manifest's
             ``model.source`` when it loads offline and matches (otherwise that row is skipped).
+        tower: the tower of a dual-encoder ``model`` (default: the manifest's ``model.tower``).
         use_torch: False skips the torch check.
         atol: fp32 tolerance (max abs error).
         rtol_fp16: fp16 / TensorRT tolerance (relative error).
@@ -494,7 +497,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
             if not isinstance(rel, str):
                 raise _Failed(CORRUPT, f"manifest entry {rel!r} is not a file name")
             got = _run(_open(d, rel), feeds, outputs)
-            return _compare(check, want, got, atol if kind == "fp32" else None, rtol_fp16)
+            return _compare(check, want, got, atol if kind == "fp32" else None, rtol_fp16, feeds.get("attention_mask"))
 
         report.checks.append(_guard(check, go))
 
@@ -514,7 +517,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
     dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
     _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
     if use_torch:
-        _check_torch(report, d, manifest, model, feeds, budgets, dense_out, refs, outputs, atol, seq_len)
+        _check_torch(report, d, manifest, (model, tower), feeds, budgets, dense_out, refs, outputs, atol, seq_len)
     return report
 
 
@@ -548,7 +551,8 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
             check = Check(f"{b['sparsity']:.2f}", f"{rel}[{i}]", kind, "masked dense")
             index = np.full(shape, i, np.int64)
             report.checks.append(_guard(check, lambda check=check, ref=ref, index=index, sess=sess: _compare(
-                check, ref, _run(sess, {**feeds, index_name: index}, outputs), file_atol, file_rtol)))
+                check, ref, _run(sess, {**feeds, index_name: index}, outputs), file_atol, file_rtol,
+                feeds.get("attention_mask"))))
 
 
 def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, feeds: dict,
@@ -579,16 +583,18 @@ def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, fee
                 raise
             except Exception as e:  # TensorRT / CUDA errors
                 raise _Failed(CORRUPT, f"TensorRT: {_first_line(e)}")
-            return _compare(check, ref, got, None, rtol)
+            return _compare(check, ref, got, None, rtol, feeds.get("attention_mask"))
 
         report.checks.append(_guard(check, go))
 
 
-def _check_torch(report: Report, d: Path, manifest: dict, model: str | None, feeds: dict, budgets: list[dict],
-                 dense_out: list, refs: list, outputs: list[str], atol: float, seq_len: int | None) -> None:
-    """Compare the reference (dense and every masked dense model) with the torch hard-masked model."""
+def _check_torch(report: Report, d: Path, manifest: dict, model: tuple[str | None, str | None], feeds: dict,
+                 budgets: list[dict], dense_out: list, refs: list, outputs: list[str], atol: float,
+                 seq_len: int | None) -> None:
+    """Compare the reference (dense and every masked dense model) with the torch hard-masked model
+    (``model``: the ``--model`` and ``--tower`` given, or Nones for the manifest's)."""
     seq = next((v.shape[1] for k, v in feeds.items() if k == "input_ids"), None)
-    fn, what = _torch_reference(manifest, d, model, seq or seq_len or 32, budgets)
+    fn, what = _torch_reference(manifest, d, *model, seq or seq_len or 32, budgets)
     if fn is None:
         report.checks.append(Check("all", "-", "torch", "-", status=SKIPPED, detail=what))
         return

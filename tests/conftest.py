@@ -130,6 +130,40 @@ def _modernbert(**kw):
     return ModernBertModel(ModernBertConfig(**{**base, **kw}))
 
 
+def _dinov3(gated: bool):
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    cfg = DINOv3ViTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                          image_size=32, patch_size=8, num_register_tokens=2, layerscale_value=0.5,
+                          use_gated_mlp=gated, key_bias=gated)
+    return DINOv3ViTModel(cfg)
+
+
+def _siglip(tower: str, version: int = 1):
+    import transformers
+
+    prefix = "Siglip" if version == 1 else "Siglip2"
+    if tower == "vision":
+        cfg = transformers.SiglipVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                              intermediate_size=64, image_size=32, patch_size=8)
+        return transformers.SiglipVisionModel(cfg)
+    cfg = getattr(transformers, f"{prefix}TextConfig")(
+        vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=40, projection_size=24, pad_token_id=1, eos_token_id=1, bos_token_id=None)
+    return getattr(transformers, f"{prefix}TextModel")(cfg)
+
+
+def _eva_postnorm():
+    """timm Eva with post-norm blocks, ``AttentionRope`` (fused qkv with its own bias), RoPE only and
+    RMSNorm (``aten::rms_norm`` in the export)."""
+    from timm.layers import RmsNorm
+    from timm.models.eva import Eva
+
+    return Eva(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, mlp_ratio=2.0, num_classes=10,
+               use_post_norm=True, attn_type="rope", use_rot_pos_emb=True, use_abs_pos_emb=False,
+               norm_layer=RmsNorm)
+
+
 # name -> (builder, extras)
 TINY = {
     "timm-vit": (lambda: _timm(), {}),
@@ -157,6 +191,16 @@ TINY = {
     "hf-qwen2": (lambda: _decoder("Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), {}),
     "hf-llama": (lambda: _decoder("Llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True), {}),
     "hf-mistral": (lambda: _decoder("Mistral", sliding_window=8), {"pooling": "mean"}),
+    # timm Eva: EVA02 (fused qkv, q/v biases stored apart, packed GluMlp, RoPE); timm DINOv3 with
+    # separate q/k/v, SwiGLU, layer scale and 4 registers; post-norm blocks with AttentionRope
+    "timm-eva02": (lambda: _timm_named("eva02_tiny_patch14_224", mlp_ratio=4 * 2 / 3), {}),
+    "timm-eva-dinov3": (lambda: _timm_named("vit_small_plus_patch16_dinov3_qkvb", qkv_fused=False), {}),
+    "timm-eva-postnorm": (_eva_postnorm, {}),
+    "hf-dinov3": (lambda: _dinov3(False), {}),  # RoPE, 2 registers, layer scale, plain MLP
+    "hf-dinov3-gated": (lambda: _dinov3(True), {}),  # gated (SwiGLU) MLP, key bias
+    "hf-siglip-vision": (lambda: _siglip("vision"), {}),  # attention-pooling head, no class token
+    "hf-siglip-text": (lambda: _siglip("text"), {}),
+    "hf-siglip2-text": (lambda: _siglip("text", 2), {}),
 }
 
 
@@ -165,6 +209,8 @@ TINY = {
 TIMM_SAVED = {
     "VisionTransformer": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4,
                                                        num_classes=10)),
+    "Eva": ("eva02_tiny_patch14_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4,
+                                           mlp_ratio=4 * 2 / 3, num_classes=10)),
 }
 
 

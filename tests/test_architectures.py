@@ -1,8 +1,12 @@
-"""Architecture-specific behaviour: registry coverage, CLIP towers, DistilBERT, DeiT, MPNet, loading saved towers.
+"""Architecture-specific behaviour: registry coverage, CLIP / SigLIP towers, DistilBERT, DeiT, DINOv3,
+timm Eva, MPNet, loading saved towers and dual-encoder directories (``--tower``).
 
 The generic checks (inventory, torch reference, every ONNX pass against the hard-masked model) run
 for every architecture through the ``tiny`` fixture; these tests pin down what differs per family.
 """
+
+import json
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import TINY, tiny_encoder
 from elastic_export.adapters import ADAPTERS
 from elastic_export.adapters.base import BLOCK_DESCRIBERS
-from elastic_export.export import get_units
+from elastic_export.export import get_units, permuted_module
 from elastic_export.loader import load_encoder
 from elastic_export.passes import slice_model
 
@@ -173,6 +177,235 @@ def test_default_seq_len_fits_the_model(name, positions, tmp_path):
     assert load_encoder(str(tmp_path)).seq_len == min(128, positions)
     with pytest.raises(UserError, match="beyond the model"):
         load_encoder(str(tmp_path), seq_len=positions + 1)
+
+
+# --- DINOv3 (Hugging Face) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["hf-dinov3", "hf-dinov3-gated"])
+def test_dinov3_outputs_and_tokens(name):
+    """N = 16 patches + class + 2 registers; outputs are the model's own (normed tokens, class token)."""
+    enc = tiny_encoder(name)
+    assert enc.tokens == 16 + 1 + 2
+    assert enc.blocks()[0].neurons.swiglu == (name == "hf-dinov3-gated")
+    x = enc.sample_inputs(batch=2)["pixel_values"]
+    with torch.no_grad():
+        hidden, pooled = enc.export_module()(x)
+        ref = enc.module(pixel_values=x)
+    torch.testing.assert_close(hidden, ref.last_hidden_state)
+    torch.testing.assert_close(pooled, ref.pooler_output)
+    assert hidden.shape == (2, 19, 32)
+
+
+# --- timm Eva ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,prefix", [("timm-eva02", 1), ("timm-eva-dinov3", 5), ("timm-eva-postnorm", 1)])
+def test_eva_outputs_and_tokens(name, prefix):
+    """N = patches + class + registers; the outputs are timm's features, pre-logits and logits."""
+    enc = tiny_encoder(name)
+    assert enc.tokens == 16 + prefix
+    x = enc.sample_inputs(batch=2)["pixel_values"]
+    with torch.no_grad():
+        tokens, pooled, logits = enc.export_module()(x)
+        torch.testing.assert_close(tokens, enc.module.forward_features(x))
+        torch.testing.assert_close(logits, enc.module(x))
+
+
+def test_eva_separate_biases_are_sliced_with_their_heads(tmp_path):
+    """EVA stores the fused qkv's bias apart (q_bias, a zero k_bias buffer, v_bias): the torch slicer
+    cuts each part, and the exported graph carries their concatenation as the qkv bias."""
+    from elastic_export.reference import sliced_copy
+
+    enc = tiny_encoder("timm-eva02")
+    attn = enc.module.blocks[0].attn
+    role = enc.blocks()[0].heads.producers[0]
+    assert [a for _, a in role.bias_parts] == ["q_bias", "k_bias", "v_bias"] and attn.qkv.bias is None
+    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.5,))
+    inits = {t.name: numpy_helper.to_array(t) for t in dense.graph.initializer}
+    perm = enc.blocks(permuted_module(enc, rk))
+    want = perm[0].heads.producers[0].bias.detach().numpy()
+    np.testing.assert_array_equal(inits["blocks.0.attn.qkv.bias"], want)
+    keep = {(i, k): np.arange(2) for i in range(3) for k in ("heads", "neurons")}
+    sliced = sliced_copy(enc.module, enc.blocks, keep).blocks[0].attn
+    assert sliced.qkv.weight.shape[0] == 3 * 2 * attn.head_dim and sliced.qkv.bias.shape[0] == 3 * 2 * attn.head_dim
+    ids = torch.arange(2 * attn.head_dim)
+    torch.testing.assert_close(sliced.qkv.bias[:2 * attn.head_dim], attn.q_bias[ids])
+
+
+@pytest.mark.parametrize("name,kw,match", [
+    ("eva02_base_patch14_224", {}, "MLP hidden norm"),  # SwiGLU with a LayerNorm over the hidden units
+    ("eva02_base_patch16_clip_224", {"swiglu_mlp": False}, "scale_norm"),  # a norm over all heads' outputs
+    ("vit_base_patch16_rope_mixed_224", {}, "rope_type='mixed'"),  # per-head RoPE frequencies
+])
+def test_eva_options_that_cannot_be_sliced_are_refused(name, kw, match):
+    import timm
+
+    from elastic_export.errors import UserError
+    from elastic_export.loader import wrap_module
+
+    tiny = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4, num_classes=0)
+    model = timm.create_model(name, pretrained=False, **tiny, **kw)
+    with pytest.raises(UserError, match=re.escape(match)):
+        wrap_module(model).blocks()
+
+
+# --- SigLIP ------------------------------------------------------------------------------------
+
+
+def test_siglip_vision_pools_with_its_head():
+    """No class token (N = patches); ``pooler_output`` is the attention-pooling head's output.
+    Without the head only ``last_hidden_state`` is exported."""
+    from transformers import SiglipVisionModel
+
+    enc = tiny_encoder("hf-siglip-vision")
+    assert enc.tokens == 16 and enc.output_names() == ["last_hidden_state", "pooler_output"]
+    x = enc.sample_inputs(batch=2)["pixel_values"]
+    with torch.no_grad():
+        hidden, pooled = enc.export_module()(x)
+        ref = enc.module(pixel_values=x)
+        torch.testing.assert_close(pooled, enc.module.head(hidden))
+    torch.testing.assert_close(hidden, ref.last_hidden_state)
+    torch.testing.assert_close(pooled, ref.pooler_output)
+    cfg = enc.module.config
+    cfg.vision_use_head = False
+    headless = wrap_module_of(SiglipVisionModel(cfg))
+    assert headless.output_names() == ["last_hidden_state"]
+    assert headless.embedding(headless.export_module()(x), {"pixel_values": x}).shape == (2, 32)
+
+
+def wrap_module_of(module):
+    from elastic_export.loader import wrap_module
+
+    return wrap_module(module)
+
+
+@pytest.mark.parametrize("name", ["hf-siglip-text", "hf-siglip2-text"])
+def test_siglip_text_embedding_is_the_last_position(name):
+    """``sentence_embedding`` is transformers' pooler_output: ``head`` of the final-normed state at
+    the last position (padding included, as transformers does); the mask is passed on."""
+    enc = tiny_encoder(name)
+    assert [s.name for s in enc.input_specs()] == ["input_ids", "attention_mask"]
+    assert enc.output_names() == ["last_hidden_state", "sentence_embedding"]
+    feeds = enc.sample_inputs(batch=3, seq_len=10)
+    assert feeds["attention_mask"].min() == 0, "some rows are padded"
+    with torch.no_grad():
+        hidden, emb = enc.export_module()(*feeds.values())
+        ref = enc.module(**feeds)
+        torch.testing.assert_close(emb, enc.module.head(hidden[:, -1]))
+    torch.testing.assert_close(hidden, ref.last_hidden_state)
+    torch.testing.assert_close(emb, ref.pooler_output)
+    assert emb.shape == (3, 24)
+
+
+def test_siglip2_naflex_vision_is_refused():
+    from transformers import Siglip2VisionConfig, Siglip2VisionModel
+
+    from elastic_export.errors import UserError
+
+    cfg = Siglip2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                              patch_size=8, num_patches=16)
+    with pytest.raises(UserError, match="Siglip2VisionModel is not supported: its NaFlex inputs"):
+        wrap_module_of(Siglip2VisionModel(cfg))
+
+
+# --- dual encoders: --tower --------------------------------------------------------------------
+
+
+def _dual(kind: str):
+    import transformers
+
+    text = dict(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=40)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+                  patch_size=8)
+    torch.manual_seed(0)
+    if kind == "clip":
+        cfg = transformers.CLIPConfig(text_config=dict(text, bos_token_id=510, eos_token_id=511, pad_token_id=511),
+                                      vision_config=vision, projection_dim=24)
+        model = transformers.CLIPModel(cfg)
+    else:
+        cfg = transformers.SiglipConfig(text_config=dict(text, pad_token_id=1, eos_token_id=1, bos_token_id=None),
+                                        vision_config=vision)
+        model = transformers.SiglipModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def dual_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = _dual(request.param)
+    model.save_pretrained(path)
+    return request.param, model, path
+
+
+def test_dual_encoder_needs_tower(dual_dir):
+    from elastic_export.errors import UserError
+
+    kind, _, path = dual_dir
+    with pytest.raises(UserError, match="choose one with --tower text or --tower vision") as e:
+        load_encoder(str(path))
+    assert "\n" not in str(e.value)
+
+
+def test_dual_encoder_tower_outputs(dual_dir):
+    """``--tower text`` / ``--tower vision`` give the tower with its projection (CLIP) or its own
+    head (SigLIP): the embedding equals the full model's text / image features."""
+    kind, model, path = dual_dir
+    text, vision = load_encoder(str(path), tower="text"), load_encoder(str(path), tower="vision")
+    want = {"clip": ("CLIPTextModelWithProjection", "CLIPVisionModelWithProjection"),
+            "siglip": ("SiglipTextModel", "SiglipVisionModel")}[kind]
+    assert (type(text.module).__name__, type(vision.module).__name__) == want
+    assert (text.tower, vision.tower, text.modality, vision.modality) == ("text", "vision", "text", "image")
+    feeds = text.sample_inputs(batch=2, seq_len=8)
+    x = vision.sample_inputs(batch=2)["pixel_values"]
+    with torch.no_grad():
+        t_out, v_out = text.export_module()(*feeds.values()), vision.export_module()(x)
+        t_ref = model.get_text_features(**feeds).pooler_output
+        v_ref = model.get_image_features(pixel_values=x).pooler_output
+    torch.testing.assert_close(text.embedding(t_out, feeds), t_ref)
+    torch.testing.assert_close(vision.embedding(v_out, {"pixel_values": x}), v_ref)
+
+
+def test_tower_on_a_single_encoder_is_refused(tmp_path):
+    from elastic_export.errors import UserError
+
+    tiny_encoder("hf-siglip-text").module.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="not a text \\+ vision dual encoder; drop --tower"):
+        load_encoder(str(tmp_path), tower="text")
+    with pytest.raises(UserError, match="a single encoder; drop --tower"):
+        load_encoder("vit_tiny_patch16_224", pretrained=False, tower="vision")
+    with pytest.raises(UserError, match="choose text or vision"):
+        load_encoder(str(tmp_path), tower="audio")
+
+
+def test_tower_through_the_cli(tmp_path, capsys):
+    """The main job exports one tower (the manifest records it) and ``verify`` reloads that tower
+    for its torch check; without ``--tower`` the CLI exits 2 with one line naming the flag."""
+    from elastic_export.cli import main
+
+    path = tmp_path / "siglip"
+    _dual("siglip").save_pretrained(path)
+
+    def cli(*args):
+        with pytest.raises(SystemExit) as e:
+            main(list(args))
+        return e.value.code, *capsys.readouterr()
+
+    rc, out, err = cli("inspect", "--model", str(path))
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error:") and "--tower text" in err
+    out_dir = tmp_path / "out"
+    rc, out, err = cli("--model", str(path), "--tower", "vision", "--budgets", "0.5", "--method", "magnitude",
+                       "--out", str(out_dir), "--no-elastic-graph", "--no-report")
+    assert rc == 0, err
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["model"]["tower"] == "vision" and manifest["model"]["architecture"] == "SiglipVisionModel"
+    rc, out, err = cli("verify", str(out_dir))
+    assert rc == 0, out + err
+    assert "torch" in out and "skipped" not in out
 
 
 # --- MPNet: one relative position bias shared by all layers, one row per head -------------------

@@ -45,9 +45,11 @@ def test_unit_params_add_up(tiny):
     """Removing every unit's parameters leaves exactly the non-prunable ones."""
     inv = build_inventory(tiny)
     zero = [0] * len(inv.layers)
-    prunable_linears = {id(r.linear) for b in tiny.blocks() for g in (b.heads, b.neurons) for r in g.roles}
+    roles = [r for b in tiny.blocks() for g in (b.heads, b.neurons) for r in g.roles]
+    prunable_linears = {id(r.linear) for r in roles}
+    bias_parts = {id(getattr(m, attr)) for r in roles for m, attr in r.bias_parts}  # e.g. timm EVA q_bias
     fixed = sum(p.numel() for m in tiny.module.modules() if id(m) not in prunable_linears
-                for p in m.parameters(recurse=False))
+                for p in m.parameters(recurse=False) if id(p) not in bias_parts)
     biases_of_consumers = sum(
         g.consumer.linear.bias.numel() for b in tiny.blocks() for g in (b.heads, b.neurons)
         if g.consumer.linear.bias is not None

@@ -25,7 +25,8 @@ def _setup(name):
     return enc, inv, cal
 
 
-@pytest.mark.parametrize("name", ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "hf-modernbert", "hf-mpnet"])
+@pytest.mark.parametrize("name", ["hf-bert", "timm-vit-swiglu", "hf-dinov2", "hf-modernbert", "timm-eva02",
+                                  "hf-siglip-vision", "hf-siglip-text", "hf-mpnet"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_runs_on_tiny_models(name, method):
     enc, inv, cal = _setup(name)

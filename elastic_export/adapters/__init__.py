@@ -21,7 +21,13 @@ from elastic_export.adapters.base import (  # noqa: F401
     UnitGroup,
     find_blocks,
 )
-from elastic_export.adapters.registry import ADAPTERS, ModelAdapter, register_adapter  # noqa: F401
+from elastic_export.adapters.registry import (  # noqa: F401
+    ADAPTERS,
+    REFUSED,
+    TOWERS,
+    ModelAdapter,
+    register_adapter,
+)
 from elastic_export.errors import UserError
 
 # Registration side effects: each module adds its adapters and block describers.
@@ -32,6 +38,8 @@ from elastic_export.adapters import hf_distilbert  # noqa: E402,F401
 from elastic_export.adapters import hf_clip  # noqa: E402,F401
 from elastic_export.adapters import hf_decoder  # noqa: E402,F401
 from elastic_export.adapters import hf_modernbert  # noqa: E402,F401
+from elastic_export.adapters import timm_eva  # noqa: E402,F401
+from elastic_export.adapters import hf_siglip  # noqa: E402,F401
 from elastic_export.adapters import hf_mpnet  # noqa: E402,F401
 
 
@@ -44,11 +52,18 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     """The adapter registered for ``type(model)`` or its nearest registered base class.
 
     Raises:
-        UserError: the model type is not supported; the message lists what is.
+        UserError: the model type is not supported (the message lists what is), or the adapter
+            refuses one of its options (:meth:`ModelAdapter.check`).
     """
     for cls in type(model).__mro__:
         if cls in ADAPTERS:
+            ADAPTERS[cls].check(model)
             return ADAPTERS[cls]
+        if cls in REFUSED:
+            raise UserError(f"{type(model).__name__} is not supported: {REFUSED[cls]}")
+        if cls in TOWERS:
+            raise UserError(f"{type(model).__name__} holds a text and a vision tower: choose one with "
+                            "--tower text or --tower vision")
     raise UserError(
         f"unsupported architecture {type(model).__name__}; supported: {', '.join(supported())}"
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 from torch import nn
 
 from elastic_export.unit_map import HEADS, NEURONS  # noqa: E402,F401 (the unit kinds)
@@ -27,12 +28,24 @@ class LinearRole:
             its input features (fc2, the attention output projection).
         groups: packed copies of the unit axis along that side (fused qkv: 3, packed GLU fc1: 2).
         name: dotted parameter prefix of the layer inside the exported module (``...weight``).
+        bias_parts: side ``"out"`` only: the layer's bias is not ``linear.bias`` (which is None) but
+            the concatenation of these 1-D tensors, ``(module, attribute)``, one per packed group
+            (timm ``EvaAttention``: ``q_bias``, ``k_bias``, ``v_bias`` added to a bias-free fused
+            qkv). Slicing cuts each part; the ONNX graph holds their concatenation as one bias.
     """
 
     linear: nn.Linear
     side: str
     groups: int = 1
     name: str = ""
+    bias_parts: tuple[tuple[nn.Module, str], ...] = ()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The bias the layer's output features receive (``linear.bias`` or the joined parts)."""
+        if not self.bias_parts:
+            return self.linear.bias
+        return torch.cat([getattr(m, attr) for m, attr in self.bias_parts])
 
 
 @dataclass
@@ -249,4 +262,18 @@ def mlp_neurons(module: nn.Module, fc1: nn.Linear, fc2: nn.Linear) -> UnitGroup:
         producers=[LinearRole(fc1, "out")],
         consumer=LinearRole(fc2, "in"),
         module=module,
+    )
+
+
+def gated_neurons(module: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> UnitGroup:
+    """The neurons of a gated MLP ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU): neuron j is row j
+    of ``gate`` and of ``up`` plus column j of ``down`` (cost 6·D·N)."""
+    return UnitGroup(
+        kind=NEURONS,
+        count=down.in_features,
+        width=1,
+        producers=[LinearRole(gate, "out"), LinearRole(up, "out")],
+        consumer=LinearRole(down, "in"),
+        module=module,
+        swiglu=True,
     )

@@ -13,23 +13,29 @@ Outputs (the embedding the ranking distils is the last one named here):
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModel, CLIPVisionModelWithProjection
+from transformers import (
+    CLIPModel,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPVisionModel,
+    CLIPVisionModelWithProjection,
+)
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from elastic_export.adapters.base import (
-    InputSpec,
     UnitGroup,
     mlp_neurons,
     qkv_heads,
     register_block,
 )
 from elastic_export.adapters.hf_vision import HFVisionAdapter
-from elastic_export.adapters.registry import ModelAdapter, register_adapter
+from elastic_export.adapters.registry import EmbedderAdapter, register_adapter, register_towers
 
 
 @register_block(CLIPEncoderLayer)
@@ -70,25 +76,11 @@ def eos_id(config: Any) -> int:
 
 
 @register_adapter(CLIPTextModel, CLIPTextModelWithProjection)
-class HFClipTextAdapter(ModelAdapter):
+class HFClipTextAdapter(EmbedderAdapter):
     """CLIP text tower: inputs ``input_ids``, ``attention_mask``; outputs ``last_hidden_state`` and
     ``sentence_embedding`` (EOS-pooled, projected for ``CLIPTextModelWithProjection``)."""
 
     label = "Hugging Face CLIPTextModel / CLIPTextModelWithProjection"
-    modality = "text"
-
-    def width(self, model: nn.Module) -> int:
-        return model.config.hidden_size
-
-    def tokens(self, model: nn.Module, seq_len: int) -> int:
-        return seq_len
-
-    def input_specs(self, model: nn.Module) -> list[InputSpec]:
-        return [InputSpec(n, "int64", ["batch", "sequence"]) for n in ("input_ids", "attention_mask")]
-
-    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
-        return ["last_hidden_state", "sentence_embedding"]
-
     def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
         return _ClipTextExport(model, bool(extras.get("normalize")))
 
@@ -147,3 +139,23 @@ class HFClipVisionAdapter(HFVisionAdapter):
 
     def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
         return _ClipVisionExport(model)
+
+
+# --- dual encoder ------------------------------------------------------------------------------
+
+
+@register_towers(CLIPModel)
+def clip_tower(model: nn.Module, tower: str) -> nn.Module:
+    """One tower of a ``CLIPModel`` with its projection, as the ``...WithProjection`` class that
+    transformers has for it (sharing the full model's modules; nothing is copied)."""
+    if tower == "text":
+        cls, cfg, parts = CLIPTextModelWithProjection, model.config.text_config, ("text_model", "text_projection")
+    else:
+        cls, cfg, parts = CLIPVisionModelWithProjection, model.config.vision_config, ("vision_model", "visual_projection")
+    cfg = copy.deepcopy(cfg)
+    cfg.projection_dim = model.config.projection_dim
+    with torch.device("meta"):  # every module is replaced by the full model's below
+        out = cls(cfg)
+    for name in parts:
+        setattr(out, name, getattr(model, name))
+    return out.eval()

@@ -35,16 +35,15 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from elastic_export.adapters.base import (
     HEADS,
-    NEURONS,
-    InputSpec,
     LinearRole,
     SharedHeads,
     UnitGroup,
     bias_only_forward,
+    gated_neurons,
     register_block,
 )
 from elastic_export.adapters.hf_bert import pool_tokens
-from elastic_export.adapters.registry import ModelAdapter, register_adapter
+from elastic_export.adapters.registry import EmbedderAdapter, register_adapter
 
 LAST_TOKEN = "lasttoken"
 
@@ -140,16 +139,7 @@ def decoder_heads(attn: nn.Module) -> UnitGroup:
 @register_block(Qwen3DecoderLayer, Qwen2DecoderLayer, LlamaDecoderLayer, MistralDecoderLayer)
 def describe_decoder_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
     mlp = layer.mlp
-    neurons = UnitGroup(
-        kind=NEURONS,
-        count=mlp.down_proj.in_features,
-        width=1,
-        producers=[LinearRole(mlp.gate_proj, "out"), LinearRole(mlp.up_proj, "out")],
-        consumer=LinearRole(mlp.down_proj, "in"),
-        module=mlp,
-        swiglu=True,
-    )
-    return decoder_heads(layer.self_attn), neurons
+    return decoder_heads(layer.self_attn), gated_neurons(mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
 
 class _DecoderExport(nn.Module):
@@ -168,26 +158,12 @@ class _DecoderExport(nn.Module):
 
 
 @register_adapter(Qwen3Model, Qwen2Model, LlamaModel, MistralModel)
-class HFDecoderAdapter(ModelAdapter):
+class HFDecoderAdapter(EmbedderAdapter):
     """Decoder-only text embedders (Qwen3-Embedding and the like): inputs ``input_ids``,
     ``attention_mask``; outputs ``last_hidden_state``, ``sentence_embedding`` (last-token pooled
     unless a sentence-transformers pooling config says otherwise)."""
 
     label = "Hugging Face Qwen3Model / Qwen2Model / LlamaModel / MistralModel (decoder embedders)"
-    modality = "text"
-
-    def width(self, model: nn.Module) -> int:
-        return model.config.hidden_size
-
-    def tokens(self, model: nn.Module, seq_len: int) -> int:
-        return seq_len
-
-    def input_specs(self, model: nn.Module) -> list[InputSpec]:
-        return [InputSpec(n, "int64", ["batch", "sequence"]) for n in ("input_ids", "attention_mask")]
-
-    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
-        return ["last_hidden_state", "sentence_embedding"]
-
     def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:
         for layer in model.layers:  # eager masks and the kv_index forward before the first call
             _install(layer.self_attn)

@@ -1,4 +1,5 @@
-"""Hugging Face vision encoders: ``ViTModel`` and ``Dinov2Model`` (plain MLP or SwiGLU, layer scale)."""
+"""Hugging Face vision encoders: ``ViTModel``, ``Dinov2Model`` (plain MLP or SwiGLU, layer scale) and
+``DINOv3ViTModel`` (RoPE, register tokens, layer scale, plain or gated MLP)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Dinov2Model, ViTModel
-from transformers.models.dinov2.modeling_dinov2 import Dinov2Layer, Dinov2SwiGLUFFN
+from transformers import Dinov2Model, DINOv3ViTModel, ViTModel
+from transformers.models.dinov2.modeling_dinov2 import Dinov2Layer
+from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTLayer
 from transformers.models.vit.modeling_vit import ViTLayer
 
 from elastic_export.adapters.base import (
-    NEURONS,
     InputSpec,
-    LinearRole,
     UnitGroup,
+    gated_neurons,
     mlp_neurons,
     qkv_heads,
     register_block,
@@ -23,24 +24,21 @@ from elastic_export.adapters.registry import ModelAdapter, register_adapter
 
 
 def _hf_heads(attn: nn.Module) -> UnitGroup:
-    return qkv_heads(attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, "num_attention_heads", attn.head_dim)
+    count_attr = "num_attention_heads" if hasattr(attn, "num_attention_heads") else "num_heads"
+    return qkv_heads(attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, count_attr, attn.head_dim)
 
 
 def _hf_neurons(mlp: nn.Module) -> UnitGroup:
-    if isinstance(mlp, Dinov2SwiGLUFFN):
-        return UnitGroup(
-            kind=NEURONS,
-            count=mlp.down_proj.in_features,
-            width=1,
-            producers=[LinearRole(mlp.gate_proj, "out"), LinearRole(mlp.up_proj, "out")],
-            consumer=LinearRole(mlp.down_proj, "in"),
-            module=mlp,
-            swiglu=True,
-        )
+    """Gated MLP (``gate_proj``, ``up_proj``, ``down_proj``: DINOv2 SwiGLU, DINOv3 gated) or plain
+    (``fc1`` / ``fc2``, DINOv3: ``up_proj`` / ``down_proj``)."""
+    if hasattr(mlp, "gate_proj"):
+        return gated_neurons(mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if hasattr(mlp, "up_proj"):
+        return mlp_neurons(mlp, mlp.up_proj, mlp.down_proj)
     return mlp_neurons(mlp, mlp.fc1, mlp.fc2)
 
 
-@register_block(ViTLayer, Dinov2Layer)
+@register_block(ViTLayer, Dinov2Layer, DINOv3ViTLayer)
 def describe_hf_vision_layer(layer: nn.Module) -> tuple[UnitGroup, UnitGroup]:
     return _hf_heads(layer.attention), _hf_neurons(layer.mlp)
 
@@ -57,11 +55,12 @@ class _VisionExport(nn.Module):
         return out.last_hidden_state, out.pooler_output
 
 
-@register_adapter(ViTModel, Dinov2Model)
+@register_adapter(ViTModel, Dinov2Model, DINOv3ViTModel)
 class HFVisionAdapter(ModelAdapter):
-    """Hugging Face ``ViTModel`` and ``Dinov2Model``."""
+    """Hugging Face ``ViTModel``, ``Dinov2Model`` and ``DINOv3ViTModel``: N = patches + class token
+    + register tokens; ``pooler_output`` is the normed class token (ViT: its pooler, if any)."""
 
-    label = "Hugging Face ViTModel / Dinov2Model"
+    label = "Hugging Face ViTModel / Dinov2Model / DINOv3ViTModel"
     modality = "image"
 
     def width(self, model: nn.Module) -> int:
@@ -75,14 +74,14 @@ class HFVisionAdapter(ModelAdapter):
         h, w = self.image_size(model)
         p = model.config.patch_size
         p = (p, p) if isinstance(p, int) else p
-        return (h // p[0]) * (w // p[1]) + 1
+        return (h // p[0]) * (w // p[1]) + 1 + getattr(model.config, "num_register_tokens", 0)
 
     def input_specs(self, model: nn.Module) -> list[InputSpec]:
         h, w = self.image_size(model)
         return [InputSpec("pixel_values", "float32", ["batch", model.config.num_channels, h, w])]
 
     def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
-        pooled = isinstance(model, Dinov2Model) or getattr(model, "pooler", None) is not None
+        pooled = isinstance(model, (Dinov2Model, DINOv3ViTModel)) or getattr(model, "pooler", None) is not None
         return ["last_hidden_state"] + (["pooler_output"] if pooled else [])
 
     def export_module(self, model: nn.Module, extras: dict[str, Any]) -> nn.Module:

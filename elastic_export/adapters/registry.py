@@ -10,6 +10,9 @@ from torch import nn
 from elastic_export.adapters.base import InputSpec
 
 ADAPTERS: dict[type, "ModelAdapter"] = {}
+REFUSED: dict[type, str] = {}  # model class -> why it is not supported (named in the error)
+TOWERS: dict[type, Callable[[nn.Module, str], nn.Module]] = {}  # dual encoder -> (model, tower) -> tower
+TOWER_NAMES = ("text", "vision")
 
 
 class ModelAdapter:
@@ -20,6 +23,10 @@ class ModelAdapter:
 
     label: str = ""
     modality: str = ""  # "text" or "image"
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ``UserError`` for a model-level option whose units cannot be sliced one by one
+        (block-level options are refused by the block describers). Default: nothing to refuse."""
 
     def width(self, model: nn.Module) -> int:
         """Model width D."""
@@ -54,11 +61,47 @@ class ModelAdapter:
         raise NotImplementedError
 
 
+class EmbedderAdapter(ModelAdapter):
+    """A text embedder with inputs ``input_ids``, ``attention_mask`` and outputs
+    ``last_hidden_state``, ``sentence_embedding`` (its pooled text embedding); N = ``--seq-len``."""
+
+    modality = "text"
+
+    def width(self, model: nn.Module) -> int:
+        return model.config.hidden_size
+
+    def tokens(self, model: nn.Module, seq_len: int) -> int:
+        return seq_len
+
+    def input_specs(self, model: nn.Module) -> list[InputSpec]:
+        return [InputSpec(n, "int64", ["batch", "sequence"]) for n in ("input_ids", "attention_mask")]
+
+    def output_names(self, model: nn.Module, extras: dict[str, Any]) -> list[str]:
+        return ["last_hidden_state", "sentence_embedding"]
+
+
 def register_adapter(*types: type) -> Callable[[type[ModelAdapter]], type[ModelAdapter]]:
     def deco(cls: type[ModelAdapter]) -> type[ModelAdapter]:
         inst = cls()
         for t in types:
             ADAPTERS[t] = inst
         return cls
+
+    return deco
+
+
+def refuse_model(cls: type, why: str) -> None:
+    """Make ``adapter_for`` refuse models of ``cls`` with a reason instead of "unsupported"."""
+    REFUSED[cls] = why
+
+
+def register_towers(*types: type) -> Callable[[Callable], Callable]:
+    """Register ``fn(model, tower) -> module`` for dual encoders (CLIP, SigLIP): ``tower`` is
+    ``"text"`` or ``"vision"`` and the module it returns has an adapter of its own."""
+
+    def deco(fn: Callable[[nn.Module, str], nn.Module]) -> Callable[[nn.Module, str], nn.Module]:
+        for t in types:
+            TOWERS[t] = fn
+        return fn
 
     return deco

@@ -3,7 +3,7 @@ fused qkv, class / distillation / register tokens, Mlp / SwiGLU / GluMlp, layer 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -29,15 +29,34 @@ except ImportError:  # pragma: no cover
     raise
 
 
-def _timm_heads(attn: nn.Module) -> UnitGroup:
-    if not isinstance(attn, TimmAttention):
-        unsupported_option(f"attention type {type(attn).__name__}", "timm ViT")
-    if not check_identity(attn.norm):
-        unsupported_option("attention scale_norm", "timm ViT")
-    if getattr(attn, "gate", None) is not None:
-        unsupported_option("gated attention", "timm ViT")
+def _qkv_producers(attn: nn.Module) -> list[LinearRole]:
+    """The q/k/v producers of a timm attention: one fused ``qkv`` (3 packed groups; its bias may be
+    stored apart as ``q_bias`` / ``k_bias`` / ``v_bias``, as in ``EvaAttention``) or separate
+    ``q_proj`` / ``k_proj`` / ``v_proj``."""
+    if getattr(attn, "qkv", None) is None:
+        return [LinearRole(attn.q_proj, "out"), LinearRole(attn.k_proj, "out"), LinearRole(attn.v_proj, "out")]
+    parts = ()
+    if getattr(attn, "q_bias", None) is not None:
+        parts = ((attn, "q_bias"), (attn, "k_bias"), (attn, "v_bias"))
+    return [LinearRole(attn.qkv, "out", groups=3, bias_parts=parts)]
 
-    def resize(n: int) -> None:
+
+def _timm_heads(attn: nn.Module, family: str = "timm ViT", resize: Callable[[int], None] | None = None) -> UnitGroup:
+    """The heads of a timm attention module (``Attention``, ``AttentionRope``, ``EvaAttention``).
+
+    Args:
+        attn: the attention module.
+        family: names the model family in the error for an option that cannot be sliced.
+        resize: sets the head count after slicing (default: ``num_heads`` and ``attn_dim``).
+    """
+    if not check_identity(attn.norm):
+        unsupported_option("attention scale_norm (one norm over all heads' outputs)", family)
+    if getattr(attn, "gate", None) is not None:
+        unsupported_option("gated attention", family)
+    if getattr(attn, "num_kv_groups", 1) > 1:
+        unsupported_option("grouped-query attention (num_kv_heads)", family)
+
+    def set_heads(n: int) -> None:
         attn.num_heads = n
         attn.attn_dim = n * attn.head_dim
 
@@ -45,16 +64,16 @@ def _timm_heads(attn: nn.Module) -> UnitGroup:
         kind=HEADS,
         count=attn.num_heads,
         width=attn.head_dim,
-        producers=[LinearRole(attn.qkv, "out", groups=3)],
+        producers=_qkv_producers(attn),
         consumer=LinearRole(attn.proj, "in"),
         module=attn,
-        resize=resize,
+        resize=resize or set_heads,
     )
 
 
-def _timm_neurons(mlp: nn.Module) -> UnitGroup:
+def _timm_neurons(mlp: nn.Module, family: str = "timm ViT") -> UnitGroup:
     if not check_identity(getattr(mlp, "norm", None)):
-        unsupported_option("an MLP hidden norm", "timm ViT")
+        unsupported_option("an MLP hidden norm (scale_mlp: one norm over all neurons)", family)
     if isinstance(mlp, SwiGLU):
         producers = [LinearRole(mlp.fc1_g, "out"), LinearRole(mlp.fc1_x, "out")]
         count, swiglu = mlp.fc2.in_features, True
@@ -65,10 +84,10 @@ def _timm_neurons(mlp: nn.Module) -> UnitGroup:
         producers = [LinearRole(mlp.fc1, "out")]
         count, swiglu = mlp.fc2.in_features, False
     else:
-        unsupported_option(f"MLP type {type(mlp).__name__}", "timm ViT")
+        unsupported_option(f"MLP type {type(mlp).__name__}", family)
     for role in producers:
         if not isinstance(role.linear, nn.Linear):
-            unsupported_option("a convolutional MLP", "timm ViT")
+            unsupported_option("a convolutional MLP", family)
     return UnitGroup(
         kind=NEURONS,
         count=count,
@@ -82,6 +101,8 @@ def _timm_neurons(mlp: nn.Module) -> UnitGroup:
 
 @register_block(TimmBlock)
 def describe_timm_block(block: nn.Module) -> tuple[UnitGroup, UnitGroup]:
+    if not isinstance(block.attn, TimmAttention):
+        unsupported_option(f"attention type {type(block.attn).__name__}", "timm ViT")
     return _timm_heads(block.attn), _timm_neurons(block.mlp)
 
 
