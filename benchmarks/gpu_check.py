@@ -44,8 +44,8 @@ def log(msg: str) -> None:
 
 def preflight() -> list[str]:
     """What is missing for this check (empty: good to go)."""
-    from elastic_export.targets.tensorrt import cuda_device_count, import_tensorrt
     from elastic_export.errors import UserError
+    from elastic_export.targets.tensorrt import cuda_device_count, import_tensorrt
 
     missing = []
     try:

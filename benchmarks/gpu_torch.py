@@ -39,7 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gpu_check import PAPER, T0, log  # noqa: E402  (the paper's A100 figures, timestamped progress)

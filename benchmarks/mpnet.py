@@ -207,7 +207,8 @@ def _main_job_md(res: dict) -> str:
               "|---|---|---|---|---|---|---|"]
     for b in m["budgets"]:
         lines.append(f"| {b['sparsity']:.2f} | {b['achieved_sparsity']:.4f} | {b['gflops']:.2f} | "
-                     f"{mb.get(b['onnx'], 0):.0f} | {b['max_abs_error']:.1e} | {b['heads_per_layer']} | {b['neurons_per_layer']} |")
+                     f"{mb.get(b['onnx'], 0):.0f} | {b['max_abs_error']:.1e} | {b['heads_per_layer']} "
+                     f"| {b['neurons_per_layer']} |")
     return "\n".join(lines) + "\n"
 
 

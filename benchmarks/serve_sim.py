@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             "set_budget_median_ms": switch_ms, "summary": summary,
             "wall_s": time.time() - t_start}
     (args.out / "serve_sim.json").write_text(json.dumps(data, indent=2) + "\n")
-    head = "| server | offered | served | dropped | late (> target) | late or dropped | p50 ms | p99 ms | mean sparsity | switches |"
+    head = ("| server | offered | served | dropped | late (> target) | late or dropped | p50 ms | p99 ms "
+            "| mean sparsity | switches |")
     rows = [head, "|" + "---|" * 10]
     for k, v in summary.items():
         rows.append(f"| {k} | {v['offered']} | {v['served']} | {v['dropped']} | {v['late']} | "

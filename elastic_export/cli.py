@@ -280,7 +280,8 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
 @click.option("--pairs", default=None, metavar="FILE.jsonl",
               help="Retrieval pairs, one {\"query\": ..., \"doc\": ...} per line (default: held-out "
                    "standard-library docstrings). Text models.")
-@click.option("--images", default=None, metavar="DIR", help="Labelled image folder (one sub-folder per class) for k-NN. Image models.")
+@click.option("--images", default=None, metavar="DIR",
+              help="Labelled image folder (one sub-folder per class) for k-NN. Image models.")
 @click.option("--max-pairs", type=int, default=None, help="Use at most N pairs (default set: 1000).")
 @click.option("--split", type=float, default=None,
               help="k-NN: hold out this fraction of each class as queries (default: leave-one-out).")

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.manifest import load_manifest, resolve
 
@@ -116,7 +116,7 @@ def _session(path: Path):
     try:
         return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
-        raise UserError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        raise UserError(f"{path}: onnxruntime cannot load it ({first_line(e)})")
 
 
 def _labels(arts: list[Artifact]) -> list[str]:
@@ -240,7 +240,7 @@ def load_tokenizer(art: Artifact, override: str | None = None):
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise UserError(f"{what}: the tokenizer does not load ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        raise UserError(f"{what}: the tokenizer does not load ({first_line(e)})")
 
 
 @dataclass

@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 
 PRECISIONS = ("fp32", "fp16")
 PRECISION_KEY = "elastic_export.precision"
@@ -142,7 +142,7 @@ def check_fp16_model(model: onnx.ModelProto, what: str = "fp16 model") -> None:
     try:
         onnx.checker.check_model(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise RuntimeError(f"{what}: invalid after fp16 conversion: {str(e).splitlines()[0]}") from e
+        raise RuntimeError(f"{what}: invalid after fp16 conversion: {first_line(e)}") from e
 
 
 def to_fp16(model: onnx.ModelProto, fp32_ops: Iterable[str] = FP32_OPS) -> onnx.ModelProto:

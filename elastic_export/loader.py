@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from elastic_export import preprocess
 from elastic_export.adapters import adapter_for
 from elastic_export.adapters.registry import TOWER_NAMES
 from elastic_export.encoder import Encoder
-from elastic_export import preprocess
 from elastic_export.errors import UserError, first_line
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"

@@ -49,7 +49,7 @@ from typing import Callable, Iterator
 import numpy as np
 import onnx
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 
 OPT_SUFFIX = ".opt.onnx"
 MANIFEST_KEY = "onnx_optimized"
@@ -273,7 +273,7 @@ def optimize_onnx(src: str | Path, dst: str | Path | None = None, *, method: str
     try:
         model = onnx.load(str(src), load_external_data=False)
     except Exception as e:  # protobuf / IO errors
-        raise UserError(f"{src}: not a readable ONNX file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        raise UserError(f"{src}: not a readable ONNX file ({first_line(e)})")
     modality = _modality(model)
     heads, hidden = (0, 0) if detect_heads else uniform_heads(model)
     if feeds is None and verify:
@@ -292,7 +292,7 @@ def optimize_onnx(src: str | Path, dst: str | Path | None = None, *, method: str
                 else:
                     out = _ort_extended(src, Path(tmp))
             except Exception as e:  # the optimizer raises many types on patterns it does not know
-                notes.append(f"{m}: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                notes.append(f"{m}: failed ({type(e).__name__}: {first_line(e)})")
                 continue
             err = _max_error(src, tmp, feeds) if verify else None
             if err is not None and not err <= atol:

@@ -24,7 +24,7 @@ from elastic_export import __version__, preprocess
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.export import check_exportable, export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
 from elastic_export.fp16 import add_fp16, check_precision
@@ -234,7 +234,7 @@ def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]
 
         write_report(directory, name=str(out))
     except Exception as e:  # noqa: BLE001 - the report is a view of the artifacts, not one of them
-        echo(f"warning: report.html not written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        echo(f"warning: report.html not written ({type(e).__name__}: {first_line(e)})")
 
 
 def run(opts: Options, echo: Callable[[str], None] = print) -> dict:

@@ -3,10 +3,11 @@
 Units are taken in one global order (descending score) and kept while they fit the budget
 ``(1 - s) · prunable FLOPs``; the first unit that does not fit ends the prefix (skipping it would
 break nesting). A unit costs its exact marginal FLOPs: a grouped-query head that is the first kept
-reader of a key / value head also pays for that head's k / v projections. Because every layer's units appear in that order in their own rank order, each
-layer keeps a *prefix* of its ranked units, and a higher sparsity keeps a prefix of a lower one's
-(DESIGN.md invariant 1). With ``align=K`` a layer's neurons move in chunks of K (in rank order,
-chunk score = mean score), so every neuron count is a multiple of K (or the layer's full width).
+reader of a key / value head also pays for that head's k / v projections. Because every layer's
+units appear in that order in their own rank order, each layer keeps a *prefix* of its ranked
+units, and a higher sparsity keeps a prefix of a lower one's (DESIGN.md invariant 1). With
+``align=K`` a layer's neurons move in chunks of K (in rank order, chunk score = mean score), so
+every neuron count is a multiple of K (or the layer's full width).
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import atomic_write
 from elastic_export.unit_map import HEADS, NEURONS
 
@@ -117,7 +117,7 @@ def load_ranking(path: str | Path) -> Ranking:
             keys = set(f.keys())
             tensors = {k: f.get_tensor(k) for k in keys}
     except Exception as e:
-        raise UserError(f"--ranking {path}: not a readable ranking file ({str(e).splitlines()[0] if str(e) else e})")
+        raise UserError(f"--ranking {path}: not a readable ranking file ({first_line(e)})")
     if meta_raw is None:
         raise UserError(f"--ranking {path}: no elastic-export metadata; not a ranking file")
     try:

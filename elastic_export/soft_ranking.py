@@ -36,13 +36,12 @@ from elastic_export import distributed as ddp
 from elastic_export.adapters import HEADS, NEURONS
 from elastic_export.calibration import Calibration
 from elastic_export.encoder import Encoder
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import atomic_write
 from elastic_export.inventory import Inventory
 from elastic_export.masks import frozen_weights, unit_masks
 from elastic_export.rank_options import DEFAULT_TARGETS, ElasticConfig  # noqa: F401 (re-exported)
 from elastic_export.scoring import METHODS, Scores, register_method
-
 
 
 @dataclass
@@ -116,7 +115,7 @@ def _load_checkpoint(path: Path, meta: dict) -> tuple[dict[str, torch.Tensor], i
             saved = json.loads((f.metadata() or {})["elastic_export.checkpoint"])
             state = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        raise UserError(f"--resume: checkpoint {path} is unreadable ({str(e).splitlines()[0] if str(e) else e})")
+        raise UserError(f"--resume: checkpoint {path} is unreadable ({first_line(e)})")
     step = saved.pop("step", None)
     if saved != meta or not isinstance(step, int):
         raise UserError(f"--resume: checkpoint {path} belongs to another run (model, data or hyperparameters differ)")

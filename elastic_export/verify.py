@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.fp16 import FP16_RTOL, relative_error
 from elastic_export.manifest import MANIFEST, load_manifest, resolve
 
@@ -126,8 +126,7 @@ def _fmt(x: float | None) -> str:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+    return first_line(e)[:300]
 
 
 # --- the reference -------------------------------------------------------------------------------
@@ -171,7 +170,8 @@ def masked_dense(dense: onnx.ModelProto, heads: list[int], neurons: list[int]) -
                 continue
             w = numpy_helper.to_array(tensor).copy()
             if w.ndim != 2 or w.shape[axis] != count * width:
-                raise UserError(f"dense model: {consumer['weight']} has shape {w.shape}, not {count} x {width} units on axis {axis}")
+                raise UserError(f"dense model: {consumer['weight']} has shape {w.shape}, "
+                                f"not {count} x {width} units on axis {axis}")
             index = [slice(None)] * 2
             index[axis] = slice(keep * width, None)
             w[tuple(index)] = 0

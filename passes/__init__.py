@@ -9,9 +9,19 @@ per-layer unit counts of a budget; they never go back to torch.
 """
 
 from elastic_export.passes.base import (  # noqa: F401
-    BudgetSlicer, Pass, PassContext, PASSES, apply_passes, register_pass, run_passes, slice_model,
+    PASSES,
+    BudgetSlicer,
+    Pass,
+    PassContext,
+    apply_passes,
+    register_pass,
+    run_passes,
+    slice_model,
 )
-from elastic_export.passes import drop_empty, slice_weights, head_reshapes, cleanup  # noqa: F401,E402
+
+# isort: split
+# registration side effects: each module registers its passes
+from elastic_export.passes import cleanup, drop_empty, head_reshapes, slice_weights  # noqa: F401,E402
 from elastic_export.passes.elastic_graph import ELASTIC_PIPELINE, build_elastic_model, get_elastic  # noqa: F401,E402
 
 BUDGET_PIPELINE = ["drop-empty-blocks", "slice-weights", "fix-head-reshapes", "cleanup"]

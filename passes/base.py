@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 
 
 @dataclass
@@ -65,7 +65,7 @@ def verify(model: onnx.ModelProto, after: str) -> None:
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
-        raise RuntimeError(f"pass {after!r} produced an invalid graph: {str(e).splitlines()[0]}") from e
+        raise RuntimeError(f"pass {after!r} produced an invalid graph: {first_line(e)}") from e
     for t in model.graph.initializer:
         if 0 in t.dims:
             raise RuntimeError(f"pass {after!r} left a 0-sized tensor {t.name}")
@@ -276,8 +276,8 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
         full_check: ``onnx.checker`` and strict shape inference on the result (the expensive
             part: both serialise the weights). Every pass is checked in memory either way.
     """
-    from elastic_export.unit_map import set_units
     from elastic_export.passes import BUDGET_PIPELINE
+    from elastic_export.unit_map import set_units
 
     ctx = _budget_context(_dense_units(dense), heads, neurons)
     out = run_passes(dense, names or BUDGET_PIPELINE, ctx, full_check=full_check)
@@ -322,8 +322,8 @@ class BudgetSlicer:
             path: the ``.onnx`` file to write.
             full_check: also run ``onnx.checker`` with strict shape inference on the written file.
         """
-        from elastic_export.unit_map import set_units
         from elastic_export.passes.serialize import save_graph
+        from elastic_export.unit_map import set_units
 
         ctx = _budget_context(self.units, heads, neurons)
         graph = apply_passes(self._graph.copy(), self.names, ctx, check=True)
@@ -335,7 +335,7 @@ class BudgetSlicer:
             try:
                 onnx.checker.check_model(str(path), full_check=True)
             except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-                raise RuntimeError(f"budget file {Path(path).name} is invalid: {str(e).splitlines()[0]}") from e
+                raise RuntimeError(f"budget file {Path(path).name} is invalid: {first_line(e)}") from e
 
 
 def feature_positions(units: int, count: int, width: int, groups: int = 1) -> np.ndarray:

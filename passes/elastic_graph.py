@@ -288,8 +288,8 @@ def build_elastic_model(dense: onnx.ModelProto, heads: list[list[int]], neurons:
     Raises:
         UserError: no budgets, tables of the wrong shape, or counts outside ``[0, count]``.
     """
-    from elastic_export.unit_map import UNITS_KEY
     from elastic_export.passes.base import _dense_units
+    from elastic_export.unit_map import UNITS_KEY
 
     units = _dense_units(dense)
     if not heads or len(heads) != len(neurons):

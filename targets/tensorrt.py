@@ -44,11 +44,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import atomic_write
 from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
-from elastic_export.targets.profiles import (DEFAULT_MAX_BATCH, DEFAULT_MIN_BATCH, DEFAULT_OPT_BATCH,
-                                             Shape, compute_profile)
+from elastic_export.targets.profiles import DEFAULT_MAX_BATCH, DEFAULT_MIN_BATCH, DEFAULT_OPT_BATCH, Shape, compute_profile
 
 INSTALL_HINT = 'pip install -e ".[tensorrt]" on a machine with a CUDA GPU'
 DEFAULT_WORKSPACE_GB = 4.0
@@ -57,8 +56,7 @@ DENSE_ENGINE = "dense.engine"
 BUILDER_FLAG, STRONGLY_TYPED = "builder-flag", "strongly-typed"
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+    return first_line(e)[:300]
 
 
 # --- what is available ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from elastic_export.budgets import budget_tag
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
 
 TRITON_DIR = "triton"
@@ -309,7 +309,7 @@ def _check_onnx(path: Path, what: str) -> None:
     try:
         onnx.checker.check_model(str(path))
     except Exception as e:  # the checker raises ValidationError, or a parse error for truncated files
-        raise UserError(f"{what} is not a valid ONNX model ({str(e).splitlines()[0][:160]}); export it again")
+        raise UserError(f"{what} is not a valid ONNX model ({first_line(e)[:160]}); export it again")
 
 
 # --- building -------------------------------------------------------------------------------------

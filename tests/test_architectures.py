@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from onnx import numpy_helper
-
 from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import TINY, tiny_encoder
+from onnx import numpy_helper
+
 from elastic_export.adapters import ADAPTERS
 from elastic_export.adapters.base import BLOCK_DESCRIBERS
 from elastic_export.export import get_units, permuted_module
@@ -462,8 +462,8 @@ def test_mpnet_without_the_bias_gather_would_be_wrong(tmp_path):
     without the per-layer gather) miss the hard-masked model by far more than 1e-4."""
     from elastic_export.adapters import HEADS, NEURONS, find_blocks
     from elastic_export.export import permuted_module
-    from elastic_export.reference import hard_mask, prefix_keep, sliced_copy
     from elastic_export.plans import BudgetPlan
+    from elastic_export.reference import hard_mask, prefix_keep, sliced_copy
 
     enc = tiny_encoder("hf-mpnet")
     rk = _mpnet_ranking(enc)

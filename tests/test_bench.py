@@ -9,7 +9,6 @@ import math
 
 import onnxruntime as ort
 import pytest
-
 from conftest import tiny_encoder
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import save_tiny
+
 from elastic_export.adapters import ADAPTERS
 from elastic_export.cli import main
 from elastic_export.manifest import MANIFEST

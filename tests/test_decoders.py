@@ -5,16 +5,15 @@ A query head is the unit; a key / value head stays while any query head reading 
 budgets drop some kv heads, keep kv heads for a single reader, and empty whole layers.
 """
 
-import copy
 import json
 
 import numpy as np
 import pytest
 import torch
-from onnx import numpy_helper
-
 from _helpers import masked_torch, max_err, run_onnx
 from conftest import TINY, _perturb, tiny_encoder
+from onnx import numpy_helper
+
 from elastic_export.adapters import find_blocks
 from elastic_export.export import export_dense, get_units, permuted_module
 from elastic_export.inventory import build_inventory

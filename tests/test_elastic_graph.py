@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
 from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import tiny_encoder
+
 from elastic_export.errors import UserError
 from elastic_export.export import get_units
 from elastic_export.passes import build_elastic_model, get_elastic, slice_model

@@ -4,17 +4,15 @@ import json
 
 import numpy as np
 import onnx
-import pytest
-
 from _helpers import masked_torch, max_err, prepared, run_onnx
-from elastic_export.export import get_units
+
+from elastic_export.adapters import find_blocks
+from elastic_export.export import get_units, permuted_module
 from elastic_export.inventory import build_inventory
 from elastic_export.passes import slice_model
 from elastic_export.plans import make_plans
 from elastic_export.ranking import Ranking
 from elastic_export.reference import prefix_keep, sliced_copy
-from elastic_export.adapters import find_blocks
-from elastic_export.export import permuted_module
 from elastic_export.scoring import METHODS
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import _perturb
+
 from elastic_export.cli import main
 from elastic_export.errors import UserError
 from elastic_export.evaluation import evaluate, knn_accuracy, plot_results, recall_at

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_encoder
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -13,18 +13,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers.masking_utils import create_bidirectional_sliding_window_mask
-
 from _helpers import masked_torch, max_err, run_onnx
 from conftest import _modernbert, _perturb, tiny_encoder
+from transformers.masking_utils import create_bidirectional_sliding_window_mask
+
 from elastic_export.adapters import HEADS, NEURONS
 from elastic_export.adapters.hf_modernbert import attention_window
 from elastic_export.export import export_dense
 from elastic_export.inventory import build_inventory
 from elastic_export.loader import load_encoder, wrap_module
 from elastic_export.passes import slice_model
-from elastic_export.reference import hard_mask, ranked_keep, sliced_copy
 from elastic_export.ranking import Ranking
+from elastic_export.reference import hard_mask, ranked_keep, sliced_copy
 from elastic_export.scoring import METHODS
 
 
@@ -83,12 +83,12 @@ def test_packing_order_of_the_fused_projections():
     zeroing either equals masking the neuron (GELU(0) = 0)."""
     enc = tiny_encoder("hf-modernbert")
     feeds = enc.sample_inputs(batch=2, seq_len=16)
-    D, d, I = 32, 8, 64
+    D, d, hidden = 32, 8, 64
     attn, mlp = enc.module.layers[1].attn, enc.module.layers[1].mlp
     masked_head = _outputs(enc, feeds, _keep_all_but(enc, 1, HEADS, 2))
     masked_neuron = _outputs(enc, feeds, _keep_all_but(enc, 1, NEURONS, 5))
     for linear, rows, want in ((attn.Wqkv, slice(2 * D + 2 * d, 2 * D + 3 * d), masked_head),
-                               (mlp.Wi, slice(5, 6), masked_neuron), (mlp.Wi, slice(I + 5, I + 6), masked_neuron)):
+                               (mlp.Wi, slice(5, 6), masked_neuron), (mlp.Wi, slice(hidden + 5, hidden + 6), masked_neuron)):
         saved = linear.weight.data.clone()
         linear.weight.data[rows] = 0
         try:

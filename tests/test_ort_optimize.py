@@ -15,19 +15,24 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from _helpers import max_err, run_onnx
 
 from elastic_export.errors import UserError
 from elastic_export.export import export_dense
 from elastic_export.inventory import build_inventory
 from elastic_export.loader import wrap_module
-from elastic_export.ort_optimize import (MANIFEST_KEY, optimize_artifacts, optimize_onnx, optimized_name,
-                                         sample_feeds, uniform_heads)
+from elastic_export.ort_optimize import (
+    MANIFEST_KEY,
+    optimize_artifacts,
+    optimize_onnx,
+    optimized_name,
+    sample_feeds,
+    uniform_heads,
+)
 from elastic_export.passes import slice_model
 from elastic_export.plans import make_plans
 from elastic_export.ranking import Ranking
 from elastic_export.scoring import METHODS
-
-from _helpers import max_err, run_onnx
 
 
 def _tiny_bert():
@@ -185,6 +190,7 @@ def test_cli_ort_optimize_writes_checked_copies(tmp_path):
     """``--ort-optimize`` adds an optimised copy of the dense model and of every budget, listed in
     the manifest, each matching its source."""
     from conftest import tiny_encoder
+
     from elastic_export.cli import main
     from elastic_export.manifest import load_manifest
 

@@ -4,10 +4,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from onnx import helper, numpy_helper
-
 from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import tiny_encoder
+from onnx import helper, numpy_helper
+
 from elastic_export.errors import UserError
 from elastic_export.export import get_units
 from elastic_export.passes import PASSES, BudgetSlicer, PassContext, run_passes, slice_model

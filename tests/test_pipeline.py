@@ -9,8 +9,8 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 import pytest
-
 from conftest import tiny_encoder
+
 from elastic_export import pipeline
 from elastic_export.manifest import load_manifest
 

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_encoder
 from PIL import Image
 
-from conftest import tiny_encoder
 from elastic_export.calibration import load_calibration
 from elastic_export.errors import UserError
 from elastic_export.evaluation import load_image_folder

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_encoder
+
 from elastic_export import soft_ranking
 from elastic_export.calibration import load_calibration
 from elastic_export.inventory import build_inventory

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from conftest import tiny_encoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_encoder
 from elastic_export.calibration import load_calibration
 from elastic_export.errors import UserError
 from elastic_export.fileio import OutputLock

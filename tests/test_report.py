@@ -20,8 +20,8 @@ import pytest
 
 from elastic_export import pipeline
 from elastic_export.cli import main
-from elastic_export.report import REPORT, render_report, write_report
 from elastic_export.loader import default_model_path
+from elastic_export.report import REPORT, render_report, write_report
 from elastic_export.retrieval_data import heldout_pairs, write_pairs_jsonl
 
 QUIET = dict(echo=lambda s: None)
@@ -47,9 +47,8 @@ def work(tmp_path_factory) -> Path:
 def model(work) -> Path:
     """A tiny sentence-transformers BERT with MiniLM's tokenizer (so ``eval`` can run on it)."""
     import torch
-    from transformers import BertConfig, BertModel
-
     from conftest import _perturb
+    from transformers import BertConfig, BertModel
 
     path = work / "bert"
     torch.manual_seed(0)

@@ -13,13 +13,21 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from conftest import tiny_encoder
 
 from elastic_export.errors import UserError
-from elastic_export.runtime import (ElasticRuntime, FixedPolicy, LatencyProfile, LatencyTargetPolicy,
-                                    LoadAdaptivePolicy, load_profile, measure_profile, measure_switch_cost,
-                                    save_profile)
+from elastic_export.runtime import (
+    ElasticRuntime,
+    FixedPolicy,
+    LatencyProfile,
+    LatencyTargetPolicy,
+    LoadAdaptivePolicy,
+    load_profile,
+    measure_profile,
+    measure_switch_cost,
+    save_profile,
+)
 from elastic_export.targets.onnxruntime import Runner, SessionConfig, available_providers, make_session
-from conftest import tiny_encoder
 
 BUDGETS = (0.2, 0.5, 0.8)
 
@@ -371,7 +379,8 @@ def test_runtime_imports_and_runs_without_torch(art):
         assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
         print("ok", list(out), out["last_hidden_state"].shape)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)  # the repository root
+    root = Path(__file__).parent.parent  # the repository root
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("ok ['last_hidden_state'")
 

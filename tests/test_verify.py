@@ -20,10 +20,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import helper, numpy_helper
-
 from _helpers import masked_torch, prepared, run_onnx
 from conftest import tiny_encoder
+from onnx import helper, numpy_helper
+
 from elastic_export.cli import main
 from elastic_export.verify import masked_dense, tensorrt_unavailable
 

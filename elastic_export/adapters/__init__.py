@@ -30,17 +30,20 @@ from elastic_export.adapters.registry import (  # noqa: F401
 )
 from elastic_export.errors import UserError
 
+# isort: split
 # Registration side effects: each module adds its adapters and block describers.
-from elastic_export.adapters import timm_vit  # noqa: E402,F401
-from elastic_export.adapters import hf_bert  # noqa: E402,F401
-from elastic_export.adapters import hf_vision  # noqa: E402,F401
-from elastic_export.adapters import hf_distilbert  # noqa: E402,F401
-from elastic_export.adapters import hf_clip  # noqa: E402,F401
-from elastic_export.adapters import hf_decoder  # noqa: E402,F401
-from elastic_export.adapters import hf_modernbert  # noqa: E402,F401
-from elastic_export.adapters import timm_eva  # noqa: E402,F401
-from elastic_export.adapters import hf_siglip  # noqa: E402,F401
-from elastic_export.adapters import hf_mpnet  # noqa: E402,F401
+from elastic_export.adapters import (
+    hf_bert,  # noqa: E402,F401
+    hf_clip,  # noqa: E402,F401
+    hf_decoder,  # noqa: E402,F401
+    hf_distilbert,  # noqa: E402,F401
+    hf_modernbert,  # noqa: E402,F401
+    hf_mpnet,  # noqa: E402,F401
+    hf_siglip,  # noqa: E402,F401
+    hf_vision,  # noqa: E402,F401
+    timm_eva,  # noqa: E402,F401
+    timm_vit,  # noqa: E402,F401
+)
 
 
 def supported() -> list[str]:
