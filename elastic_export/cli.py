@@ -97,9 +97,12 @@ def export_options(fn):
         click.option("--elastic-graph/--no-elastic-graph", default=True, show_default=True,
                      help="Also write elastic.onnx: one graph, weights once, its int64 budget_index input "
                           "(shape [1]) selects the budget by position in the manifest's budgets."),
-        click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
-                     help="fp16: also write an fp16 ONNX (fp32 norms, softmax and pooling; fp32 I/O) of the dense "
-                          "model and every budget, next to the fp32 files, which always stay."),
+        click.option("--precision", default="fp32", show_default=True, metavar="LIST",
+                     help="Comma list of fp32, fp16, int8 (e.g. fp32,int8); the fp32 files are always written. "
+                          "fp16: also an fp16 ONNX (fp32 norms, softmax and pooling; fp32 I/O) of the dense model, "
+                          "every budget and the elastic graph. int8: also a CPU int8 ONNX (onnxruntime dynamic "
+                          "quantization of the MatMul weights) of the dense model and every budget, each checked "
+                          "against its fp32 file (embedding cosine >= 0.98)."),
         click.option("--ort-optimize", is_flag=True, default=False,
                      help="Also write onnxruntime-optimised copies (dense.opt.onnx, budget_*.opt.onnx: fused "
                           "attention / SkipLayerNorm / Gelu where the patterns match), each checked against "
@@ -163,6 +166,10 @@ def _print_budget_table(manifest: dict, out: Path) -> None:
         errs = [x["fp16_max_rel_error"] for x in [d, *manifest["budgets"]] if x.get("fp16_max_rel_error") is not None]
         worst = f", max relative error vs fp32 {max(errs):.1e}" if errs else ""
         click.echo(f"fp16: {1 + len(manifest['budgets'])} files (*.fp16.onnx){worst}")
+    if "int8" in manifest.get("precisions", []):
+        cos = [x["int8_min_cosine"] for x in [d, *manifest["budgets"]] if x.get("int8_min_cosine") is not None]
+        worst = f", min embedding cosine vs fp32 {min(cos):.4f}" if cos else ""
+        click.echo(f"int8: {1 + len(manifest['budgets'])} files (*.int8.onnx){worst}")
     click.echo(f"wrote {out / 'manifest.json'}")
 
 

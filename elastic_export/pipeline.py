@@ -27,7 +27,8 @@ from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError, first_line
 from elastic_export.export import check_exportable, export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
-from elastic_export.fp16 import add_fp16, check_precision
+from elastic_export.fp16 import add_fp16
+from elastic_export.int8 import add_int8, parse_precisions
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
@@ -69,7 +70,7 @@ class Options:
     verify: bool = True
     trust_remote_code: bool = False
     tower: str | None = None  # "text" / "vision": one tower of a dual-encoder directory (CLIP, SigLIP)
-    precision: str = "fp32"  # "fp16": also an fp16 twin of every ONNX file (elastic_export.fp16)
+    precision: str = "fp32"  # comma list: fp16 / int8 also write a twin of every ONNX file (elastic_export.fp16, .int8)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
@@ -269,7 +270,7 @@ def claim_out(lock: OutputLock, out: Path, overwrite: bool, echo: Callable[[str]
 def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
     out = Path(opts.out)
     check_device(opts.device)
-    check_precision(opts.precision)
+    precisions = parse_precisions(opts.precision)
     echo(f"loading {opts.model or 'all-MiniLM-L6-v2 (embedded default)'}")
     encoder = load_encoder(opts.model, pretrained=opts.pretrained, seq_len=opts.seq_len,
                            image_size=opts.image_size, trust_remote_code=opts.trust_remote_code, tower=opts.tower)
@@ -304,9 +305,12 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
         feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
         fp16: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (fp16 file, relative error)
-        if opts.precision == "fp16":
-            np_feeds = {k: v.numpy() for k, v in feeds.items()} if opts.verify else None
+        int8: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (int8 file, min embedding cosine)
+        np_feeds = {k: v.numpy() for k, v in feeds.items()} if opts.verify else None
+        if "fp16" in precisions:
             fp16["dense.onnx"] = add_fp16(dense, tmp, "dense.onnx", np_feeds)
+        if "int8" in precisions:
+            int8["dense.onnx"] = add_int8(tmp, "dense.onnx", np_feeds)
         t0 = time.time()
         names = []
         slicer = BudgetSlicer(dense)
@@ -322,17 +326,19 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         refs = [masked_outputs(encoder, plan, ranking, feeds) for plan in plans] if opts.verify else None
         rows = []
         for i, (plan, name) in enumerate(zip(tqdm(plans, desc="verifying budgets", unit="budget", leave=False,
-                                                  disable=not (opts.verify or opts.precision == "fp16")), names)):
+                                                  disable=not (opts.verify or len(precisions) > 1)), names)):
             err = max_error(tmp / name, feeds, refs[i]) if refs is not None else None
             if err is not None and err > 1e-4:
                 raise RuntimeError(f"budget {plan.sparsity}: ONNX differs from the masked model by {err:.2e}")
-            if opts.precision == "fp16":
+            if "fp16" in precisions:
                 fp16[name] = add_fp16(onnx.load(str(tmp / name)), tmp, name, np_feeds)
+            if "int8" in precisions:
+                int8[name] = add_int8(tmp, name, np_feeds)
             rows.append((plan, name, err))
         elastic = None
         if opts.elastic_graph:
             elastic = write_elastic(dense, plans, tmp, feeds if opts.verify else None, refs, echo,
-                                    precision=opts.precision)
+                                    precision="fp16" if "fp16" in precisions else "fp32")
         manifest = {
             "format": FORMAT,
             "tool": f"elastic-export {__version__}",
@@ -345,9 +351,11 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
             "prunable_gflops": inventory.prunable_flops / 1e9,
             "align": opts.align,
-            "precisions": ["fp32", "fp16"] if opts.precision == "fp16" else ["fp32"],
+            "precisions": list(precisions),
             "dense": {"onnx": "dense.onnx", "onnx_fp16": fp16.get("dense.onnx", (None, None))[0],
                       "fp16_max_rel_error": fp16.get("dense.onnx", (None, None))[1],
+                      "onnx_int8": int8.get("dense.onnx", (None, None))[0],
+                      "int8_min_cosine": int8.get("dense.onnx", (None, None))[1],
                       "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
             "budgets": [
                 {
@@ -362,6 +370,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
                     "max_abs_error": err,
                     "onnx_fp16": fp16.get(name, (None, None))[0],
                     "fp16_max_rel_error": fp16.get(name, (None, None))[1],
+                    "onnx_int8": int8.get(name, (None, None))[0],
+                    "int8_min_cosine": int8.get(name, (None, None))[1],
                 }
                 for p, name, err in rows
             ],

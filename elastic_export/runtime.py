@@ -62,6 +62,7 @@ from elastic_export.targets.profiles import Profile, compute_profile
 PROFILE = "latency_profile.json"
 MODES = ("per-budget", "elastic")
 BACKENDS = ("onnxruntime", "tensorrt")
+PRECISION_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}  # precision -> manifest key
 STATS = ("p50_ms", "p90_ms", "p99_ms")
 
 
@@ -389,8 +390,9 @@ class ElasticRuntime:
                 ``config.provider``.
             config: session options (:class:`SessionConfig`; default CPU, onnxruntime's threads).
             mode: ``per-budget`` (dense.onnx + every budget's file) or ``elastic`` (elastic.onnx only).
-            precision: ``fp32`` (the reference files) or ``fp16`` (their fp16 twins, ``onnx_fp16`` in
-                the manifest: for GPU providers); onnxruntime backend only (engines carry their own).
+            precision: ``fp32`` (the reference files), ``fp16`` (their fp16 twins, ``onnx_fp16`` in
+                the manifest: for GPU providers) or ``int8`` (their int8 twins, ``onnx_int8``: for the
+                CPU; per-budget mode only); onnxruntime backend only (engines carry their own).
 
         Raises:
             UserError: missing directory / manifest, unknown backend / mode, unavailable provider,
@@ -403,10 +405,12 @@ class ElasticRuntime:
             raise UserError(f"backend {backend!r}: unknown; choose from {', '.join(BACKENDS)}")
         if mode not in MODES:
             raise UserError(f"mode {mode!r}: unknown; choose from {', '.join(MODES)}")
-        if precision not in ("fp32", "fp16"):
-            raise UserError(f"precision {precision!r}: unknown; choose fp32 or fp16")
-        if precision == "fp16" and backend == "tensorrt":
-            raise UserError("precision fp16 applies to the onnxruntime backend; TensorRT engines carry their own")
+        if precision not in PRECISION_KEYS:
+            raise UserError(f"precision {precision!r}: unknown; choose from {', '.join(PRECISION_KEYS)}")
+        if precision != "fp32" and backend == "tensorrt":
+            raise UserError(f"precision {precision} applies to the onnxruntime backend; TensorRT engines carry their own")
+        if precision == "int8" and mode == "elastic":
+            raise UserError("precision 'int8': the elastic graph has no int8 twin; use mode='per-budget'")
         manifest = load_manifest(directory)
         inputs = [v["name"] for v in manifest["inputs"]]
         outputs = [v["name"] for v in manifest["outputs"]]
@@ -417,7 +421,7 @@ class ElasticRuntime:
             if config.provider == "tensorrt" and config.trt_profile is None:
                 config = replace(config, trt_profile=tensorrt_ep_profile(manifest, elastic=mode == "elastic"))
             provider = config.provider
-            key = "onnx" if precision == "fp32" else "onnx_fp16"
+            key = PRECISION_KEYS[precision]
             budgets = (cls._elastic_budgets if mode == "elastic" else cls._ort_budgets)(
                 directory, manifest, config, inputs, outputs, key)
         return cls(directory, manifest, budgets, backend, provider, mode, inputs, outputs)
@@ -429,7 +433,8 @@ class ElasticRuntime:
         for s, rel in entries:
             if rel is None:
                 raise UserError(f"{directory / MANIFEST}: budget {_sparsity(directory, s):g} lists no {key} file"
-                                + ("; export with --precision fp16" if key == "onnx_fp16" else ""))
+                                + (f" (precision {key[5:]!r}); export with --precision {key[5:]}"
+                                   if key != "onnx" else ""))
         paths = [resolve(directory, rel) for _, rel in entries]
         shared: list[dict] = [{} for _ in paths]
         if config.share_weights and config.provider == "cpu" and all(p is not None and p.is_file() for p in paths):

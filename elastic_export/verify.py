@@ -12,7 +12,9 @@ still computes what the manifest says it does.
   original weights or a hub, and run in onnxruntime (CPU).
 * **What is checked** (each row of the report): the dense model (it loads and runs), every budget's
   fp32 ONNX (max abs error <= ``atol``, 1e-4), the fp16 files where the manifest lists them
-  (relative error <= ``rtol_fp16``, 1e-2, see :func:`elastic_export.fp16.relative_error`), the single
+  (relative error <= ``rtol_fp16``, 1e-2, see :func:`elastic_export.fp16.relative_error`), the int8
+  files where it lists them, each against its own fp32 file (min embedding cosine >=
+  :data:`elastic_export.int8.INT8_MIN_COSINE`), the single
   elastic graph when the manifest's ``elastic`` is not null (``budget_input``, an int64 index into
   the manifest's budgets, selects each budget in turn; ``atol``), TensorRT engines where
   ``tensorrt`` and a CUDA device are available (``rtol_fp16``; otherwise reported as skipped with
@@ -42,6 +44,7 @@ from onnx import numpy_helper
 
 from elastic_export.errors import UserError, first_line
 from elastic_export.fp16 import FP16_RTOL, relative_error
+from elastic_export.int8 import INT8_MIN_COSINE, embedding, min_cosine
 from elastic_export.manifest import MANIFEST, load_manifest, resolve
 
 ATOL = 1e-4  # DESIGN.md invariant 2: fp32 max abs error on the final output
@@ -55,7 +58,7 @@ class Check:
     Args:
         budget: ``dense`` or the budget's sparsity.
         artifact: the file (relative to the directory), ``[i]`` appended for an elastic-graph index.
-        kind: ``fp32``, ``fp16``, ``elastic``, ``elastic fp16``, ``engine`` or ``torch``.
+        kind: ``fp32``, ``fp16``, ``int8``, ``elastic``, ``elastic fp16``, ``engine`` or ``torch``.
         reference: what it was compared with.
         max_abs: largest absolute difference over all outputs (None when not compared).
         rel: :func:`relative_error` (None when not compared).
@@ -509,6 +512,9 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
         onnx_check(label, b["onnx"], "fp32", ref, "masked dense")
         if b.get("onnx_fp16") is not None:
             onnx_check(label, b["onnx_fp16"], "fp16", ref, "masked dense")
+    for label, entry in [("dense", manifest["dense"]), *((f"{b['sparsity']:.2f}", b) for b in budgets)]:
+        if entry.get("onnx_int8") is not None:
+            report.checks.append(_check_int8(d, label, entry["onnx"], entry["onnx_int8"], feeds, outputs))
     echo(f"checked {len(budgets)} budgets")
 
     elastic = manifest.get("elastic")
@@ -519,6 +525,28 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
     if use_torch:
         _check_torch(report, d, manifest, (model, tower), feeds, budgets, dense_out, refs, outputs, atol, seq_len)
     return report
+
+
+def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, outputs: list[str],
+                bound: float = INT8_MIN_COSINE) -> Check:
+    """One row: the int8 file against its own fp32 file, min embedding cosine >= ``bound``
+    (:func:`elastic_export.int8.embedding`)."""
+    check = Check(label, str(int8_rel), "int8", fp32_rel, tol=f"cos >= {bound:g}")
+
+    def go() -> Check:
+        if not isinstance(int8_rel, str):
+            raise _Failed(CORRUPT, f"manifest entry {int8_rel!r} is not a file name")
+        want = _run(_open(d, fp32_rel), feeds, outputs)
+        got = _run(_open(d, int8_rel), feeds, outputs)
+        mask = feeds.get("attention_mask")
+        check.max_abs = max(float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) for a, b in zip(want, got))
+        cos = min_cosine(embedding(outputs, want, mask), embedding(outputs, got, mask))
+        check.detail = f"min cosine {cos:.4f}"
+        if not cos >= bound:
+            check.status, check.detail = MISMATCH, f"min embedding cosine {cos:.4f} < {bound:g}"
+        return check
+
+    return _guard(check, go)
 
 
 def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], refs: list, feeds: dict,

@@ -171,7 +171,7 @@ def test_pipeline_precision(tmp_path):
     assert not list((tmp_path / "full").glob("*.fp16.onnx"))
 
     with pytest.raises(UserError, match="--precision"):
-        run(Options(out=str(tmp_path / "bad"), precision="int8", **common), echo=lambda s: None)
+        run(Options(out=str(tmp_path / "bad"), precision="int4", **common), echo=lambda s: None)
     assert not (tmp_path / "bad").exists()
 
 

@@ -1,0 +1,146 @@
+"""INT8 artifacts for the CPU: onnxruntime dynamic quantization of an fp32 ONNX model.
+
+``onnxruntime.quantization.quantize_dynamic`` stores the weight of every MatMul / Gemm whose
+weight is a constant initializer as int8 (with its scale and zero point) and quantizes the
+activations at run time (``DynamicQuantizeLinear`` -> ``MatMulInteger`` / ``DynamicQuantizeMatMul``).
+Norms, softmax, GELU, pooling and the I/O stay fp32, so an int8 file takes the same feeds and gives
+the same output types as its fp32 file.
+
+Settings, chosen by measurement (``benchmarks/int8_settings.py``, results in
+``benchmarks/results/int8_settings.{json,md}``) on all-MiniLM-L6-v2, dense and one budget, on this
+CPU (x86-64 with AVX2 and no VNNI; onnxruntime CPU EP, 2 threads, batch 8):
+
+* **per_channel = True**: one scale per output column of each weight. Per-tensor scales lose too
+  much: the min embedding cosine vs fp32 on 64 held-out texts is 0.919 (dense) / 0.969 (budget 0.5)
+  per-tensor against 0.989 / 0.991 per-channel, at no measurable speed cost.
+* **reduce_range = False**: full 8-bit weights. The 7-bit range (meant to avoid int16 saturation of
+  the u8s8 kernels on CPUs without VNNI) was as fast within the noise of a shared machine and less
+  accurate: 0.987 / 0.989 per-channel, 0.730 / 0.901 per-tensor.
+* **weight_type = QInt8** (signed weights, the onnxruntime default for u8 activations);
+  ``MatMulConstBOnly`` (the dynamic default): activation x activation MatMuls (attention scores)
+  stay fp32. The token embedding table (a ``Gather``) stays fp32, so files shrink by about a third,
+  not by 4x (MiniLM dense 90 -> 59 MB).
+
+Every int8 file is checked against its own fp32 file on sample inputs: the cosine between the
+embedding outputs (:func:`embedding`) of the two must be at least :data:`INT8_MIN_COSINE` for every
+input. The bound is 0.98: the measured minimum with these settings is 0.989 (dense MiniLM, 64
+held-out texts) and the mean 0.993, so 0.98 passes a correct quantization with margin, while a
+broken one (e.g. per-tensor 7-bit: 0.73) fails. Budgets measured so far are closer to fp32 than
+dense (0.991 at 0.5). Excluding the MLP down-projections from quantization raised the dense minimum
+to 0.993 in a side measurement; it is not done (a third of the MatMul FLOPs would stay fp32).
+
+Only the per-budget files (and the dense model) are quantized: the elastic graph slices its weights
+at run time (``budget_index`` -> ``Slice`` / ``Gather`` of the weight), so its MatMuls have no
+constant initializer weight and dynamic quantization leaves them fp32.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnx
+
+from elastic_export.errors import UserError, first_line
+
+PRECISIONS = ("fp32", "fp16", "int8")
+INT8_MIN_COSINE = 0.98
+INT8_SETTINGS = {"per_channel": True, "reduce_range": False, "weight_type": "QInt8", "op_types": ["MatMul", "Gemm"]}
+EMBEDDING_OUTPUTS = ("sentence_embedding", "image_embeds", "pooler_output")
+
+
+def int8_name(fp32_name: str) -> str:
+    """File name of the int8 twin of an fp32 ONNX file: ``budget_s010.onnx`` -> ``budget_s010.int8.onnx``."""
+    return fp32_name[:-5] + ".int8.onnx" if fp32_name.endswith(".onnx") else fp32_name + ".int8.onnx"
+
+
+def parse_precisions(value: str | Sequence[str]) -> tuple[str, ...]:
+    """``"fp32,int8"`` -> ``("fp32", "int8")``: fp32 always first, each once, unknown names refused.
+
+    Raises:
+        UserError: an unknown precision (one line).
+    """
+    items = [p.strip() for p in (value.split(",") if isinstance(value, str) else value)]
+    bad = [p for p in items if p not in PRECISIONS]
+    if bad or not any(items):
+        what = f"unknown precision {bad[0]!r}" if bad else "no precision given"
+        raise UserError(f"--precision {','.join(items)}: {what}; choose a comma list of {', '.join(PRECISIONS)}")
+    return tuple(p for p in PRECISIONS if p == "fp32" or p in items)
+
+
+def quantize(src: str | Path, dst: str | Path, per_channel: bool = True, reduce_range: bool = False) -> None:
+    """Dynamic int8 quantization of the ONNX file ``src`` (MatMul / Gemm weights) into ``dst``."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    try:
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=INT8_SETTINGS["op_types"],
+                         per_channel=per_channel, reduce_range=reduce_range, weight_type=QuantType.QInt8)
+    except Exception as e:  # the quantizer's own errors on ops it cannot handle
+        raise UserError(f"{Path(src).name}: int8 quantization failed ({first_line(e)})") from e
+
+
+def embedding(names: Sequence[str], outputs: Sequence[np.ndarray], mask: np.ndarray | None = None) -> np.ndarray:
+    """The embedding among a model's outputs: ``sentence_embedding``, else ``image_embeds``, else
+    ``pooler_output``, else the mean of ``last_hidden_state`` (weighted by ``mask`` when given),
+    else the first output (flattened per row)."""
+    out = dict(zip(names, outputs))
+    for key in EMBEDDING_OUTPUTS:
+        if key in out:
+            return np.asarray(out[key], np.float64).reshape(len(out[key]), -1)
+    hidden = np.asarray(out.get("last_hidden_state", outputs[0]), np.float64)
+    if hidden.ndim == 3:
+        w = np.ones(hidden.shape[:2]) if mask is None or np.shape(mask) != hidden.shape[:2] else np.asarray(mask, np.float64)
+        return (hidden * w[..., None]).sum(1) / np.maximum(w.sum(1, keepdims=True), 1.0)
+    return hidden.reshape(len(hidden), -1)
+
+
+def min_cosine(want: np.ndarray, got: np.ndarray) -> float:
+    """Smallest row-wise cosine between two (rows, dim) arrays."""
+    a, b = np.asarray(want, np.float64), np.asarray(got, np.float64)
+    num = (a * b).sum(1)
+    den = np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+    return float(np.min(num / den))
+
+
+def session_min_cosine(ref, sess, feeds: dict[str, np.ndarray]) -> float:
+    """:func:`min_cosine` of the embeddings of two onnxruntime sessions on ``feeds``."""
+    names = [o.name for o in ref.get_outputs()]
+    mask = feeds.get("attention_mask")
+    want = embedding(names, ref.run(names, feeds), mask)
+    got = embedding(names, sess.run(names, feeds), mask)
+    return min_cosine(want, got)
+
+
+def write_int8(src: str | Path, dst: str | Path) -> onnx.ModelProto:
+    """Quantize the fp32 file ``src`` into ``dst`` (settings :data:`INT8_SETTINGS`); returns the model."""
+    quantize(src, dst, INT8_SETTINGS["per_channel"], INT8_SETTINGS["reduce_range"])
+    return onnx.load(str(dst))
+
+
+def add_int8(directory: str | Path, fp32_name: str, feeds: dict[str, np.ndarray] | None = None,
+             bound: float = INT8_MIN_COSINE) -> tuple[str, float | None]:
+    """Write the int8 twin of ``directory/fp32_name`` and, given ``feeds``, check it against the fp32 file.
+
+    Returns:
+        (int8 file name, min embedding cosine vs fp32 or None when not checked).
+
+    Raises:
+        RuntimeError: the min cosine is below ``bound`` (names the file).
+    """
+    import onnxruntime as ort
+
+    directory = Path(directory)
+    name = int8_name(fp32_name)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:  # the quantizer writes helper files next to dst
+        quantize(directory / fp32_name, Path(scratch) / name, INT8_SETTINGS["per_channel"],
+                 INT8_SETTINGS["reduce_range"])
+        Path(scratch, name).replace(directory / name)
+    if feeds is None:
+        return name, None
+    sessions = [ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name)]
+    cos = session_min_cosine(sessions[0], sessions[1], feeds)
+    if not cos >= bound:
+        raise RuntimeError(f"{name}: int8 embedding cosine vs {fp32_name} is {cos:.4f}, below {bound:g}")
+    return name, cos
