@@ -102,7 +102,7 @@ def export_options(fn):
                           "fp16: also an fp16 ONNX (fp32 norms, softmax and pooling; fp32 I/O) of the dense model, "
                           "every budget and the elastic graph. int8: also a CPU int8 ONNX (onnxruntime dynamic "
                           "quantization of the MatMul weights) of the dense model and every budget, each checked "
-                          "against its fp32 file (embedding cosine >= 0.98)."),
+                          "against its fp32 file (embedding cosine >= 0.95)."),
         click.option("--ort-optimize", is_flag=True, default=False,
                      help="Also write onnxruntime-optimised copies (dense.opt.onnx, budget_*.opt.onnx: fused "
                           "attention / SkipLayerNorm / Gelu where the patterns match), each checked against "

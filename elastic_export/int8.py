@@ -23,15 +23,22 @@ CPU (x86-64 with AVX2 and no VNNI; onnxruntime CPU EP, 2 threads, batch 8):
 
 Every int8 file is checked against its own fp32 file on sample inputs: the cosine between the
 embedding outputs (:func:`embedding`) of the two must be at least :data:`INT8_MIN_COSINE` for every
-input. The bound is 0.98: the measured minimum with these settings is 0.989 (dense MiniLM, 64
-held-out texts) and the mean 0.993, so 0.98 passes a correct quantization with margin, while a
-broken one (e.g. per-tensor 7-bit: 0.73) fails. Budgets measured so far are closer to fp32 than
-dense (0.991 at 0.5). Excluding the MLP down-projections from quantization raised the dense minimum
+input. The bound is 0.95, from two measurements on MiniLM with these settings: on real held-out text
+the minimum is 0.989 (dense) / 0.991 (budget 0.5); on the check inputs, which are random token ids
+(the main job: batch 2 x 128 tokens; ``verify``: 2 x 32), it is 0.974 for the dense model at 128
+tokens and 0.989 or more for every budget 0.1..0.6 and for ``verify``'s inputs
+(``benchmarks/int8_check_inputs.py``, results in ``benchmarks/results/int8_check_inputs.md``).
+0.95 leaves margin for other random inputs while a broken quantization still fails (per-tensor
+7-bit weights: 0.73 on real text). Tiny random-weight test models are less regular: their dense
+int8 files range from 0.91 (a CLIP text tower) to 0.99998, so ``--precision int8`` can fail the
+check on such a model (a ``RuntimeError`` naming the file, nothing written).
+Excluding the MLP down-projections from quantization raised the dense minimum
 to 0.993 in a side measurement; it is not done (a third of the MatMul FLOPs would stay fp32).
 
-Only the per-budget files (and the dense model) are quantized: the elastic graph slices its weights
-at run time (``budget_index`` -> ``Slice`` / ``Gather`` of the weight), so its MatMuls have no
-constant initializer weight and dynamic quantization leaves them fp32.
+Only the per-budget files (and the dense model) are quantized: the elastic graph slices every
+weight whose width differs between budgets at run time (``budget_index`` -> ``Gather`` of a table ->
+``Slice`` of the weight), so those MatMuls have no constant initializer weight and dynamic
+quantization would leave them fp32 (only sub-blocks of equal width at every budget would be int8).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import onnx
 from elastic_export.errors import UserError, first_line
 
 PRECISIONS = ("fp32", "fp16", "int8")
-INT8_MIN_COSINE = 0.98
+INT8_MIN_COSINE = 0.95
 INT8_SETTINGS = {"per_channel": True, "reduce_range": False, "weight_type": "QInt8", "op_types": ["MatMul", "Gemm"]}
 EMBEDDING_OUTPUTS = ("sentence_embedding", "image_embeds", "pooler_output")
 
