@@ -225,7 +225,8 @@ def run_main(model: Path, out: Path, extra: list[str], results: Path) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     cli = _cli()
     res = {"model_dir": str(model), "model_mb": (model / "model.safetensors").stat().st_size / 1e6,
-           "machine": f"{os.cpu_count()} CPU cores (shared), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"}
+           "machine": f"{os.cpu_count()} CPU cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+                      f"{' (' + os.environ['BENCH_NOTE'] + ')' if os.environ.get('BENCH_NOTE') else ''}"}
     res["inspect"] = _timed([cli, "inspect", "--model", str(model)], logs / "inspect.log")
     res["main_job"] = _timed([cli, "--model", str(model), "--out", str(out), "--overwrite", *extra], logs / "main_job.log")
     res["verify"] = _timed([cli, "verify", str(out)], logs / "verify.log")
