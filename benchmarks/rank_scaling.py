@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
 CACHE = Path(os.environ.get("ELASTIC_EXPORT_CACHE", Path.home() / ".cache" / "elastic-export"))
 
 # published Qwen3-Embedding configurations (config.json of each size)
@@ -52,10 +53,9 @@ def model_path(spec: str) -> str | None:
     if spec == "minilm":
         return None
     if spec == "mpnet":
-        path = CACHE / "all-mpnet-base-v2" / "model"
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: assemble it first (python benchmarks/mpnet.py assemble)")
-        return str(path)
+        from mpnet import find_model  # benchmarks/mpnet.py, beside this file
+
+        return str(find_model(CACHE / "all-mpnet-base-v2" / "model"))  # assembled by `python benchmarks/mpnet.py fetch`
     if spec in QWEN3:
         path = CACHE / f"random-{spec}"
         if not (path / "config.json").is_file():
