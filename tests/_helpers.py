@@ -42,3 +42,17 @@ def prepared(enc, tmp_path, sparsities=(0.0, 0.25, 0.5, 0.9)):
     rk = ranking_with_empty_layers(enc, inv)
     dense = export_dense(enc, rk, tmp_path / "dense.onnx")
     return inv, rk, dense, make_plans(rk, inv, list(sparsities))
+
+
+def save_sentence_transformer(enc, path, pooling: dict) -> None:
+    """A ``save_pretrained`` directory plus a sentence-transformers Transformer / Pooling (with the
+    ``pooling`` config) / Normalize module list, as sentence-transformers saves a model."""
+    import json
+
+    enc.module.save_pretrained(path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))

@@ -5,12 +5,11 @@ A query head is the unit; a key / value head stays while any query head reading 
 budgets drop some kv heads, keep kv heads for a single reader, and empty whole layers.
 """
 
-import json
 
 import numpy as np
 import pytest
 import torch
-from _helpers import masked_torch, max_err, run_onnx
+from _helpers import masked_torch, max_err, run_onnx, save_sentence_transformer
 from conftest import TINY, _perturb, tiny_encoder
 from onnx import numpy_helper
 
@@ -186,14 +185,8 @@ def test_saved_qwen3_with_sentence_transformers_lasttoken(tmp_path):
     """A save_pretrained Qwen3Model directory with a sentence-transformers last-token pooling and
     Normalize config loads as Qwen3Model with that pooling and computes what the saved model does."""
     enc = tiny_encoder("hf-qwen3")
-    enc.module.save_pretrained(tmp_path)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}))
+    save_sentence_transformer(enc, tmp_path, {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": False,
+                                              "pooling_mode_lasttoken": True})
     loaded = load_encoder(str(tmp_path))
     assert type(loaded.module).__name__ == "Qwen3Model" and loaded.seq_len == 72
     assert loaded.extras == {"pooling": "lasttoken", "normalize": True}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from _helpers import masked_torch, max_err, run_onnx
+from _helpers import masked_torch, max_err, run_onnx, save_sentence_transformer
 from conftest import _modernbert, _perturb, tiny_encoder
 from transformers.masking_utils import create_bidirectional_sliding_window_mask
 
@@ -182,13 +182,7 @@ def test_export_switches_to_eager_attention():
 
 def _save_sentence_transformer(enc, path) -> None:
     """A ``save_pretrained`` directory plus a sentence-transformers mean-pooling + normalize config."""
-    enc.module.save_pretrained(path)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
-    (path / "modules.json").write_text(json.dumps(modules))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    save_sentence_transformer(enc, path, {"pooling_mode_mean_tokens": True})
 
 
 def test_saved_directory_loads_and_matches(tmp_path):
