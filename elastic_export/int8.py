@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import onnx
 
 from elastic_export.errors import UserError, first_line
 
@@ -118,12 +117,6 @@ def session_min_cosine(ref, sess, feeds: dict[str, np.ndarray]) -> float:
     want = embedding(names, ref.run(names, feeds), mask)
     got = embedding(names, sess.run(names, feeds), mask)
     return min_cosine(want, got)
-
-
-def write_int8(src: str | Path, dst: str | Path) -> onnx.ModelProto:
-    """Quantize the fp32 file ``src`` into ``dst`` (settings :data:`INT8_SETTINGS`); returns the model."""
-    quantize(src, dst, INT8_SETTINGS["per_channel"], INT8_SETTINGS["reduce_range"])
-    return onnx.load(str(dst))
 
 
 def add_int8(directory: str | Path, fp32_name: str, feeds: dict[str, np.ndarray] | None = None,
