@@ -76,6 +76,12 @@ class Options:
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
 
 
+def _twins(name: str, fp16: dict, int8: dict) -> dict:
+    """The manifest fields of the fp16 and int8 twins of the fp32 file ``name`` (None where absent)."""
+    (f16, rel), (i8, cos) = fp16.get(name, (None, None)), int8.get(name, (None, None))
+    return {"onnx_fp16": f16, "fp16_max_rel_error": rel, "onnx_int8": i8, "int8_min_cosine": cos}
+
+
 def check_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
@@ -352,10 +358,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             "prunable_gflops": inventory.prunable_flops / 1e9,
             "align": opts.align,
             "precisions": list(precisions),
-            "dense": {"onnx": "dense.onnx", "onnx_fp16": fp16.get("dense.onnx", (None, None))[0],
-                      "fp16_max_rel_error": fp16.get("dense.onnx", (None, None))[1],
-                      "onnx_int8": int8.get("dense.onnx", (None, None))[0],
-                      "int8_min_cosine": int8.get("dense.onnx", (None, None))[1],
+            "dense": {"onnx": "dense.onnx", **_twins("dense.onnx", fp16, int8),
                       "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
             "budgets": [
                 {
@@ -368,10 +371,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
                     "heads_per_layer": p.heads_per_layer,
                     "neurons_per_layer": p.neurons_per_layer,
                     "max_abs_error": err,
-                    "onnx_fp16": fp16.get(name, (None, None))[0],
-                    "fp16_max_rel_error": fp16.get(name, (None, None))[1],
-                    "onnx_int8": int8.get(name, (None, None))[0],
-                    "int8_min_cosine": int8.get(name, (None, None))[1],
+                    **_twins(name, fp16, int8),
                 }
                 for p, name, err in rows
             ],
