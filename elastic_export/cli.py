@@ -82,7 +82,7 @@ def ranking_options(fn):
 
 def export_options(fn):
     """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision,
-    --ort-optimize, --report/--no-report."""
+    --ort-optimize, --report/--no-report, --external-data."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -109,6 +109,9 @@ def export_options(fn):
                           "its source. For the CUDA provider; on CPU the plain files are as fast."),
         click.option("--report/--no-report", default=True, show_default=True,
                      help="Also write DIR/report.html (see `elastic-export report`); a failure to render only warns."),
+        click.option("--external-data", "external_data", flag_value=True, default=None,
+                     help="Keep every ONNX file's weights in NAME.onnx.data beside it (ONNX external data). "
+                          "Automatic for models whose weights pass protobuf's 2 GiB (about 530M fp32 parameters)."),
     ]
     for o in reversed(opts):
         fn = o(fn)

@@ -20,19 +20,19 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__, preprocess
+from elastic_export import __version__, onnx_io, preprocess
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError, first_line
-from elastic_export.export import check_exportable, export_dense
+from elastic_export.export import export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
 from elastic_export.fp16 import add_fp16
 from elastic_export.int8 import add_int8, parse_precisions
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
-from elastic_export.ort_optimize import optimize_artifacts
+from elastic_export.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
 from elastic_export.passes import BudgetSlicer, build_elastic_model
 from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
@@ -73,6 +73,7 @@ class Options:
     precision: str = "fp32"  # comma list: fp16 / int8 also write a twin of every ONNX file (elastic_export.fp16, .int8)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
+    external_data: bool | None = None  # weights in NAME.onnx.data: True always, None above 2 GiB (onnx_io)
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
 
 
@@ -209,7 +210,7 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
     t0 = time.time()
     model = build_elastic_model(dense, [p.heads_per_layer for p in plans], [p.neurons_per_layer for p in plans],
                                 budget_input=BUDGET_INPUT)
-    onnx.save(model, str(directory / ELASTIC_FILE))
+    onnx_io.save(model, directory / ELASTIC_FILE, onnx_io.external_like(directory / "dense.onnx"))
     worst = None
     if feeds is not None and refs is not None:
         sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
@@ -221,7 +222,7 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
             if err > 1e-4:
                 raise RuntimeError(f"elastic graph, budget {plan.sparsity}: differs from the masked model by {err:.2e}")
             worst = max(worst, err)
-    size = (directory / ELASTIC_FILE).stat().st_size / 1e6
+    size = sum(f.stat().st_size for f in onnx_io.files(directory / ELASTIC_FILE)) / 1e6
     echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets, {size:.1f} MB, built in {time.time() - t0:.1f}s"
          + (f", max err {worst:.1e}" if worst is not None else ""))
     entry = {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
@@ -285,7 +286,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
          f"{inventory.total_params / 1e6:.2f}M params")
     check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
-    check_exportable(inventory.total_params)
+    if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
+        raise UserError(EXTERNAL_REFUSAL.format(src="dense.onnx"))
     rank_seconds = None  # time taken to rank (None: reused)
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
@@ -307,7 +309,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         os.chmod(tmp, 0o777 & ~umask())
         save_ranking(ranking, tmp / RANKING_FILE)
         t0 = time.time()
-        dense = export_dense(encoder, ranking, tmp / "dense.onnx")
+        dense = export_dense(encoder, ranking, tmp / "dense.onnx", opts.external_data)
         echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
         feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
         fp16: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (fp16 file, relative error)
@@ -319,7 +321,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             int8["dense.onnx"] = add_int8(tmp, "dense.onnx", np_feeds)
         t0 = time.time()
         names = []
-        slicer = BudgetSlicer(dense)
+        slicer = BudgetSlicer(dense, external=onnx_io.external_like(tmp / "dense.onnx"))
         for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
             names.append(f"budget_{budget_tag(plan.sparsity)}.onnx")
             # with --verify, onnxruntime loads and checks every file below, so the passes skip
@@ -352,7 +354,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
                       "fingerprint": encoder.fingerprint(), "modality": encoder.modality,
                       **({"tower": encoder.tower} if encoder.tower else {})},
             "inputs": io_specs(dense.graph.input),
-            "outputs": io_specs(onnx.shape_inference.infer_shapes(dense).graph.output),
+            "outputs": io_specs(onnx.shape_inference.infer_shapes(onnx_io.weightless(dense)).graph.output),
             "tokens": inventory.tokens,
             "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
             "prunable_gflops": inventory.prunable_flops / 1e9,

@@ -34,6 +34,7 @@ model stops at once (:class:`UserError`); a missing or corrupt artifact is a row
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -42,6 +43,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
 from elastic_export.fp16 import FP16_RTOL, relative_error
 from elastic_export.int8 import INT8_MIN_COSINE, embedding, min_cosine
@@ -266,6 +268,12 @@ def _session(model: onnx.ModelProto | Path):
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if isinstance(model, onnx.ModelProto) and onnx_io.weight_bytes(model) >= onnx_io.INLINE_LIMIT:
+        scratch = tempfile.TemporaryDirectory(prefix="elastic-verify-")  # over 2 GiB: through a file
+        onnx_io.save(model, Path(scratch.name) / "model.onnx", external=True)
+        sess = ort.InferenceSession(str(Path(scratch.name) / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        sess._scratch = scratch  # removed with the session
+        return sess
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 
