@@ -164,7 +164,8 @@ def _print_budget_table(manifest: dict, out: Path) -> None:
     e = manifest.get("elastic")
     if e:
         err = "" if e.get("max_abs_error") is None else f", max err {e['max_abs_error']:.1e}"
-        click.echo(f"elastic graph: {e['onnx']} (input {e['budget_input']} = index into the budgets above{err})")
+        dense = "" if e.get("dense_index") is None else f"; {e['dense_index']} = dense"
+        click.echo(f"elastic graph: {e['onnx']} (input {e['budget_input']} = index into the budgets above{dense}{err})")
     if "fp16" in manifest.get("precisions", []):
         errs = [x["fp16_max_rel_error"] for x in [d, *manifest["budgets"]] if x.get("fp16_max_rel_error") is not None]
         worst = f", max relative error vs fp32 {max(errs):.1e}" if errs else ""

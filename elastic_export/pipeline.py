@@ -33,7 +33,7 @@ from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
 from elastic_export.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
-from elastic_export.passes import BudgetSlicer, build_elastic_model
+from elastic_export.passes import BudgetSlicer, build_elastic_model, dense_counts
 from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
@@ -179,10 +179,7 @@ def masked_outputs(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, feeds: 
 
 def max_error(path: Path, feeds: dict, want: list[np.ndarray]) -> float:
     """Max abs difference between the ONNX file (onnxruntime) and reference outputs ``want``."""
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+    got = _ort_run(path, feeds)
     return max(float(np.abs(a - b).max()) for a, b in zip(got, want))
 
 
@@ -191,48 +188,73 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
                   precision: str = "fp32") -> dict:
     """Write the elastic graph (``elastic.onnx``: weights once, ``budget_index`` selects the budget).
 
+    Index b < len(plans) is ``plans[b]``; index len(plans) is the dense model (sparsity 0.0: every
+    unit kept), so one graph serves the whole range.
+
     Args:
-        dense: the dense rank-permuted export.
+        dense: the dense rank-permuted export (saved as ``dense.onnx`` in ``directory``).
         plans: the budgets, in manifest order (budget index b = ``plans[b]``).
         directory: where to write ``elastic.onnx``.
         feeds: sample inputs; when given with ``refs``, every budget index is run in onnxruntime
-            and compared with the hard-masked torch model (max abs error must be ≤ 1e-4).
+            and compared with the hard-masked torch model, the dense index with ``dense.onnx``
+            (max abs error must be ≤ 1e-4).
         refs: :func:`masked_outputs` of every plan on ``feeds``.
         precision: ``fp16`` also writes ``elastic.fp16.onnx`` (:func:`elastic_export.fp16.to_fp16`),
-            checked at every budget index against the fp32 elastic graph (relative error ≤ 1e-2).
+            checked at every index against the fp32 elastic graph (relative error ≤ 1e-2).
 
     Returns:
         The manifest's ``elastic`` entry: {onnx, budget_input, budgets (sparsities in index order),
-        max_abs_error (over all budgets, or None without ``feeds``), onnx_fp16, fp16_max_rel_error}.
+        dense_index, max_abs_error (over all indices, or None without ``feeds``), onnx_fp16,
+        fp16_max_rel_error}.
     """
-    import onnxruntime as ort
-
     t0 = time.time()
-    model = build_elastic_model(dense, [p.heads_per_layer for p in plans], [p.neurons_per_layer for p in plans],
-                                budget_input=BUDGET_INPUT)
+    full_heads, full_neurons = dense_counts(dense)
+    model = build_elastic_model(dense, [p.heads_per_layer for p in plans] + [full_heads],
+                                [p.neurons_per_layer for p in plans] + [full_neurons], budget_input=BUDGET_INPUT)
     onnx_io.save(model, directory / ELASTIC_FILE, onnx_io.external_like(directory / "dense.onnx"))
     worst = None
     if feeds is not None and refs is not None:
-        sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
-        np_feeds = {k: v.numpy() for k, v in feeds.items()}
-        worst = 0.0
-        for b, (plan, want) in enumerate(zip(plans, refs)):
-            got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
-            err = max(float(np.abs(a - w).max()) for a, w in zip(got, want))
-            if err > 1e-4:
-                raise RuntimeError(f"elastic graph, budget {plan.sparsity}: differs from the masked model by {err:.2e}")
-            worst = max(worst, err)
+        worst = _check_elastic(directory, feeds, refs + [_ort_run(directory / "dense.onnx", feeds)],
+                               [f"budget {p.sparsity}" for p in plans] + [f"dense (index {len(plans)})"])
     size = sum(f.stat().st_size for f in onnx_io.files(directory / ELASTIC_FILE)) / 1e6
-    echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets, {size:.1f} MB, built in {time.time() - t0:.1f}s"
+    echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets + dense, {size:.1f} MB, built in {time.time() - t0:.1f}s"
          + (f", max err {worst:.1e}" if worst is not None else ""))
     entry = {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
-             "max_abs_error": worst, "onnx_fp16": None, "fp16_max_rel_error": None}
-    if precision == "fp16":  # checked at every budget index against the fp32 elastic graph
+             "dense_index": len(plans), "max_abs_error": worst, "onnx_fp16": None, "fp16_max_rel_error": None}
+    if precision == "fp16":  # checked at every index against the fp32 elastic graph
         per_index = None if feeds is None else [
             {**{k: v.numpy() for k, v in feeds.items()}, BUDGET_INPUT: np.array([b], dtype=np.int64)}
-            for b in range(len(plans))]
+            for b in range(len(plans) + 1)]
         entry["onnx_fp16"], entry["fp16_max_rel_error"] = add_fp16(model, directory, ELASTIC_FILE, per_index)
     return entry
+
+
+def _ort_run(path: Path, feeds: dict) -> list[np.ndarray]:
+    """The outputs of the ONNX file ``path`` (onnxruntime CPU) on torch ``feeds``."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+
+
+def _check_elastic(directory: Path, feeds: dict, wants: list[list[np.ndarray]], labels: list[str]) -> float:
+    """Run ``elastic.onnx`` at every index b and compare with ``wants[b]``; the largest max abs error.
+
+    Raises:
+        RuntimeError: an index differs by more than 1e-4.
+    """
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
+    np_feeds = {k: v.numpy() for k, v in feeds.items()}
+    worst = 0.0
+    for b, (want, label) in enumerate(zip(wants, labels)):
+        got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
+        err = max(float(np.abs(a - w).max()) for a, w in zip(got, want))
+        if err > 1e-4:
+            raise RuntimeError(f"elastic graph, {label}: differs from the reference by {err:.2e}")
+        worst = max(worst, err)
+    return worst
 
 
 def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]) -> None:

@@ -319,6 +319,15 @@ def build_elastic_model(dense: onnx.ModelProto, heads: list[list[int]], neurons:
     return out
 
 
+def dense_counts(dense: onnx.ModelProto) -> tuple[list[int], list[int]]:
+    """Per layer, every head and every neuron of the dense model: the table row of the elastic
+    graph's dense index (sparsity 0.0), to append after the budgets' rows."""
+    from elastic_export.passes.base import _dense_units
+
+    units = _dense_units(dense)
+    return [layer["heads"]["count"] for layer in units], [layer["neurons"]["count"] for layer in units]
+
+
 def get_elastic(model: onnx.ModelProto) -> dict:
     """The ``elastic_export.elastic`` metadata of an elastic model: budget_input, heads, neurons."""
     for p in model.metadata_props:
