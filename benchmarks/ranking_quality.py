@@ -61,21 +61,35 @@ def _checks(rows: dict[str, dict[float, float]], dense: float) -> list[tuple[str
     return checks
 
 
-def _build(encoder, inventory, method: str, budgets: tuple, work: Path, lean: bool) -> tuple[float, Path]:
-    """Ranking of ``method`` (seconds it took) and its artifact directory (no elastic graph when lean)."""
-    opts = Options(method=method, budgets=budgets, out=str(work / method), overwrite=True, verify=False,
-                   checkpoint=str(work / f".{method}.checkpoint"), elastic_graph=not lean)
+def _rank_cached(encoder, inventory, opts: Options, work: Path) -> float:
+    """Rank with ``opts.method`` into ``work/METHOD.safetensors`` (seconds it took); a ranking already
+    there with its ``.seconds`` file is reused, so a rerun after an interruption skips it."""
+    file, timing = work / f"{opts.method}.safetensors", work / f"{opts.method}.seconds"
+    if file.is_file() and timing.is_file():
+        print(f"{opts.method}: reusing {file}", file=sys.stderr)
+        return float(timing.read_text())
     t0 = time.perf_counter()
     ranking = rank_encoder(encoder, inventory, opts, echo=lambda s: print(s, file=sys.stderr))
     seconds = time.perf_counter() - t0
-    save_ranking(ranking, work / f"{method}.safetensors")
+    save_ranking(ranking, file)
+    timing.write_text(f"{seconds:.1f}\n")
+    return seconds
+
+
+def _build(encoder, inventory, method: str, budgets: tuple, work: Path, lean: bool,
+           model: str | None = None) -> tuple[float, Path]:
+    """Ranking of ``method`` (seconds it took) and its artifact directory (no elastic graph when lean)."""
+    opts = Options(model=model, method=method, budgets=budgets, out=str(work / method), overwrite=True, verify=False,
+                   checkpoint=str(work / f".{method}.checkpoint"), elastic_graph=not lean)
+    seconds = _rank_cached(encoder, inventory, opts, work)
     opts.ranking = str(work / f"{method}.safetensors")
     run(opts, echo=lambda s: None)
     print(f"{method}: ranking built in {seconds:.1f}s", file=sys.stderr)
     return seconds, work / method
 
 
-def _lean_method(encoder, inventory, method: str, budgets: tuple, work: Path, pairs: list) -> tuple[float, dict]:
+def _lean_method(encoder, inventory, method: str, budgets: tuple, work: Path, pairs: list,
+                 model: str | None = None) -> tuple[float, dict]:
     """Build, evaluate and delete one method's ONNX files; the result is cached in ``work`` (a rerun
     after an interruption skips the methods already done)."""
     cached = work / f"{method}.eval.json"
@@ -83,7 +97,7 @@ def _lean_method(encoder, inventory, method: str, budgets: tuple, work: Path, pa
         done = json.loads(cached.read_text())
         print(f"{method}: cached in {cached}", file=sys.stderr)
         return done["seconds"], done["result"]
-    seconds, d = _build(encoder, inventory, method, budgets, work, lean=True)
+    seconds, d = _build(encoder, inventory, method, budgets, work, lean=True, model=model)
     res = evaluate([d], pairs=pairs, echo=lambda s: print(s, file=sys.stderr))
     cached.write_text(json.dumps({"seconds": seconds, "result": res}))
     for f in d.glob("*.onnx*"):
@@ -118,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     timings, dirs, parts = {}, [], []
     for method in methods:
         if args.lean:
-            timings[method], one = _lean_method(encoder, inventory, method, budgets, work, pairs)
+            timings[method], one = _lean_method(encoder, inventory, method, budgets, work, pairs, args.model)
             parts.append(one)
         else:
-            timings[method], d = _build(encoder, inventory, method, budgets, work, lean=False)
+            timings[method], d = _build(encoder, inventory, method, budgets, work, lean=False, model=args.model)
             dirs.append(d)
     if args.lean:
         res = {**parts[0], "results": [r for p in parts for r in p["results"]]}

@@ -320,12 +320,17 @@ def latency_profile(result: dict) -> dict:
 
     Returns:
         ``{"backend", "provider", "batches": {str(batch): {str(float(sparsity)): {p50_ms, p90_ms, p99_ms,
-        throughput}}}}``.
+        throughput}}}}``; rows measured at another precision than fp32 go under
+        ``"precisions": {precision: {...}}`` instead (:mod:`elastic_export.latency_profile`).
     """
     batches: dict[str, dict[str, dict[str, float]]] = {}
     for r in result["rows"]:
         batches.setdefault(str(r["batch"]), {})[str(float(r["sparsity"]))] = {
             k: float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "throughput")}
+    precision = result.get("settings", {}).get("precision", "fp32")
+    if precision != "fp32" and result.get("backend") != "tensorrt":
+        return {"backend": result["backend"], "provider": result["provider"], "batches": {},
+                "precisions": {precision: batches}}
     return {"backend": result["backend"], "provider": result["provider"], "batches": batches}
 
 

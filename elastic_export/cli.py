@@ -82,7 +82,7 @@ def ranking_options(fn):
 
 def export_options(fn):
     """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision,
-    --ort-optimize, --report/--no-report, --layout."""
+    --ort-optimize, --report/--no-report, --external-data, --layout."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -109,6 +109,9 @@ def export_options(fn):
                           "its source. For the CUDA provider; on CPU the plain files are as fast."),
         click.option("--report/--no-report", default=True, show_default=True,
                      help="Also write DIR/report.html (see `elastic-export report`); a failure to render only warns."),
+        click.option("--external-data", "external_data", flag_value=True, default=None,
+                     help="Keep every ONNX file's weights in NAME.onnx.data beside it (ONNX external data). "
+                          "Automatic for models whose weights pass protobuf's 2 GiB (about 530M fp32 parameters)."),
         click.option("--layout", type=click.Choice(["artifacts", "sentence-transformers"]), default="artifacts",
                      show_default=True,
                      help="sentence-transformers (text encoders): also DIR/sentence-transformers/, one folder per "
@@ -166,7 +169,8 @@ def _print_budget_table(manifest: dict, out: Path) -> None:
     e = manifest.get("elastic")
     if e:
         err = "" if e.get("max_abs_error") is None else f", max err {e['max_abs_error']:.1e}"
-        click.echo(f"elastic graph: {e['onnx']} (input {e['budget_input']} = index into the budgets above{err})")
+        dense = "" if e.get("dense_index") is None else f"; {e['dense_index']} = dense"
+        click.echo(f"elastic graph: {e['onnx']} (input {e['budget_input']} = index into the budgets above{dense}{err})")
     if "fp16" in manifest.get("precisions", []):
         errs = [x["fp16_max_rel_error"] for x in [d, *manifest["budgets"]] if x.get("fp16_max_rel_error") is not None]
         worst = f", max relative error vs fp32 {max(errs):.1e}" if errs else ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from elastic_export import onnx_io
 from elastic_export.adapters import HEADS, NEURONS, find_blocks
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError
@@ -30,26 +32,6 @@ from elastic_export.unit_map import UNITS_KEY, get_units, set_units  # noqa: F40
 
 OPSET = 17
 PASS_THROUGH = {"Identity", "Cast", "Dropout"}
-
-
-PROTOBUF_LIMIT = 2**31 - 1  # bytes: one ONNX ModelProto, weights inside, serialises to at most this
-
-
-def check_exportable(params: int) -> None:
-    """Refuse, before any ranking, a model whose fp32 weights cannot sit inside one ONNX file.
-
-    The export, the passes and the per-budget files keep the weights inside the protobuf (no
-    external data yet), which serialises to at most 2 GB: about 530M fp32 parameters.
-
-    Raises:
-        UserError: the model is too large; the message says what still works.
-    """
-    size = params * 4
-    if size >= PROTOBUF_LIMIT:
-        raise UserError(
-            f"{params / 1e6:,.0f}M parameters are {size / 1e9:.1f} GB in fp32, over the 2 GB an ONNX file without "
-            "external data can hold; exporting such models is not supported yet: rank it with `elastic-export rank` "
-            "(--weights-dtype bf16, --device cuda)")
 
 
 def _rms_norm_symbolic(g, x, shape, weight, eps):
@@ -322,11 +304,15 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
     return layers
 
 
-def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path) -> onnx.ModelProto:
+def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path, external: bool | None = None) -> onnx.ModelProto:
     """Export the rank-permuted dense model to ``path`` (opset 17, dynamic batch / sequence).
 
+    Args:
+        external: weights in ``path.data`` (:mod:`elastic_export.onnx_io`): True / False, or None for
+            only when they pass protobuf's 2 GiB.
+
     Returns:
-        The saved ONNX model (with the unit map in its metadata).
+        The saved ONNX model (with the unit map in its metadata; weights in memory either way).
     """
     module = permuted_module(encoder, ranking)
     wrapper = encoder.export_module(module)
@@ -337,22 +323,20 @@ def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path) -> onnx.M
     for o in outputs:
         dynamic[o] = {0: "batch", 1: "sequence"} if (encoder.modality == "text" and o == "last_hidden_state") else {0: "batch"}
     path = Path(path)
-    tmp = path.with_suffix(".export.tmp")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.no_grad():
-            torch.onnx.export(
-                wrapper, tuple(feeds[s.name] for s in specs), str(tmp),
-                input_names=[s.name for s in specs], output_names=outputs, dynamic_axes=dynamic,
-                opset_version=OPSET, do_constant_folding=True, dynamo=False,
-            )
-    try:
-        model = onnx.load(str(tmp))
-    finally:
-        tmp.unlink(missing_ok=True)
+    # torch writes a model over 2 GiB as one file per weight beside the .onnx: a folder of its own
+    with tempfile.TemporaryDirectory(prefix=".export.", dir=path.parent) as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                torch.onnx.export(
+                    wrapper, tuple(feeds[s.name] for s in specs), str(Path(tmp) / "model.onnx"),
+                    input_names=[s.name for s in specs], output_names=outputs, dynamic_axes=dynamic,
+                    opset_version=OPSET, do_constant_folding=True, dynamo=False,
+                )
+        model = onnx.load(str(Path(tmp) / "model.onnx"))
     layers = _unit_map(model, module)
     del model.graph.value_info[:]
     set_units(model, layers)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
+    onnx_io.check(model)
+    onnx_io.save(model, path, external)
     return model

@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
 
 PRECISIONS = ("fp32", "fp16")
@@ -140,7 +141,7 @@ def _drop_round_trips(graph: gs.Graph) -> int:
 def check_fp16_model(model: onnx.ModelProto, what: str = "fp16 model") -> None:
     """``onnx.checker`` (full check) and strict shape inference; raises ``RuntimeError`` on failure."""
     try:
-        onnx.checker.check_model(model, full_check=True)
+        onnx_io.check(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise RuntimeError(f"{what}: invalid after fp16 conversion: {first_line(e)}") from e
 
@@ -167,8 +168,9 @@ def to_fp16(model: onnx.ModelProto, fp32_ops: Iterable[str] = FP32_OPS) -> onnx.
     blocked |= _blocked_constants(src, blocked, ops)
     floats = [v.name for v in list(src.graph.input) + list(src.graph.output)
               if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+    src = onnx_io.infer_shapes(src)  # (the converter's own inference cannot take a model over 2 GiB)
     converted = convert_float_to_float16(src, keep_io_types=floats, op_block_list=sorted(ops),
-                                         node_block_list=sorted(blocked))
+                                         node_block_list=sorted(blocked), disable_shape_infer=True)
     graph = gs.import_onnx(converted)
     _drop_round_trips(graph)
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
@@ -182,23 +184,24 @@ def to_fp16(model: onnx.ModelProto, fp32_ops: Iterable[str] = FP32_OPS) -> onnx.
     entry = out.metadata_props.add()
     entry.key, entry.value = PRECISION_KEY, "fp16"
     out.producer_name, out.producer_version = model.producer_name, model.producer_version
-    out = onnx.shape_inference.infer_shapes(out, strict_mode=True)
+    out = onnx_io.infer_shapes(out, strict_mode=True)
     check_fp16_model(out)
     return out
 
 
-def write_fp16(model: onnx.ModelProto, path: str | Path) -> onnx.ModelProto:
+def write_fp16(model: onnx.ModelProto, path: str | Path, external: bool | None = None) -> onnx.ModelProto:
     """Convert ``model`` with :func:`to_fp16` and save it to ``path``.
 
     Args:
         model: the fp32 model.
         path: where to write the fp16 model.
+        external: weights in ``path.data`` (:func:`elastic_export.onnx_io.save`; None: by size).
 
     Returns:
         The fp16 model.
     """
     out = to_fp16(model)
-    onnx.save(out, str(path))
+    onnx_io.save(out, path, external)
     return out
 
 
@@ -263,7 +266,7 @@ def add_fp16(model: onnx.ModelProto, directory: str | Path, fp32_name: str,
 
     directory = Path(directory)
     name = fp16_name(fp32_name)
-    write_fp16(model, directory / name)
+    write_fp16(model, directory / name, onnx_io.external_like(directory / fp32_name))
     if feeds is None:
         return name, None
     sessions = [ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name)]

@@ -49,6 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
+from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
 
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -77,12 +78,14 @@ def parse_precisions(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def quantize(src: str | Path, dst: str | Path, per_channel: bool = True, reduce_range: bool = False) -> None:
-    """Dynamic int8 quantization of the ONNX file ``src`` (MatMul / Gemm weights) into ``dst``."""
+    """Dynamic int8 quantization of the ONNX file ``src`` (MatMul / Gemm weights) into ``dst``
+    (weights in ``dst.data`` when ``src`` has external data, as :mod:`elastic_export.onnx_io` names it)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     try:
         quantize_dynamic(str(src), str(dst), op_types_to_quantize=INT8_SETTINGS["op_types"],
-                         per_channel=per_channel, reduce_range=reduce_range, weight_type=QuantType.QInt8)
+                         per_channel=per_channel, reduce_range=reduce_range, weight_type=QuantType.QInt8,
+                         use_external_data_format=bool(onnx_io.external_like(src)))
     except Exception as e:  # the quantizer's own errors on ops it cannot handle
         raise UserError(f"{Path(src).name}: int8 quantization failed ({first_line(e)})") from e
 
@@ -136,7 +139,9 @@ def add_int8(directory: str | Path, fp32_name: str, feeds: dict[str, np.ndarray]
     with tempfile.TemporaryDirectory(dir=directory) as scratch:  # the quantizer writes helper files next to dst
         quantize(directory / fp32_name, Path(scratch) / name, INT8_SETTINGS["per_channel"],
                  INT8_SETTINGS["reduce_range"])
-        Path(scratch, name).replace(directory / name)
+        for f in onnx_io.files(Path(scratch) / name):
+            onnx_io.share_mode(f)
+            f.replace(directory / f.name)
     if feeds is None:
         return name, None
     sessions = [ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name)]

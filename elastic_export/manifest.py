@@ -40,6 +40,32 @@ def resolve(directory: Path, rel: str | None) -> Path | None:
     return p
 
 
+def elastic_indices(elastic: dict, sparsities: list[float]) -> list[tuple[float, int]]:
+    """(sparsity, ``budget_index``) of every budget the elastic graph selects, dense included.
+
+    The manifest's ``elastic`` entry lists ``budgets``: the sparsities of indices 0, 1, ... in
+    order (absent in hand-made manifests: the manifest's budgets, in order); ``dense_index``
+    (written since the elastic graph serves the dense model too; absent in older directories,
+    whose graph has no dense row) is the index of sparsity 0.0, after the budgets'.
+
+    Args:
+        elastic: the manifest's ``elastic`` entry.
+        sparsities: the manifest's budget sparsities, in order (the default for ``budgets``).
+
+    Raises:
+        UserError: ``dense_index`` is not an integer index past the budgets'.
+    """
+    listed = elastic.get("budgets") or sparsities
+    pairs = [(s, i) for i, s in enumerate(listed)]
+    dense = elastic.get("dense_index")
+    if dense is not None:
+        if isinstance(dense, bool) or not isinstance(dense, int) or not dense >= len(listed):
+            raise UserError(f"{MANIFEST}: elastic 'dense_index' {dense!r} must be an integer >= {len(listed)} "
+                            f"(after the budgets' indices)")
+        pairs.append((0.0, dense))
+    return pairs
+
+
 def write_manifest(directory: Path, manifest: dict) -> Path:
     """Write ``DIR/manifest.json`` atomically (a reader never sees half a manifest)."""
     from elastic_export.fileio import atomic_write

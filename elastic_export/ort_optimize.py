@@ -49,9 +49,12 @@ from typing import Callable, Iterator
 import numpy as np
 import onnx
 
+from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
 
 OPT_SUFFIX = ".opt.onnx"
+EXTERNAL_REFUSAL = ("{src}: onnxruntime-optimised copies of models with external data (weights in a .onnx.data "
+                    "file) are not supported yet; drop --ort-optimize")
 MANIFEST_KEY = "onnx_optimized"
 METHODS = ("auto", "transformers", "ort")
 FUSED_OPS = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "EmbedLayerNormalization",
@@ -270,6 +273,8 @@ def optimize_onnx(src: str | Path, dst: str | Path | None = None, *, method: str
     dst = Path(dst) if dst is not None else src.with_name(optimized_name(src.name))
     if dst.resolve() == src.resolve():
         raise UserError(f"{src}: the optimised model must not overwrite its source")
+    if len(onnx_io.files(src)) > 1:
+        raise UserError(EXTERNAL_REFUSAL.format(src=src.name))
     try:
         model = onnx.load(str(src), load_external_data=False)
     except Exception as e:  # protobuf / IO errors

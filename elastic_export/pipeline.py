@@ -20,20 +20,20 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__, preprocess, st_layout
+from elastic_export import __version__, onnx_io, preprocess, st_layout
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError, first_line
-from elastic_export.export import check_exportable, export_dense
+from elastic_export.export import export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
 from elastic_export.fp16 import add_fp16
 from elastic_export.int8 import add_int8, parse_precisions
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
 from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
-from elastic_export.ort_optimize import optimize_artifacts
-from elastic_export.passes import BudgetSlicer, build_elastic_model
+from elastic_export.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
+from elastic_export.passes import BudgetSlicer, build_elastic_model, dense_counts
 from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
@@ -74,6 +74,7 @@ class Options:
     precision: str = "fp32"  # comma list: fp16 / int8 also write a twin of every ONNX file (elastic_export.fp16, .int8)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
+    external_data: bool | None = None  # weights in NAME.onnx.data: True always, None above 2 GiB (onnx_io)
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
     layout: str = "artifacts"  # "sentence-transformers": also DIR/sentence-transformers/ (elastic_export.st_layout)
 
@@ -180,10 +181,7 @@ def masked_outputs(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, feeds: 
 
 def max_error(path: Path, feeds: dict, want: list[np.ndarray]) -> float:
     """Max abs difference between the ONNX file (onnxruntime) and reference outputs ``want``."""
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+    got = _ort_run(path, feeds)
     return max(float(np.abs(a - b).max()) for a, b in zip(got, want))
 
 
@@ -192,48 +190,73 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
                   precision: str = "fp32") -> dict:
     """Write the elastic graph (``elastic.onnx``: weights once, ``budget_index`` selects the budget).
 
+    Index b < len(plans) is ``plans[b]``; index len(plans) is the dense model (sparsity 0.0: every
+    unit kept), so one graph serves the whole range.
+
     Args:
-        dense: the dense rank-permuted export.
+        dense: the dense rank-permuted export (saved as ``dense.onnx`` in ``directory``).
         plans: the budgets, in manifest order (budget index b = ``plans[b]``).
         directory: where to write ``elastic.onnx``.
         feeds: sample inputs; when given with ``refs``, every budget index is run in onnxruntime
-            and compared with the hard-masked torch model (max abs error must be ≤ 1e-4).
+            and compared with the hard-masked torch model, the dense index with ``dense.onnx``
+            (max abs error must be ≤ 1e-4).
         refs: :func:`masked_outputs` of every plan on ``feeds``.
         precision: ``fp16`` also writes ``elastic.fp16.onnx`` (:func:`elastic_export.fp16.to_fp16`),
-            checked at every budget index against the fp32 elastic graph (relative error ≤ 1e-2).
+            checked at every index against the fp32 elastic graph (relative error ≤ 1e-2).
 
     Returns:
         The manifest's ``elastic`` entry: {onnx, budget_input, budgets (sparsities in index order),
-        max_abs_error (over all budgets, or None without ``feeds``), onnx_fp16, fp16_max_rel_error}.
+        dense_index, max_abs_error (over all indices, or None without ``feeds``), onnx_fp16,
+        fp16_max_rel_error}.
+    """
+    t0 = time.time()
+    full_heads, full_neurons = dense_counts(dense)
+    model = build_elastic_model(dense, [p.heads_per_layer for p in plans] + [full_heads],
+                                [p.neurons_per_layer for p in plans] + [full_neurons], budget_input=BUDGET_INPUT)
+    onnx_io.save(model, directory / ELASTIC_FILE, onnx_io.external_like(directory / "dense.onnx"))
+    worst = None
+    if feeds is not None and refs is not None:
+        worst = _check_elastic(directory, feeds, refs + [_ort_run(directory / "dense.onnx", feeds)],
+                               [f"budget {p.sparsity}" for p in plans] + [f"dense (index {len(plans)})"])
+    size = sum(f.stat().st_size for f in onnx_io.files(directory / ELASTIC_FILE)) / 1e6
+    echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets + dense, {size:.1f} MB, built in {time.time() - t0:.1f}s"
+         + (f", max err {worst:.1e}" if worst is not None else ""))
+    entry = {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
+             "dense_index": len(plans), "max_abs_error": worst, "onnx_fp16": None, "fp16_max_rel_error": None}
+    if precision == "fp16":  # checked at every index against the fp32 elastic graph
+        per_index = None if feeds is None else [
+            {**{k: v.numpy() for k, v in feeds.items()}, BUDGET_INPUT: np.array([b], dtype=np.int64)}
+            for b in range(len(plans) + 1)]
+        entry["onnx_fp16"], entry["fp16_max_rel_error"] = add_fp16(model, directory, ELASTIC_FILE, per_index)
+    return entry
+
+
+def _ort_run(path: Path, feeds: dict) -> list[np.ndarray]:
+    """The outputs of the ONNX file ``path`` (onnxruntime CPU) on torch ``feeds``."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+
+
+def _check_elastic(directory: Path, feeds: dict, wants: list[list[np.ndarray]], labels: list[str]) -> float:
+    """Run ``elastic.onnx`` at every index b and compare with ``wants[b]``; the largest max abs error.
+
+    Raises:
+        RuntimeError: an index differs by more than 1e-4.
     """
     import onnxruntime as ort
 
-    t0 = time.time()
-    model = build_elastic_model(dense, [p.heads_per_layer for p in plans], [p.neurons_per_layer for p in plans],
-                                budget_input=BUDGET_INPUT)
-    onnx.save(model, str(directory / ELASTIC_FILE))
-    worst = None
-    if feeds is not None and refs is not None:
-        sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
-        np_feeds = {k: v.numpy() for k, v in feeds.items()}
-        worst = 0.0
-        for b, (plan, want) in enumerate(zip(plans, refs)):
-            got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
-            err = max(float(np.abs(a - w).max()) for a, w in zip(got, want))
-            if err > 1e-4:
-                raise RuntimeError(f"elastic graph, budget {plan.sparsity}: differs from the masked model by {err:.2e}")
-            worst = max(worst, err)
-    size = (directory / ELASTIC_FILE).stat().st_size / 1e6
-    echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets, {size:.1f} MB, built in {time.time() - t0:.1f}s"
-         + (f", max err {worst:.1e}" if worst is not None else ""))
-    entry = {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
-             "max_abs_error": worst, "onnx_fp16": None, "fp16_max_rel_error": None}
-    if precision == "fp16":  # checked at every budget index against the fp32 elastic graph
-        per_index = None if feeds is None else [
-            {**{k: v.numpy() for k, v in feeds.items()}, BUDGET_INPUT: np.array([b], dtype=np.int64)}
-            for b in range(len(plans))]
-        entry["onnx_fp16"], entry["fp16_max_rel_error"] = add_fp16(model, directory, ELASTIC_FILE, per_index)
-    return entry
+    sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
+    np_feeds = {k: v.numpy() for k, v in feeds.items()}
+    worst = 0.0
+    for b, (want, label) in enumerate(zip(wants, labels)):
+        got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
+        err = max(float(np.abs(a - w).max()) for a, w in zip(got, want))
+        if err > 1e-4:
+            raise RuntimeError(f"elastic graph, {label}: differs from the reference by {err:.2e}")
+        worst = max(worst, err)
+    return worst
 
 
 def check_layout(layout: str, encoder: Encoder) -> None:
@@ -304,7 +327,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
          f"{inventory.total_params / 1e6:.2f}M params")
     check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
-    check_exportable(inventory.total_params)
+    if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
+        raise UserError(EXTERNAL_REFUSAL.format(src="dense.onnx"))
     check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
     rank_seconds = None  # time taken to rank (None: reused)
     if opts.ranking:
@@ -327,7 +351,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         os.chmod(tmp, 0o777 & ~umask())
         save_ranking(ranking, tmp / RANKING_FILE)
         t0 = time.time()
-        dense = export_dense(encoder, ranking, tmp / "dense.onnx")
+        dense = export_dense(encoder, ranking, tmp / "dense.onnx", opts.external_data)
         echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
         feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
         fp16: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (fp16 file, relative error)
@@ -339,7 +363,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             int8["dense.onnx"] = add_int8(tmp, "dense.onnx", np_feeds)
         t0 = time.time()
         names = []
-        slicer = BudgetSlicer(dense)
+        slicer = BudgetSlicer(dense, external=onnx_io.external_like(tmp / "dense.onnx"))
         for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
             names.append(f"budget_{budget_tag(plan.sparsity)}.onnx")
             # with --verify, onnxruntime loads and checks every file below, so the passes skip
@@ -372,7 +396,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
                       "fingerprint": encoder.fingerprint(), "modality": encoder.modality,
                       **({"tower": encoder.tower} if encoder.tower else {})},
             "inputs": io_specs(dense.graph.input),
-            "outputs": io_specs(onnx.shape_inference.infer_shapes(dense).graph.output),
+            "outputs": io_specs(onnx.shape_inference.infer_shapes(onnx_io.weightless(dense)).graph.output),
             "tokens": inventory.tokens,
             "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
             "prunable_gflops": inventory.prunable_flops / 1e9,

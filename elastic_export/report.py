@@ -314,7 +314,9 @@ def section_budgets(manifest: dict) -> str:
     e = manifest.get("elastic")
     if isinstance(e, dict) and e.get("onnx"):
         out.append(f'<p class="meta">Elastic graph: <code>{_e(e["onnx"])}</code>, input <code>{_e(e.get("budget_input"))}'
-                   f'</code> = index into the budgets above, max abs err {_num(e.get("max_abs_error"), ".1e")}.</p>')
+                   f'</code> = index into the budgets above'
+                   + (f', {_e(e["dense_index"])} = dense' if e.get("dense_index") is not None else "")
+                   + f', max abs err {_num(e.get("max_abs_error"), ".1e")}.</p>')
     else:
         out.append(_absent("No elastic graph in this directory."))
     if manifest.get("tensorrt"):

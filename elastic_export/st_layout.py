@@ -6,6 +6,7 @@ the budget's ONNX file as ``onnx/model.onnx``::
 
     s030-fp32/
         onnx/model.onnx          the budget's file (fp32, or its fp16 / int8 twin), unchanged
+        onnx/budget_s030.onnx.data   its external data, where it has some (named as the model file names it)
         config.json, tokenizer files, sentence_bert_config.json, ...   copied from the source
         modules.json             Transformer -> Pooling (-> Normalize ...), the source's modules
         1_Pooling/config.json    (and every other module folder of the source)
@@ -29,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
+from elastic_export import onnx_io
 from elastic_export.budgets import budget_tag, parse_budgets
 from elastic_export.errors import UserError
 from elastic_export.fileio import OutputLock, check_creatable, umask
@@ -39,7 +41,8 @@ LAYOUT = "sentence-transformers"  # the main job's --layout value, and its folde
 ONNX_FILE = "onnx/model.onnx"
 PROVENANCE = "elastic_export.json"
 TOKEN_OUTPUT = "last_hidden_state"  # the output Optimum's ORTModelForFeatureExtraction reads
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".gguf", ".index.json")
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx.data", ".onnx_data", ".gguf",
+            ".index.json")
 _SKIP = {"README.md", PROVENANCE}
 _MEAN_POOLING = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
                  "pooling_mode_mean_sqrt_len_tokens": False}
@@ -187,7 +190,10 @@ def write_folder(artifacts: Path, manifest: dict, source: Path, modules: list[di
         raise UserError(f"{artifacts / rel}: missing (named by the manifest for budget {entry['sparsity']:g})")
     dest.mkdir(parents=True)
     _copy_source(source, modules, dest)
-    _link_or_copy(onnx_file, dest / ONNX_FILE)
+    model_file, *data = onnx_io.files(onnx_file)
+    _link_or_copy(model_file, dest / ONNX_FILE)
+    for f in data:  # external data: the model names it by its own file name, resolved beside the model
+        _link_or_copy(f, (dest / ONNX_FILE).parent / f.name)
     info = {"artifact_dir": str(artifacts.resolve()), "model": manifest["model"].get("source"),
             "fingerprint": manifest["model"].get("fingerprint"), "sparsity": entry["sparsity"],
             "achieved_sparsity": entry.get("achieved_sparsity"), "gflops": entry.get("gflops"), "precision": precision,

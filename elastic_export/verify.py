@@ -16,7 +16,8 @@ still computes what the manifest says it does.
   files where it lists them, each against its own fp32 file (min embedding cosine >=
   :data:`elastic_export.int8.INT8_MIN_COSINE`), the single
   elastic graph when the manifest's ``elastic`` is not null (``budget_input``, an int64 index into
-  the manifest's budgets, selects each budget in turn; ``atol``), TensorRT engines where
+  the manifest's budgets, selects each budget in turn, and its ``dense_index`` the dense model,
+  checked against dense.onnx; ``atol``), TensorRT engines where
   ``tensorrt`` and a CUDA device are available (``rtol_fp16``; otherwise reported as skipped with
   the reason), and optionally the torch hard-masked model
   (:func:`elastic_export.reference.hard_mask`) when the model can be loaded (``--model``, or the
@@ -34,6 +35,7 @@ model stops at once (:class:`UserError`); a missing or corrupt artifact is a row
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -42,10 +44,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
 from elastic_export.fp16 import FP16_RTOL, relative_error
 from elastic_export.int8 import INT8_MIN_COSINE, embedding, min_cosine
-from elastic_export.manifest import MANIFEST, load_manifest, resolve
+from elastic_export.manifest import MANIFEST, elastic_indices, load_manifest, resolve
 
 ATOL = 1e-4  # DESIGN.md invariant 2: fp32 max abs error on the final output
 OK, MISMATCH, MISSING, CORRUPT, SKIPPED = "ok", "MISMATCH", "missing", "corrupt", "skipped"
@@ -266,6 +269,12 @@ def _session(model: onnx.ModelProto | Path):
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if isinstance(model, onnx.ModelProto) and onnx_io.weight_bytes(model) >= onnx_io.INLINE_LIMIT:
+        scratch = tempfile.TemporaryDirectory(prefix="elastic-verify-")  # over 2 GiB: through a file
+        onnx_io.save(model, Path(scratch.name) / "model.onnx", external=True)
+        sess = ort.InferenceSession(str(Path(scratch.name) / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        sess._scratch = scratch  # removed with the session
+        return sess
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 
@@ -519,7 +528,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
 
     elastic = manifest.get("elastic")
     if elastic:
-        _check_elastic(report, d, elastic, budgets, refs, feeds, outputs, atol, rtol_fp16)
+        _check_elastic(report, d, elastic, budgets, [*refs, dense_out], feeds, outputs, atol, rtol_fp16)
     dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
     _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
     if use_torch:
@@ -551,8 +560,10 @@ def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, 
 
 def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], refs: list, feeds: dict,
                    outputs: list[str], atol: float, rtol_fp16: float = FP16_RTOL) -> None:
-    """One row per budget of the elastic graph (and of its fp16 twin where the manifest lists one),
-    selected by its ``budget_input`` index."""
+    """One row per index of the elastic graph (and of its fp16 twin where the manifest lists one),
+    selected by its ``budget_input``: every budget against its masked dense model (``refs[i]``)
+    and, where the manifest lists a ``dense_index``, the dense model against dense.onnx
+    (``refs[-1]``)."""
     index_name = elastic.get("budget_input")
     files = [("onnx", "elastic", atol, None)]
     if elastic.get("onnx_fp16") is not None:
@@ -570,17 +581,23 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
             listed = elastic.get("budgets")
             if listed is not None and listed != [b["sparsity"] for b in budgets]:
                 raise _Failed(CORRUPT, f"its budgets {listed} are not the manifest's, in the manifest's order")
+            try:
+                indices = elastic_indices(elastic, [b["sparsity"] for b in budgets])
+            except UserError as e:
+                raise _Failed(CORRUPT, str(e))
         except _Failed as e:
             base.status, base.detail = e.status, e.reason
             report.checks.append(base)
             continue
         shape = () if not spec.shape else (1,) * len(spec.shape)
-        for i, (b, ref) in enumerate(zip(budgets, refs)):
-            check = Check(f"{b['sparsity']:.2f}", f"{rel}[{i}]", kind, "masked dense")
+        labels = [f"{b['sparsity']:.2f}" for b in budgets] + ["dense"]
+        for n, (_, i) in enumerate(indices):
+            dense = n == len(budgets)
+            check = Check(labels[n], f"{rel}[{i}]", kind, "dense" if dense else "masked dense")
             index = np.full(shape, i, np.int64)
-            report.checks.append(_guard(check, lambda check=check, ref=ref, index=index, sess=sess: _compare(
-                check, ref, _run(sess, {**feeds, index_name: index}, outputs), file_atol, file_rtol,
-                feeds.get("attention_mask"))))
+            report.checks.append(_guard(check, lambda check=check, ref=refs[-1 if dense else n], index=index, sess=sess:
+                                        _compare(check, ref, _run(sess, {**feeds, index_name: index}, outputs),
+                                                 file_atol, file_rtol, feeds.get("attention_mask"))))
 
 
 def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, feeds: dict,

@@ -22,6 +22,11 @@ from elastic_export.passes.base import (  # noqa: F401
 # isort: split
 # registration side effects: each module registers its passes
 from elastic_export.passes import cleanup, drop_empty, head_reshapes, slice_weights  # noqa: F401,E402
-from elastic_export.passes.elastic_graph import ELASTIC_PIPELINE, build_elastic_model, get_elastic  # noqa: F401,E402
+from elastic_export.passes.elastic_graph import (  # noqa: F401,E402
+    ELASTIC_PIPELINE,
+    build_elastic_model,
+    dense_counts,
+    get_elastic,
+)
 
 BUDGET_PIPELINE = ["drop-empty-blocks", "slice-weights", "fix-head-reshapes", "cleanup"]

@@ -62,8 +62,10 @@ def constants(graph: gs.Graph) -> dict[str, gs.Constant]:
 
 def verify(model: onnx.ModelProto, after: str) -> None:
     """The full check: ``onnx.checker`` accepts the model and no initializer is 0-sized."""
+    from elastic_export import onnx_io
+
     try:
-        onnx.checker.check_model(model)
+        onnx_io.check(model)
     except onnx.checker.ValidationError as e:
         raise RuntimeError(f"pass {after!r} produced an invalid graph: {first_line(e)}") from e
     for t in model.graph.initializer:
@@ -300,11 +302,13 @@ class BudgetSlicer:
     Args:
         dense: the dense export (with its unit map); not modified.
         names: passes to run (default: the budget pipeline).
+        external: weights in ``NAME.onnx.data`` (True / False; None: only above protobuf's 2 GiB).
     """
 
-    def __init__(self, dense: onnx.ModelProto, names: list[str] | None = None) -> None:
+    def __init__(self, dense: onnx.ModelProto, names: list[str] | None = None, external: bool | None = None) -> None:
+        from elastic_export.onnx_io import model_skeleton
         from elastic_export.passes import BUDGET_PIPELINE
-        from elastic_export.passes.serialize import TensorCache, model_skeleton
+        from elastic_export.passes.serialize import TensorCache
 
         self.units = _dense_units(dense)
         self.names = list(names or BUDGET_PIPELINE)
@@ -312,6 +316,7 @@ class BudgetSlicer:
         check_unit_map(self._graph, self.units)
         self._skeleton = model_skeleton(dense)
         self._cache = TensorCache()
+        self.external = external
 
     def save(self, heads: list[int], neurons: list[int], path: str | Path, full_check: bool = False) -> None:
         """Slice one budget and write it to ``path``.
@@ -330,7 +335,7 @@ class BudgetSlicer:
         skeleton = onnx.ModelProto()
         skeleton.CopyFrom(self._skeleton)
         set_units(skeleton, _sliced_units(ctx))
-        save_graph(graph, skeleton, path, self._cache)
+        save_graph(graph, skeleton, path, self._cache, self.external)
         if full_check:
             try:
                 onnx.checker.check_model(str(path), full_check=True)

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from elastic_export import onnx_io
 from elastic_export.errors import UserError
 from elastic_export.passes.base import PassContext, constants, kv_kept, nodes_by_name, register_pass, run_passes
 from elastic_export.passes.head_reshapes import _shape_rank
@@ -313,9 +314,18 @@ def build_elastic_model(dense: onnx.ModelProto, heads: list[list[int]], neurons:
     entry = out.metadata_props.add()
     entry.key = ELASTIC_KEY
     entry.value = json.dumps({"budget_input": budget_input, "heads": heads, "neurons": neurons}, sort_keys=True)
-    out = onnx.shape_inference.infer_shapes(out, strict_mode=True)
-    onnx.checker.check_model(out, full_check=True)
+    out = onnx_io.infer_shapes(out, strict_mode=True)
+    onnx_io.check(out, full_check=True)
     return out
+
+
+def dense_counts(dense: onnx.ModelProto) -> tuple[list[int], list[int]]:
+    """Per layer, every head and every neuron of the dense model: the table row of the elastic
+    graph's dense index (sparsity 0.0), to append after the budgets' rows."""
+    from elastic_export.passes.base import _dense_units
+
+    units = _dense_units(dense)
+    return [layer["heads"]["count"] for layer in units], [layer["neurons"]["count"] for layer in units]
 
 
 def get_elastic(model: onnx.ModelProto) -> dict:

@@ -313,6 +313,13 @@ def _check_onnx(path: Path, what: str) -> None:
 
 
 # --- building -------------------------------------------------------------------------------------
+def _data_files(model: Path) -> list[Path]:
+    """The external data file of an ONNX file, if it has one (:func:`elastic_export.onnx_io.files`)."""
+    from elastic_export import onnx_io
+
+    return onnx_io.files(model)[1:]
+
+
 def _place(src: Path, dst: Path) -> str:
     """Hard-link ``src`` to ``dst`` (same filesystem), else copy it; returns ``link`` or ``copy``."""
     try:
@@ -445,7 +452,10 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
         for m in models:
             version = staging / m.name / "1"
             version.mkdir(parents=True)
-            placed[m.name] = _place(resolve(d, m.source), version / m.filename)
+            src = resolve(d, m.source)
+            placed[m.name] = _place(src, version / m.filename)
+            for data in _data_files(src):  # external data: read by the name the model file records
+                _place(data, version / data.name)
         (staging / name / "1").mkdir(parents=True)
         (staging / name / "1" / "model.py").write_text(router_source())
         for model_name, text in configs.items():

@@ -216,14 +216,17 @@ def test_pipeline_writes_and_verifies_the_elastic_graph(tmp_path):
     assert load_manifest(out)["elastic"] == m["elastic"]
     e = m["elastic"]
     assert e["onnx"] == "elastic.onnx" and e["budget_input"] == "budget_index" and e["budgets"] == [0.2, 0.5, 0.9]
-    assert e["max_abs_error"] <= 1e-4
+    assert e["dense_index"] == 3 and e["max_abs_error"] <= 1e-4
     ids = np.array([[5, 17, 300, 9, 2, 0]], dtype=np.int64)
     feeds = {"input_ids": ids, "attention_mask": (ids > 0).astype(np.int64), "token_type_ids": np.zeros_like(ids)}
     sess = ort.InferenceSession(str(out / e["onnx"]), providers=["CPUExecutionProvider"])
-    for b, budget in enumerate(m["budgets"]):
-        own = ort.InferenceSession(str(out / budget["onnx"]), providers=["CPUExecutionProvider"]).run(None, feeds)
+    # every budget index equals its budget's file, and the dense index equals dense.onnx
+    for b, entry in enumerate([*m["budgets"], m["dense"]]):
+        own = ort.InferenceSession(str(out / entry["onnx"]), providers=["CPUExecutionProvider"]).run(None, feeds)
         got = sess.run(None, {**feeds, e["budget_input"]: np.array([b], dtype=np.int64)})
         assert max_err(got, own) <= 1e-4
+    assert get_elastic(onnx.load(str(out / e["onnx"])))["heads"][3] == [u["heads"]["count"] for u in
+                                                                         get_units(onnx.load(str(out / "dense.onnx")))]
     with pytest.raises(SystemExit) as exit_:
         main(["--model", str(model), "--budgets", "0.3", "--seq-len", "16", "--method", "magnitude",
               "--no-elastic-graph", "--no-verify", "--out", str(out)])

@@ -151,7 +151,8 @@ def test_budget_slicer_refuses_bad_counts(setup, tmp_path):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.int32, np.bool_, np.uint8, np.float64])
 def test_save_graph_matches_graphsurgeon_export(tmp_path, dtype):
     """Streamed initializers of every dtype (and 0-d, empty-name-free) load back as gs.export_onnx writes them."""
-    from elastic_export.passes.serialize import TensorCache, model_skeleton, save_graph
+    from elastic_export.onnx_io import model_skeleton
+    from elastic_export.passes.serialize import TensorCache, save_graph
 
     x = gs.Variable("x", np.float32, (2, 3))
     w = gs.Constant("w", (np.arange(6).reshape(2, 3) % 2).astype(dtype))

@@ -87,14 +87,30 @@ def test_per_budget_mode_matches_each_budget_file(rt, feeds, expected):
     assert rt.file(0.0) == "dense.onnx" and rt.file(0.5).startswith("budget_")
 
 
-def test_elastic_mode_matches_each_budget_file(art, feeds, expected):
+def test_elastic_mode_matches_each_budget_file(art, feeds, expected, tmp_path):
     el = ElasticRuntime.from_dir(art, mode="elastic", providers=["CPUExecutionProvider"])
-    assert el.sparsities == list(BUDGETS)
-    for s in BUDGETS:
+    assert el.sparsities == [0.0, *BUDGETS]  # the elastic graph serves the dense model too
+    for s in el.sparsities:
         assert _err(el.run(feeds, sparsity=s), expected[s]) <= 1e-4
+    assert el.file(0.0) == "elastic.onnx" and el.memory_rss() > 0
+    # a directory written before the dense index (no dense_index in the manifest) still loads: budgets only
+    old_dir = _without_dense_index(art, tmp_path)
+    old = ElasticRuntime.from_dir(old_dir, mode="elastic", config=SessionConfig(threads=1))
+    assert old.sparsities == list(BUDGETS)
     with pytest.raises(UserError, match="not a listed budget"):
-        el.set_budget(0.0)  # the elastic graph holds the budgets, not the dense model
-    assert el.memory_rss() > 0
+        old.set_budget(0.0)
+    for s in BUDGETS:
+        assert _err(old.run(feeds, sparsity=s), expected[s]) <= 1e-4
+
+
+def _without_dense_index(art: Path, tmp_path: Path) -> Path:
+    """A copy of ``art`` whose manifest has no elastic ``dense_index`` (as written before it existed)."""
+    old = tmp_path / "old"
+    shutil.copytree(art, old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["elastic"]["dense_index"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    return old
 
 
 def test_set_budget_is_exact_and_cheap(rt):
@@ -398,7 +414,8 @@ def test_fp16_precision_serves_the_fp16_files(art16, feeds, mode):
     m = json.loads((art16 / "manifest.json").read_text())
     rt16 = ElasticRuntime.from_dir(art16, mode=mode, precision="fp16", config=SessionConfig(threads=1))
     rt32 = ElasticRuntime.from_dir(art16, mode=mode, config=SessionConfig(threads=1))
-    for b in m["budgets"]:
+    assert rt16.sparsities == rt32.sparsities == [0.0, 0.3, 0.6]  # elastic mode too: the graph's dense index
+    for b in [{**m["dense"], "sparsity": 0.0}, *m["budgets"]]:
         s = b["sparsity"]
         if mode == "per-budget":
             assert rt16.file(s) == b["onnx_fp16"]

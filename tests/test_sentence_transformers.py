@@ -118,15 +118,17 @@ def test_export_st_subcommand(artifacts, work, capsys):
 
 
 def test_plain_hf_directory_gets_mean_pooling(work):
-    """No modules.json: Transformer + mean Pooling, the embedding the project ranks such a model with."""
+    """No modules.json: Transformer + mean Pooling, the embedding the project ranks such a model with;
+    with --external-data the model file's weights file goes along, under the name the model gives it."""
     plain, out = work / "plain", work / "plain-art"
     tiny = tiny_encoder("hf-bert")
     _perturb(tiny.module, seed=2).save_pretrained(plain)
     _tokenizer(plain)
     assert _main("--model", plain, "--budgets", "0.5", "--method", "magnitude", "--seq-len", "16", "--no-verify",
-                 "--no-elastic-graph", "--no-report", "--out", out) == 0
+                 "--no-elastic-graph", "--no-report", "--external-data", "--out", out) == 0
     assert _main("export-st", out, "--out", work / "plain-st") == 0
     folder = work / "plain-st" / "s050-fp32"
+    assert sorted(p.name for p in (folder / "onnx").iterdir()) == ["budget_s050.onnx.data", "model.onnx"]
     modules = json.loads((folder / "modules.json").read_text())
     assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling"]
     got, tokenizer = _encode(folder)

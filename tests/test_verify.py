@@ -109,12 +109,15 @@ def test_fresh_directory_passes_subprocess(pristine):
     assert all(r[-1] == "ok" for r in rows), p.stdout
     files = [m["dense"]["onnx"], m["dense"]["onnx_fp16"]] + [f for b in m["budgets"] for f in (b["onnx"], b["onnx_fp16"])]
     assert {f for f in files} <= {r[1] for r in rows}, p.stdout
-    # the pipeline's elastic graph: one row per budget index
-    if m["elastic"]:
-        assert [r[1] for r in rows if r[2] == "elastic"] == [f"{m['elastic']['onnx']}[{i}]" for i in range(len(m["budgets"]))]
-    # --precision fp16: the elastic graph's fp16 twin, also one row per budget index
+    # the pipeline's elastic graph: one row per budget index, and one for its dense index (vs dense.onnx)
+    indices = range(len(m["budgets"]) + 1)
+    assert m["elastic"]["dense_index"] == len(m["budgets"])
+    elastic_rows = [r for r in rows if r[2] == "elastic"]
+    assert [r[1] for r in elastic_rows] == [f"{m['elastic']['onnx']}[{i}]" for i in indices]
+    assert elastic_rows[-1][0] == "dense" and elastic_rows[-1][3] == "dense"
+    # --precision fp16: the elastic graph's fp16 twin, also one row per index
     assert m["elastic"]["onnx_fp16"] == "elastic.fp16.onnx" and 0 < m["elastic"]["fp16_max_rel_error"] <= 1e-2
-    assert [r[1] for r in rows if r[2] == "elastic fp16"] == [f"elastic.fp16.onnx[{i}]" for i in range(len(m["budgets"]))]
+    assert [r[1] for r in rows if r[2] == "elastic fp16"] == [f"elastic.fp16.onnx[{i}]" for i in indices]
     # the manifest's model.source (a local directory) loads, so the torch hard-masked model is compared too
     assert len([r for r in rows if r[2] == "torch"]) == 1 + len(m["budgets"]), p.stdout
     assert f"all {len(rows)} checks passed" in p.stdout
@@ -255,14 +258,14 @@ def build_elastic(d: Path, order: list[int] | None = None, name: str = "elastic.
 
 
 def test_elastic_graph_with_corrupt_weights(art, capsys):
-    """The pipeline's own elastic graph, one MLP weight changed: every budget index differs."""
+    """The pipeline's own elastic graph, one MLP weight changed: every index differs, dense included."""
     m = json.loads((art / "manifest.json").read_text())
     assert m["elastic"] and m["elastic"]["budget_input"] == "budget_index"
     _scale_weight(art / m["elastic"]["onnx"], "layer.0.output.dense.weight")
     rc, out, err = cli(capsys, "verify", str(art), "--no-torch")
     assert rc == 1 and f"{m['elastic']['onnx']}[0]" in one_error(err)
     assert [r[1] for r in table(out) if r[-1].startswith("MISMATCH")] == \
-        [f"{m['elastic']['onnx']}[{i}]" for i in range(len(m["budgets"]))]
+        [f"{m['elastic']['onnx']}[{i}]" for i in range(len(m["budgets"]) + 1)]
 
 
 def test_elastic_graph_index_mapping(art, capsys):
@@ -284,6 +287,9 @@ def test_elastic_graph_broken_entry(art, capsys):
     _edit_manifest(art, lambda m: m["elastic"].update(budget_input="budget_index", budgets=[0.6, 0.3]))
     rc, out, err = cli(capsys, "verify", str(art), "--no-torch")
     assert rc == 2 and "corrupt" in one_error(err)
+    _edit_manifest(art, lambda m: m["elastic"].update(budgets=[b["sparsity"] for b in m["budgets"]], dense_index=0))
+    rc, out, err = cli(capsys, "verify", str(art), "--no-torch")
+    assert rc == 2 and "corrupt" in one_error(err) and "dense_index" in one_error(err)
 
 
 def test_engines(art, capsys):
