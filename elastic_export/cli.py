@@ -82,7 +82,7 @@ def ranking_options(fn):
 
 def export_options(fn):
     """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision,
-    --ort-optimize, --report/--no-report, --external-data."""
+    --ort-optimize, --report/--no-report, --external-data, --layout."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -112,6 +112,11 @@ def export_options(fn):
         click.option("--external-data", "external_data", flag_value=True, default=None,
                      help="Keep every ONNX file's weights in NAME.onnx.data beside it (ONNX external data). "
                           "Automatic for models whose weights pass protobuf's 2 GiB (about 530M fp32 parameters)."),
+        click.option("--layout", type=click.Choice(["artifacts", "sentence-transformers"]), default="artifacts",
+                     show_default=True,
+                     help="sentence-transformers (text encoders): also DIR/sentence-transformers/, one folder per "
+                          "budget and precision that SentenceTransformer(folder, backend=\"onnx\") loads as it is "
+                          "(see `elastic-export export-st`)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -397,6 +402,24 @@ def report_cmd(directory, out):
     from elastic_export.report import write_report
 
     click.echo(f"wrote {write_report(directory, out=out, echo=_echo)}")
+
+
+@cli.command("export-st")
+@click.argument("directory", metavar="DIR")
+@click.option("--out", required=True, type=click.Path(), help="New directory: one folder per budget and precision.")
+@click.option("--budgets", default=None, help="Sparsities of DIR to write, e.g. 0.3,0.6 [default: all].")
+@click.option("--precision", default=None, metavar="LIST",
+              help="Comma list of fp32, fp16, int8 [default: every precision DIR was exported with].")
+@click.option("--model", default=None, metavar="PATH",
+              help="The model directory DIR was made from (tokenizer, config, pooling modules) [default: the "
+                   "manifest's model.source].")
+def export_st_cmd(directory, out, budgets, precision, model):
+    """Write the budgets of a text encoder's artifact DIR as sentence-transformers folders (OUT/s030-fp32, ...):
+    the source model's tokenizer, config and Transformer / Pooling / Normalize modules, with the budget's ONNX
+    as onnx/model.onnx, so that SentenceTransformer(folder, backend="onnx").encode(texts) serves the budget."""
+    from elastic_export.st_layout import export_st
+
+    export_st(directory, out, budgets=budgets, precisions=precision, model=model, echo=click.echo)
 
 
 @cli.command("build")

@@ -122,7 +122,7 @@ def load_manifest(directory: str | Path) -> dict:
             if v is not None and not (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
                                                                    and x >= 0 for x in v)):
                 raise UserError(f"{path}: budget {s!r}: {key!r} must be a list of non-negative integers")
-    for key, fields in (("elastic", ("onnx", "onnx_fp16")), ("triton", ("dir",))):
+    for key, fields in (("elastic", ("onnx", "onnx_fp16")), ("triton", ("dir",)), ("sentence_transformers", ("dir",))):
         if m.get(key) is not None:
             if not isinstance(m[key], dict):
                 raise UserError(f"{path}: {key!r} must be an object or null")

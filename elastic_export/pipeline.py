@@ -20,7 +20,7 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__, onnx_io, preprocess
+from elastic_export import __version__, onnx_io, preprocess, st_layout
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import load_calibration
 from elastic_export.encoder import Encoder
@@ -43,6 +43,7 @@ from elastic_export.soft_ranking import ElasticConfig
 RANKING_FILE = "ranking.safetensors"
 ELASTIC_FILE = "elastic.onnx"
 BUDGET_INPUT = "budget_index"
+LAYOUTS = ("artifacts", st_layout.LAYOUT)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Options:
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
     external_data: bool | None = None  # weights in NAME.onnx.data: True always, None above 2 GiB (onnx_io)
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
+    layout: str = "artifacts"  # "sentence-transformers": also DIR/sentence-transformers/ (elastic_export.st_layout)
 
 
 def _twins(name: str, fp16: dict, int8: dict) -> dict:
@@ -257,6 +259,23 @@ def _check_elastic(directory: Path, feeds: dict, wants: list[list[np.ndarray]], 
     return worst
 
 
+def check_layout(layout: str, encoder: Encoder) -> None:
+    """Refuse an unknown ``--layout``, and ``sentence-transformers`` for a model it cannot serve."""
+    if layout not in LAYOUTS:
+        raise UserError(f"--layout {layout}: unknown; choose from {', '.join(LAYOUTS)}")
+    if layout == st_layout.LAYOUT:
+        st_layout.check_text({"model": {"modality": encoder.modality}}, f"--model {encoder.source}")
+        manifest = {"model": {"source": encoder.source}}
+        st_layout.st_modules(st_layout.source_dir(manifest), encoder.output_names())
+
+
+def write_st_layout(tmp: Path, out: Path, manifest: dict, echo: Callable[[str], None]) -> dict:
+    """Write ``tmp/sentence-transformers/``: a folder per budget and precision; returns its manifest entry."""
+    folders = st_layout.write_layout(tmp, tmp / st_layout.LAYOUT, manifest=manifest)
+    echo(f"sentence-transformers layout: {len(folders)} folders in {out / st_layout.LAYOUT}")
+    return {"dir": st_layout.LAYOUT, "folders": [f.name for f in folders]}
+
+
 def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]) -> None:
     """Render ``directory/report.html`` (shown as ``out``); a failure only warns: it never costs the artifacts."""
     try:
@@ -310,6 +329,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
     check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
     if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
         raise UserError(EXTERNAL_REFUSAL.format(src="dense.onnx"))
+    check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
     rank_seconds = None  # time taken to rank (None: reused)
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
@@ -402,6 +422,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             "elastic": elastic,
             "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method"), "seconds": rank_seconds},
         }
+        if opts.layout == st_layout.LAYOUT:
+            manifest["sentence_transformers"] = write_st_layout(tmp, out, manifest, echo)
         write_manifest(tmp, manifest)
         if opts.ort_optimize:
             optimize_artifacts(tmp, update_manifest=True, echo=echo)
