@@ -9,10 +9,12 @@
   instance group. Model files are hard links to the directory's files where the filesystem allows,
   copies otherwise;
 * a router model ``<name>`` (Python backend, business-logic scripting): the same inputs plus an
-  optional ``sparsity`` input (or a ``sparsity`` request parameter); it forwards each request to the
-  budget model chosen by :func:`elastic_export.targets.triton_router.choose_budget`, whose source
-  is copied into the router's ``model.py``, and answers with that model's outputs (plus
-  ``served_sparsity`` on request). No sparsity asked for: the configured default budget.
+  optional ``sparsity`` input (or a ``sparsity`` request parameter); its ``model.py`` is the module
+  :mod:`elastic_export.targets.triton_router`, copied verbatim, which forwards each request to the
+  budget model :func:`~elastic_export.targets.triton_router.choose_budget` picks and answers with
+  that model's outputs (plus ``served_sparsity`` on request). No sparsity asked for: the configured
+  default budget. The budget table and the default are ``parameters`` of the router's
+  ``config.pbtxt``, read by the router at load time.
 
 ``elastic.onnx`` is not served: its ``budget_index`` input has no batch dim, so Triton's dynamic
 batcher cannot batch it; the per-budget models batch, and the router picks among them.
@@ -30,12 +32,14 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from elastic_export.budgets import budget_tag
 from elastic_export.errors import UserError, first_line
 from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
+from elastic_export.targets import triton_router as router
 
 TRITON_DIR = "triton"
 DEFAULT_NAME = "elastic"
@@ -44,10 +48,10 @@ DEFAULT_INSTANCES = 1
 DEFAULT_QUEUE_DELAY_US = 100
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 PLATFORMS = ("auto", "onnxruntime", "tensorrt")
-SPARSITY_INPUT = "sparsity"
-SERVED_OUTPUT = "served_sparsity"
-ROUTER_LOGIC = Path(__file__).with_name("triton_router.py")
-ROUTER_HEADER = '"""elastic-export router'
+SPARSITY_INPUT = router.SPARSITY_INPUT
+SERVED_OUTPUT = router.SERVED_OUTPUT
+ROUTER_FILE = "triton_router.py"  # this package's router module, copied verbatim as the router's model.py
+ROUTER_HEADER = '"""elastic-export router'  # how that file starts: marks a triton/ this tool wrote
 _TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
           "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -146,80 +150,13 @@ def router_config(name: str, models: Sequence[ServedModel], default: float, inpu
             + _tensors("input", inputs, sparsity_in) + _tensors("output", outputs, served_out)
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
             + _instances("KIND_CPU", instances)
-            + f'parameters [\n  {{\n    key: "budget_models"\n    value {{ string_value: {_quote(table)} }}\n  }},\n'
-            + f'  {{\n    key: "default_sparsity"\n    value {{ string_value: "{default!r}" }}\n  }}\n]\n')
-
-
-_ROUTER_MODEL = '''
-
-# --- the router (Triton Python backend, business-logic scripting) -------------------------------
-import asyncio
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-SPARSITY_INPUT = "{sparsity_input}"
-SERVED_OUTPUT = "{served_output}"
-
-
-def _error(message):
-    code = getattr(getattr(pb_utils, "TritonError", None), "INVALID_ARG", None)
-    try:
-        return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
-    except TypeError:  # an older backend without error codes
-        return pb_utils.TritonError(message)
-
-
-class TritonPythonModel:
-    """Forwards each request to the budget model its requested sparsity selects."""
-
-    def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {{k: v.get("string_value", "") for k, v in config.get("parameters", {{}}).items()}}
-        self.models = {{float(s): str(n) for s, n in json.loads(params["budget_models"])}}
-        self.sparsities = sorted(self.models)
-        self.default = choose_budget(float(params["default_sparsity"]), self.sparsities, self.sparsities[0])
-        self.inputs = [t["name"] for t in config["input"] if t["name"] != SPARSITY_INPUT]
-        self.outputs = [t["name"] for t in config["output"] if t["name"] != SERVED_OUTPUT]
-
-    async def execute(self, requests):
-        # every request is forwarded at once, so the budget models' dynamic batchers see them together
-        return list(await asyncio.gather(*(self._forward(r) for r in requests)))
-
-    async def _forward(self, request):
-        try:
-            tensor = pb_utils.get_input_tensor_by_name(request, SPARSITY_INPUT)
-            values = None if tensor is None else tensor.as_numpy().reshape(-1).tolist()
-            params = request.parameters() if hasattr(request, "parameters") else None
-            sparsity = choose_budget(requested_sparsity(values, params), self.sparsities, self.default)
-        except BudgetError as e:
-            return pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e)))
-        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.inputs) if t is not None]
-        wanted = set(request.requested_output_names()) if hasattr(request, "requested_output_names") else set()
-        names = [n for n in self.outputs if not wanted or n in wanted]
-        forward = pb_utils.InferenceRequest(model_name=self.models[sparsity], requested_output_names=names,
-                                            inputs=inputs)
-        response = await forward.async_exec()
-        if response.has_error():
-            return pb_utils.InferenceResponse(output_tensors=[], error=response.error())
-        tensors = [pb_utils.get_output_tensor_by_name(response, n) for n in names]
-        if not wanted or SERVED_OUTPUT in wanted:
-            batch = inputs[0].as_numpy().shape[0] if inputs else 1
-            tensors.append(pb_utils.Tensor(SERVED_OUTPUT, np.full((batch, 1), sparsity, dtype=np.float32)))
-        return pb_utils.InferenceResponse(output_tensors=[t for t in tensors if t is not None])
-
-    def finalize(self):
-        pass
-'''
+            + f'parameters [\n  {{\n    key: "{router.MODELS_PARAMETER}"\n    value {{ string_value: {_quote(table)} }}\n  }},\n'
+            + f'  {{\n    key: "{router.DEFAULT_PARAMETER}"\n    value {{ string_value: "{default!r}" }}\n  }}\n]\n')
 
 
 def router_source() -> str:
-    """The router's ``model.py``: the budget-choice module's text, verbatim, then the model class."""
-    logic = ROUTER_LOGIC.read_text()
-    head = (ROUTER_HEADER + " for Triton's Python backend (generated by elastic_export/targets/triton.py).\n"
-            'Budget choice: elastic_export/targets/triton_router.py, copied below."""\n\n')
-    body = logic.split('"""', 2)[2].lstrip("\n") if logic.startswith('"""') else logic
-    return head + body + _ROUTER_MODEL.format(sparsity_input=SPARSITY_INPUT, served_output=SERVED_OUTPUT)
+    """The router's ``model.py``: the text of :mod:`elastic_export.targets.triton_router`, verbatim."""
+    return (resources.files(__package__) / ROUTER_FILE).read_text()
 
 
 # --- what to serve --------------------------------------------------------------------------------
@@ -399,8 +336,6 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     Raises:
         UserError: bad directory / options / files; nothing is changed then.
     """
-    from elastic_export.targets.triton_router import BudgetError, choose_budget
-
     d = Path(directory)
     if not d.is_dir():
         raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
@@ -423,9 +358,9 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
         raise UserError(f"--max-batch {max_batch}: the engines accept at most batch {limit}")
     sparsities = [m.sparsity for m in models]
     try:
-        default = choose_budget(default_sparsity if default_sparsity is not None else sparsities[0], sparsities,
+        default = router.choose_budget(default_sparsity if default_sparsity is not None else sparsities[0], sparsities,
                                 sparsities[0])
-    except BudgetError as e:
+    except router.BudgetError as e:
         raise UserError(f"--triton-default-sparsity: {e}") from None
     _check_replaceable(d, manifest)
     inputs, outputs = _io(d, manifest, models)

@@ -1,9 +1,10 @@
 """Triton model repository (``elastic_export.targets.triton``) and ``elastic-export build --target triton``.
 
-Runs everywhere: the router's budget choice (a pure function, tested directly), the repository
-built for real all-MiniLM-L6-v2 artifacts with every ``config.pbtxt`` parsed by Triton's own
-``ModelConfig`` protobuf schema (``tritonclient``), the served files against the directory's ONNX,
-the manifest entry, re-runs, and the CLI's errors. Serving needs a ``tritonserver`` binary (with
+Runs everywhere: the repository built for real all-MiniLM-L6-v2 artifacts with every
+``config.pbtxt`` parsed by Triton's own ``ModelConfig`` protobuf schema (``tritonclient``), the
+served files against the directory's ONNX, the manifest entry, re-runs, the CLI's errors, and the
+router's ``model.py`` as written, run on its ``config.pbtxt`` with a stand-in for Triton's server
+API (the router itself: ``test_triton_router.py``). Serving needs a ``tritonserver`` binary (with
 the onnxruntime and python backends) on PATH; that test is skipped, with that reason, without one.
 """
 
@@ -27,7 +28,6 @@ from google.protobuf import text_format
 from elastic_export.errors import UserError
 from elastic_export.manifest import FORMAT, load_manifest
 from elastic_export.targets import triton as TR
-from elastic_export.targets.triton_router import BudgetError, choose_budget, requested_sparsity
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
                                        reason="needs tritonclient (pip install -e \".[test]\")")
@@ -48,64 +48,6 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def _tree(d: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
-
-
-# --- the router's budget choice (pure) ------------------------------------------------------------
-SERVED = [0.0, 0.1, 0.3, 0.5]
-
-
-@pytest.mark.parametrize("requested,served", [
-    (None, 0.1),  # nothing asked: the default
-    (0.0, 0.0), (0.1, 0.1), (0.5, 0.5),  # exact
-    (0.1 + 5e-7, 0.1), (0.3 - 5e-7, 0.3),  # within 1e-6
-    (0.1 + 2e-6, 0.3), (0.05, 0.1), (0.2, 0.3), (0.45, 0.5),  # else the next sparser: more savings, never less
-    ("0.3", 0.3),  # a numeric string (request parameters may carry one)
-])
-def test_choose_budget(requested, served):
-    assert choose_budget(requested, SERVED, default=0.1) == served
-
-
-@pytest.mark.parametrize("requested,message", [
-    (0.6, "above the sparsest served budget 0.5"), (1.0, "outside [0, 1)"), (-0.1, "outside [0, 1)"),
-    (float("nan"), "not a finite number"), ("abc", "not a number"), (True, "not a number"),
-])
-def test_choose_budget_refuses(requested, message):
-    with pytest.raises(BudgetError, match=re.escape(message)):
-        choose_budget(requested, SERVED, default=0.0)
-    with pytest.raises(BudgetError, match="no budgets"):
-        choose_budget(0.1, [], default=0.0)
-
-
-def test_requested_sparsity_input_then_parameter():
-    assert requested_sparsity(None, None) is None and requested_sparsity(None, "") is None
-    assert requested_sparsity(None, json.dumps({"other": 1})) is None
-    assert requested_sparsity(None, json.dumps({"sparsity": 0.3})) == 0.3
-    assert requested_sparsity(None, json.dumps({"sparsity": "0.5"})) == 0.5
-    assert requested_sparsity([0.1, 0.1], json.dumps({"sparsity": 0.5})) == pytest.approx(0.1)  # the input wins
-    with pytest.raises(BudgetError, match="same sparsity"):
-        requested_sparsity([0.1, 0.5], None)
-    with pytest.raises(BudgetError, match="empty"):
-        requested_sparsity([], None)
-    with pytest.raises(BudgetError, match="not a JSON object"):
-        requested_sparsity(None, "{oops")
-    with pytest.raises(BudgetError, match="not a number"):
-        requested_sparsity(None, json.dumps({"sparsity": [0.1]}))
-
-
-def test_router_model_py_embeds_the_router_logic():
-    src = TR.router_source()
-    compile(src, "model.py", "exec")  # valid Python (it imports triton_python_backend_utils only when loaded)
-    logic = TR.ROUTER_LOGIC.read_text()
-    body = logic.split('"""', 2)[2].lstrip("\n")
-    assert body in src and src.startswith(TR.ROUTER_HEADER)
-    for needle in ("import triton_python_backend_utils as pb_utils", "class TritonPythonModel",
-                   "def initialize(self, args)", "async def execute(self, requests)",
-                   "pb_utils.InferenceRequest(model_name=", "await forward.async_exec()", "request.parameters()"):
-        assert needle in src, needle
-    ns: dict = {}
-    exec(compile(body, "router_logic", "exec"), ns)  # the copied logic behaves as the module does
-    for s in (None, 0.05, 0.1, 0.2, 0.5):
-        assert ns["choose_budget"](s, SERVED, 0.1) == choose_budget(s, SERVED, 0.1)
 
 
 # --- config text ----------------------------------------------------------------------------------
@@ -173,6 +115,26 @@ def test_repository_layout_and_configs_parse(art, repo):
         cfg = _parse(repo / name / "config.pbtxt")
         assert cfg.platform == "onnxruntime_onnx" and cfg.backend == ""
         assert sorted(p.name for p in (repo / name).rglob("*")) == ["1", "config.pbtxt", "model.onnx"]
+
+
+def test_router_model_routes_on_the_built_repository(art, repo, monkeypatch):
+    """The router's model.py as written, initialised from its config.pbtxt's JSON, forwarding to the real budget ONNX."""
+    from _triton_fake import Request, execute, start_router
+
+    from elastic_export.targets.onnxruntime import make_session
+
+    model, server = start_router(repo, "elastic", monkeypatch)
+    assert model.config.models == {0.0: "elastic_s000", 0.1: "elastic_s010", 0.5: "elastic_s050"}
+    assert model.config.default == 0.1 and "sparsity" not in model.config.inputs
+    ids = np.random.default_rng(0).integers(1000, 20000, (2, 12)).astype(np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    out = execute(model, [Request(feeds, {"sparsity": 0.3}), Request(feeds)])
+    m = load_manifest(art)
+    for response, served, onnx_file in zip(out, (0.5, 0.1), (m["budgets"][1]["onnx"], m["budgets"][0]["onnx"])):
+        got = response.as_dict()
+        assert got["served_sparsity"].tolist() == [[np.float32(served)]] * 2
+        want = make_session(art / onnx_file).run(["sentence_embedding"], feeds)[0]
+        np.testing.assert_array_equal(got["sentence_embedding"], want)
 
 
 def test_served_files_are_the_budget_onnx(art, repo):

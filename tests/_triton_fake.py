@@ -1,0 +1,142 @@
+"""A tiny stand-in for Triton's in-server ``triton_python_backend_utils``, to run the router outside a server.
+
+Only the server API is faked; the router module is the real file the build writes (``<name>/1/model.py``),
+its configuration the real ``config.pbtxt`` turned into the JSON Triton passes to ``initialize``, and the
+budget models it forwards to are the repository's real ONNX files, run in onnxruntime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+from google.protobuf import json_format, text_format
+
+
+class Tensor:
+    def __init__(self, name: str, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class TritonError:
+    INVALID_ARG = 3
+
+    def __init__(self, message: str, code: int | None = None):
+        self._message, self.code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors, error=None):
+        self._tensors, self._error = list(output_tensors), error
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._tensors
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {t.name(): t.as_numpy() for t in self._tensors}
+
+
+class Request:
+    """A request as the server hands it to ``execute``: input tensors, JSON parameters, wanted outputs."""
+
+    def __init__(self, inputs: dict, parameters: dict | None = None, outputs: tuple[str, ...] = ()):
+        self.inputs = [Tensor(k, v) for k, v in inputs.items()]
+        self._parameters, self._outputs = json.dumps(parameters or {}), list(outputs)
+
+    def parameters(self) -> str:
+        return self._parameters
+
+    def requested_output_names(self) -> list[str]:
+        return self._outputs
+
+
+class Server:
+    """The models the router may call (BLS): ``model name -> ONNX file``, run in onnxruntime; logs each call."""
+
+    def __init__(self, repository: Path):
+        self.repository, self.calls, self._sessions = repository, [], {}
+
+    def run(self, model: str, inputs: list[Tensor], names: list[str]) -> InferenceResponse:
+        from elastic_export.targets.onnxruntime import make_session
+
+        path = self.repository / model / "1" / "model.onnx"
+        if not path.is_file():
+            return InferenceResponse([], error=TritonError(f"no model {model!r}"))
+        sess = self._sessions.setdefault(model, make_session(path))
+        outs = sess.run(names, {t.name(): t.as_numpy() for t in inputs})
+        return InferenceResponse([Tensor(n, a) for n, a in zip(names, outs)])
+
+
+def fake_pb_utils(server: Server) -> types.ModuleType:
+    """The module the router imports as ``pb_utils``, bound to ``server``."""
+    pb = types.ModuleType("triton_python_backend_utils")
+
+    class InferenceRequest:
+        def __init__(self, model_name: str, requested_output_names: list[str], inputs: list[Tensor]):
+            self.model_name, self.names, self.inputs = model_name, list(requested_output_names), inputs
+
+        async def async_exec(self) -> InferenceResponse:
+            server.calls.append(("start", self.model_name))
+            await asyncio.sleep(0)  # the next request starts before this one ends, as with a batching server
+            server.calls.append(("end", self.model_name))
+            return server.run(self.model_name, self.inputs, self.names)
+
+    def by_name(tensors, name):
+        return next((t for t in tensors if t.name() == name), None)
+
+    pb.Tensor, pb.TritonError, pb.InferenceResponse, pb.InferenceRequest = Tensor, TritonError, InferenceResponse, \
+        InferenceRequest
+    pb.get_input_tensor_by_name = lambda request, name: by_name(request.inputs, name)
+    pb.get_output_tensor_by_name = lambda response, name: by_name(response.output_tensors(), name)
+    return pb
+
+
+def load_router(model_py: Path, pb_utils: types.ModuleType | None, monkeypatch) -> types.ModuleType:
+    """Import ``model_py`` as Triton's Python backend does, with ``pb_utils`` as its ``triton_python_backend_utils``."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)  # None: the import fails
+    spec = importlib.util.spec_from_file_location(f"router_{abs(hash(str(model_py)))}", model_py)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_config_json(config_pbtxt: Path) -> str:
+    """The JSON Triton passes as ``args["model_config"]``: the parsed ``ModelConfig``, proto field names."""
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = text_format.Parse(config_pbtxt.read_text(), model_config_pb2.ModelConfig())
+    return json_format.MessageToJson(cfg, preserving_proto_field_name=True)
+
+
+def start_router(repository: Path, name: str, monkeypatch) -> tuple[object, Server]:
+    """The router model of ``repository/name``, initialised from its config, and the fake server it calls."""
+    server = Server(repository)
+    module = load_router(repository / name / "1" / "model.py", fake_pb_utils(server), monkeypatch)
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": model_config_json(repository / name / "config.pbtxt"),
+                      "model_name": name, "model_version": "1", "model_instance_kind": "CPU"})
+    return model, server
+
+
+def execute(model, requests: list[Request]) -> list[InferenceResponse]:
+    return asyncio.run(model.execute(requests))

@@ -1,0 +1,161 @@
+"""The Triton router (``elastic_export.targets.triton_router``), a real module copied verbatim as ``model.py``.
+
+Its budget choice is tested directly; the model class is loaded from the ``model.py`` a build wrote, with a
+tiny stand-in for Triton's in-server ``triton_python_backend_utils`` (``tests/_triton_fake.py``), initialised
+from the JSON of the ``config.pbtxt`` the build wrote, and forwards to the repository's real ONNX budget models
+(run in onnxruntime). ``test_triton.py`` does the same on the all-MiniLM-L6-v2 repository.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="needs tritonclient (pip install -e \".[test]\")")
+
+from _triton_fake import Request, execute, load_router, start_router  # noqa: E402
+from test_triton import _fake_dir  # noqa: E402
+
+from elastic_export.targets import triton as TR  # noqa: E402
+from elastic_export.targets import triton_router  # noqa: E402
+from elastic_export.targets.triton_router import BudgetError, RouterConfig, choose_budget, requested_sparsity  # noqa: E402
+
+# --- the router's budget choice (pure) ------------------------------------------------------------
+SERVED = [0.0, 0.1, 0.3, 0.5]
+
+
+@pytest.mark.parametrize("requested,served", [
+    (None, 0.1),  # nothing asked: the default
+    (0.0, 0.0), (0.1, 0.1), (0.5, 0.5),  # exact
+    (0.1 + 5e-7, 0.1), (0.3 - 5e-7, 0.3),  # within 1e-6
+    (0.1 + 2e-6, 0.3), (0.05, 0.1), (0.2, 0.3), (0.45, 0.5),  # else the next sparser: more savings, never less
+    ("0.3", 0.3),  # a numeric string (request parameters may carry one)
+])
+def test_choose_budget(requested, served):
+    assert choose_budget(requested, SERVED, default=0.1) == served
+
+
+@pytest.mark.parametrize("requested,message", [
+    (0.6, "above the sparsest served budget 0.5"), (1.0, "outside [0, 1)"), (-0.1, "outside [0, 1)"),
+    (float("nan"), "not a finite number"), ("abc", "not a number"), (True, "not a number"),
+])
+def test_choose_budget_refuses(requested, message):
+    with pytest.raises(BudgetError, match=re.escape(message)):
+        choose_budget(requested, SERVED, default=0.0)
+    with pytest.raises(BudgetError, match="no budgets"):
+        choose_budget(0.1, [], default=0.0)
+
+
+def test_requested_sparsity_input_then_parameter():
+    assert requested_sparsity(None, None) is None and requested_sparsity(None, "") is None
+    assert requested_sparsity(None, json.dumps({"other": 1})) is None
+    assert requested_sparsity(None, json.dumps({"sparsity": 0.3})) == 0.3
+    assert requested_sparsity(None, json.dumps({"sparsity": "0.5"})) == 0.5
+    assert requested_sparsity([0.1, 0.1], json.dumps({"sparsity": 0.5})) == pytest.approx(0.1)  # the input wins
+    with pytest.raises(BudgetError, match="same sparsity"):
+        requested_sparsity([0.1, 0.5], None)
+    with pytest.raises(BudgetError, match="empty"):
+        requested_sparsity([], None)
+    with pytest.raises(BudgetError, match="not a JSON object"):
+        requested_sparsity(None, "{oops")
+    with pytest.raises(BudgetError, match="not a number"):
+        requested_sparsity(None, json.dumps({"sparsity": [0.1]}))
+
+
+# --- the file ---------------------------------------------------------------------------------------
+def test_model_py_is_the_module_file_verbatim(tmp_path):
+    src = TR.router_source()
+    assert src == Path(triton_router.__file__).read_text()
+    assert src == (resources.files("elastic_export.targets") / "triton_router.py").read_text()  # shipped with the package
+    assert src.startswith(TR.ROUTER_HEADER)  # how _check_replaceable knows a triton/ is ours
+    assert "{{" not in src and "class TritonPythonModel" in src
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    assert (d / "triton" / "elastic" / "1" / "model.py").read_text() == src
+    TR.build_repository(d, name="again")  # the repository it wrote is recognised and replaced
+    assert sorted(p.name for p in (d / "triton").iterdir()) == ["again", "again_s000", "again_s025", "again_s050"]
+
+
+def test_outside_a_server_the_module_imports_and_the_model_refuses(tmp_path, monkeypatch):
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    module = load_router(d / "triton" / "elastic" / "1" / "model.py", None, monkeypatch)
+    assert module.pb_utils is None and module.choose_budget(0.3, [0.0, 0.5], 0.0) == 0.5
+    with pytest.raises(RuntimeError, match="inside Triton's Python backend"):
+        module.TritonPythonModel().initialize({"model_config": "{}"})
+
+
+# --- the model, on the config the build wrote ------------------------------------------------------
+def _feeds(batch: int = 2) -> dict[str, np.ndarray]:
+    ids = np.arange(batch * 5, dtype=np.int64).reshape(batch, 5)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def test_router_initialises_from_the_built_config(tmp_path, monkeypatch):
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d, default_sparsity=0.3)  # mapped as a request is: 0.5
+    model, _ = start_router(d / "triton", "elastic", monkeypatch)
+    c = model.config
+    assert c.models == {0.0: "elastic_s000", 0.25: "elastic_s025", 0.5: "elastic_s050"}
+    assert c.sparsities == [0.0, 0.25, 0.5] and c.default == 0.5
+    assert c.inputs == ["input_ids", "attention_mask"] and c.outputs == ["last_hidden_state"]
+
+
+def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch):
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d, dense=False)
+    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    feeds = _feeds()
+    requests = [Request({**feeds, "sparsity": np.full((2, 1), 0.5, np.float32)}),  # the input
+                Request(feeds, {"sparsity": 0.1}),  # the parameter: the next sparser budget
+                Request(feeds),  # nothing asked: the densest served
+                Request(feeds, {"sparsity": 0.25}, outputs=("served_sparsity",))]
+    responses = execute(model, requests)
+    assert [r.has_error() for r in responses] == [False] * 4
+    served = [float(r.as_dict()["served_sparsity"][0, 0]) for r in responses]
+    assert served == [0.5, 0.25, 0.25, 0.25]
+    assert all(r.as_dict()["served_sparsity"].shape == (2, 1) for r in responses)
+    assert [name for event, name in server.calls if event == "start"] == ["elastic_s050", "elastic_s025",
+                                                                          "elastic_s025", "elastic_s025"]
+    assert [event for event, _ in server.calls][:4] == ["start"] * 4  # forwarded together, not one by one
+    want = server.run("elastic_s050", requests[0].inputs[:2], ["last_hidden_state"]).as_dict()["last_hidden_state"]
+    np.testing.assert_array_equal(responses[0].as_dict()["last_hidden_state"], want)
+    assert sorted(responses[3].as_dict()) == ["served_sparsity"]  # only what was asked for
+
+
+@pytest.mark.parametrize("request_kw,message", [
+    ({"sparsity": 0.9}, "above the sparsest served budget 0.5"),
+    ({"sparsity": "x"}, "not a number"),
+    ({"rows": [0.1, 0.5]}, "same sparsity"),
+])
+def test_router_answers_bad_requests_with_an_error(tmp_path, monkeypatch, request_kw, message):
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    feeds = _feeds()
+    if "rows" in request_kw:
+        bad = Request({**feeds, "sparsity": np.array([[v] for v in request_kw["rows"]], np.float32)})
+    else:
+        bad = Request(feeds, request_kw)
+    bad_response, good = execute(model, [bad, Request(feeds)])
+    assert bad_response.has_error() and message in bad_response.error().message()
+    assert bad_response.error().code == bad_response.error().INVALID_ARG and bad_response.output_tensors() == []
+    assert not good.has_error() and [n for e, n in server.calls if e == "start"] == ["elastic_s000"]
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({}, "no parameter 'budget_models'"),
+    ({"budget_models": "{oops"}, "is not JSON"),
+    ({"budget_models": "[0.1]"}, "expected [[sparsity, model name], ...]"),
+    ({"budget_models": "[]"}, "lists no budget models"),
+    ({"budget_models": '[[0.5, "m"]]', "default_sparsity": "0.7"}, "above the sparsest served budget"),
+])
+def test_router_config_errors(parameters, message):
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}, "input": [], "output": []}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RouterConfig(config)
