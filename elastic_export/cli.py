@@ -11,9 +11,10 @@ from pathlib import Path
 
 import click
 
+from elastic_export import methods
 from elastic_export.budgets import parse_budgets
 from elastic_export.errors import UserError
-from elastic_export.rank_options import METHOD_NAMES, ElasticConfig
+from elastic_export.rank_options import ElasticConfig
 
 DEFAULT_BUDGETS = "0.1..0.6"
 _ELASTIC = ElasticConfig()
@@ -45,11 +46,16 @@ def model_options(fn):
     return fn
 
 
+def _check_method(ctx, param, value: str) -> str:
+    """--method: a registered name (checked while parsing, without importing the method or torch)."""
+    return methods.get(value).name
+
+
 def ranking_options(fn):
     """--method, --calib, --calib-size, --seed, --device."""
     opts = [
-        click.option("--method", default="elastic", show_default=True,
-                     help=f"Ranking method: {', '.join(METHOD_NAMES)}."),
+        click.option("--method", default="elastic", show_default=True, callback=_check_method,
+                     help=f"Ranking method: {', '.join(methods.names())}."),
         click.option("--calib", default=None, metavar="PATH",
                      help="Calibration data: .txt / .jsonl (text) or an image directory (default: built in)."),
         click.option("--calib-size", type=int, default=256, show_default=True, help="Calibration samples."),

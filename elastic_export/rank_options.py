@@ -1,16 +1,13 @@
-"""Ranking options without torch: the method names and the optimised ranking's hyperparameters.
+"""Ranking options without torch: the optimised ranking's hyperparameters.
 
-The command line builds its options from here, so ``elastic-export --help`` and the stages that
-never rank (``verify``, ``bench``, ``report``, ``build``) start without importing torch. The
-scoring registry (:data:`elastic_export.scoring.METHODS`) must list exactly :data:`METHOD_NAMES`
-(a test checks it).
+The command line builds its options from here and from :mod:`elastic_export.methods` (the method
+names), so ``elastic-export --help`` and the stages that never rank (``verify``, ``bench``,
+``report``, ``build``) start without importing torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-METHOD_NAMES = ("activation", "elastic", "fisher", "initial", "magnitude", "random", "variance")
 
 DEFAULT_TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 15))  # 0.05 .. 0.70, 14 targets
 

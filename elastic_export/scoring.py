@@ -24,6 +24,8 @@ budget filler.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Callable
 
 import numpy as np
@@ -31,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from elastic_export import distributed as ddp
+from elastic_export import methods
 from elastic_export.adapters import HEADS, NEURONS, UnitGroup
 from elastic_export.calibration import Calibration
 from elastic_export.encoder import Encoder
@@ -39,17 +42,49 @@ from elastic_export.masks import capture_inputs, frozen_weights, unit_masks
 
 Scores = tuple[list[np.ndarray], list[np.ndarray]]
 ScoringFn = Callable[..., Scores]
-METHODS: dict[str, ScoringFn] = {}
-NEEDS_DATA: set[str] = set()
+
+
+class _Methods(Mapping[str, ScoringFn]):
+    """``name -> scoring function``: a view of :data:`elastic_export.methods.REGISTRY`, importing on lookup."""
+
+    def __getitem__(self, name: str) -> ScoringFn:
+        if name not in methods.REGISTRY:
+            raise KeyError(name)
+        return methods.REGISTRY[name].load()
+
+    def __contains__(self, name: object) -> bool:
+        return name in methods.REGISTRY
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(methods.names())
+
+    def __len__(self) -> int:
+        return len(methods.REGISTRY)
+
+
+class _NeedsData(AbstractSet[str]):
+    """The names of the methods that read calibration batches (a view of the registry)."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in methods.REGISTRY and methods.REGISTRY[name].needs_data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([n for n in methods.names() if methods.REGISTRY[n].needs_data])
+
+    def __len__(self) -> int:
+        return sum(m.needs_data for m in methods.REGISTRY.values())
+
+
+METHODS: Mapping[str, ScoringFn] = _Methods()
+NEEDS_DATA: AbstractSet[str] = _NeedsData()
 
 
 def register_method(name: str, needs_data: bool = True) -> Callable[[ScoringFn], ScoringFn]:
-    """Add a ranking method under ``name`` (``--method name``)."""
+    """Decorator: add a ranking method under ``name`` (``--method name``) from code that is already
+    imported (the built-in methods are listed by import path in :mod:`elastic_export.methods`)."""
 
     def deco(fn: ScoringFn) -> ScoringFn:
-        METHODS[name] = fn
-        if needs_data:
-            NEEDS_DATA.add(name)
+        methods.register(name, fn, needs_data=needs_data)
         return fn
 
     return deco
@@ -133,7 +168,6 @@ def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable
     return sums, stream, state["tokens"]
 
 
-@register_method("initial")
 def removal_damage(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
     def stat(x, group, w):
         return (contribution_energy(x, group) * w[..., None]).sum((0, 1))
@@ -144,7 +178,6 @@ def removal_damage(encoder: Encoder, inventory: Inventory, calibration: Calibrat
     return _per_flop(inventory, sums)
 
 
-@register_method("activation")
 def activation_magnitude(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
     def stat(x, group, w):
         return (unit_view(x, group).norm(dim=-1) * w[..., None]).sum((0, 1))
@@ -153,7 +186,6 @@ def activation_magnitude(encoder: Encoder, inventory: Inventory, calibration: Ca
     return _per_flop(inventory, {k: v / max(tokens, 1.0) for k, v in sums.items()})
 
 
-@register_method("variance")
 def activation_variance(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
     def moments(x, group, w):
         """Token-weighted sums of each feature and of its square, in one pass: (2, U, w)."""
@@ -173,7 +205,6 @@ def _zero_vectors(encoder: Encoder):
             for k in (HEADS, NEURONS)}
 
 
-@register_method("fisher")
 def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0, **_) -> Scores:
     """Squared mask gradients, summed over the calibration data.
 
@@ -221,7 +252,6 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
     return _per_flop(inventory, fisher)
 
 
-@register_method("magnitude", needs_data=False)
 @torch.no_grad()
 def weight_magnitude(encoder: Encoder, inventory: Inventory, calibration: Calibration | None = None, **_) -> Scores:
     values = {}
@@ -237,7 +267,6 @@ def weight_magnitude(encoder: Encoder, inventory: Inventory, calibration: Calibr
     return _per_flop(inventory, values)
 
 
-@register_method("random", needs_data=False)
 def random_scores(encoder: Encoder, inventory: Inventory, calibration: Calibration | None = None, seed: int = 0, **_) -> Scores:
     rng = np.random.default_rng(seed)
     heads = [rng.random(L.heads).astype(np.float32) for L in inventory.layers]

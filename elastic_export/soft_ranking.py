@@ -41,7 +41,7 @@ from elastic_export.fileio import atomic_write
 from elastic_export.inventory import Inventory
 from elastic_export.masks import frozen_weights, unit_masks
 from elastic_export.rank_options import DEFAULT_TARGETS, ElasticConfig  # noqa: F401 (re-exported)
-from elastic_export.scoring import METHODS, Scores, register_method
+from elastic_export.scoring import METHODS, Scores
 
 
 @dataclass
@@ -292,7 +292,6 @@ def optimise_ranking(
     return units.split(s), losses
 
 
-@register_method("elastic")
 def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0,
                     config: ElasticConfig | None = None, checkpoint: Path | None = None, resume: bool = False,
                     **_) -> Scores:
