@@ -51,8 +51,8 @@ import numpy as np
 
 from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
+from elastic_export.precision import PRECISIONS
 
-PRECISIONS = ("fp32", "fp16", "int8")
 INT8_MIN_COSINE = 0.95
 INT8_SETTINGS = {"per_channel": True, "reduce_range": False, "weight_type": "QInt8", "op_types": ["MatMul", "Gemm"]}
 EMBEDDING_OUTPUTS = ("sentence_embedding", "image_embeds", "pooler_output")
