@@ -89,8 +89,8 @@ class BenchConfig:
         if self.seq_len is not None and self.seq_len < 1:
             raise UserError(f"--seq-len must be a positive integer, got {self.seq_len}")
         check_precision(self.precision)
-        if self.precision == "fp16" and self.backend == "tensorrt":
-            raise UserError("--precision fp16 applies to --backend onnxruntime; TensorRT engines carry their own")
+        if self.precision != "fp32" and self.backend == "tensorrt":
+            raise UserError(f"--precision {self.precision} applies to --backend onnxruntime; TensorRT engines carry their own")
 
 
 def parse_batches(text: str) -> tuple[int, ...]:

@@ -104,11 +104,14 @@ def export_options(fn):
                      help="Also write elastic.onnx: one graph, weights once, its int64 budget_index input "
                           "(shape [1]) selects the budget by position in the manifest's budgets."),
         click.option("--precision", default="fp32", show_default=True, metavar="LIST",
-                     help="Comma list of fp32, fp16, int8 (e.g. fp32,int8); the fp32 files are always written. "
+                     help="Comma list of fp32, fp16, int8, int8-qdq (e.g. fp32,int8); the fp32 files are always written. "
                           "fp16: also an fp16 ONNX (fp32 norms, softmax and pooling; fp32 I/O) of the dense model, "
                           "every budget and the elastic graph. int8: also a CPU int8 ONNX (onnxruntime dynamic "
                           "quantization of the MatMul weights) of the dense model and every budget, each checked "
-                          "against its fp32 file (embedding cosine >= 0.95)."),
+                          "against its fp32 file (embedding cosine >= 0.95). int8-qdq: also an int8 ONNX with explicit Q/DQ "
+                          "nodes (static quantization calibrated on the calibration data, for TensorRT; the CPU EP "
+                          "runs it too) of the dense model and every budget, each checked against its fp32 file "
+                          "on held-out calibration samples."),
         click.option("--ort-optimize", is_flag=True, default=False,
                      help="Also write onnxruntime-optimised copies (dense.opt.onnx, budget_*.opt.onnx: fused "
                           "attention / SkipLayerNorm / Gelu where the patterns match), each checked against "
@@ -162,6 +165,8 @@ def _run_main_job(**kw) -> None:
 
 
 def _print_budget_table(manifest: dict, out: Path) -> None:
+    from elastic_export import int8_qdq
+
     rows = [("budget", "achieved", "GFLOPs", "params", "max err", "file")]
     d = manifest["dense"]
     rows.append(("dense", "0.0000", f"{d['gflops']:.3f}", f"{d['params'] / 1e6:.2f}M", "-", d["onnx"]))
@@ -185,6 +190,10 @@ def _print_budget_table(manifest: dict, out: Path) -> None:
         cos = [x["int8_min_cosine"] for x in [d, *manifest["budgets"]] if x.get("int8_min_cosine") is not None]
         worst = f", min embedding cosine vs fp32 {min(cos):.4f}" if cos else ""
         click.echo(f"int8: {1 + len(manifest['budgets'])} files (*.int8.onnx){worst}")
+    if int8_qdq.PRECISION in manifest.get("precisions", []):
+        cos = [x[int8_qdq.COSINE_KEY] for x in [d, *manifest["budgets"]] if x.get(int8_qdq.COSINE_KEY) is not None]
+        worst = f", min embedding cosine vs fp32 on held-out calibration samples {min(cos):.4f}" if cos else ""
+        click.echo(f"{int8_qdq.PRECISION}: {1 + len(manifest['budgets'])} files (*.{int8_qdq.PRECISION}.onnx){worst}")
     click.echo(f"wrote {out / 'manifest.json'}")
 
 
@@ -432,9 +441,11 @@ def export_st_cmd(directory, out, budgets, precision, model):
 @click.argument("directory", metavar="DIR")
 @click.option("--target", type=click.Choice(["tensorrt", "triton"]), required=True,
               help="tensorrt: one engine per budget (+ dense.engine); triton: a Triton model repository.")
-@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
               help="fp16: BuilderFlag.FP16 where TensorRT has it (10), else a strongly typed network from the "
-                   "directory's fp16 ONNX (11; export with --precision fp16).")
+                   "directory's fp16 ONNX (11; export with --precision fp16). int8 (tensorrt only): the "
+                   "directory's Q/DQ ONNX (export with --precision int8-qdq), with BuilderFlag.INT8 where "
+                   "TensorRT has it (10), else strongly typed (11).")
 @click.option("--min-batch", type=int, default=1, show_default=True, help="Smallest batch of the profile.")
 @click.option("--opt-batch", type=int, default=32, show_default=True, help="Batch TensorRT tunes kernels for.")
 @click.option("--max-batch", type=int, default=128, show_default=True,

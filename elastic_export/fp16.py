@@ -39,8 +39,8 @@ import onnx_graphsurgeon as gs
 
 from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
+from elastic_export.precision import PRECISIONS
 
-PRECISIONS = ("fp32", "fp16")
 PRECISION_KEY = "elastic_export.precision"
 FP16_RTOL = 1e-2  # DESIGN.md invariant 2: fp16 <= 1e-2 relative on the final output
 FP32_OPS = frozenset({

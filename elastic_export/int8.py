@@ -43,6 +43,8 @@ quantization would leave them fp32 (only sub-blocks of equal width at every budg
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -51,8 +53,8 @@ import numpy as np
 
 from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
+from elastic_export.precision import PRECISIONS
 
-PRECISIONS = ("fp32", "fp16", "int8")
 INT8_MIN_COSINE = 0.95
 INT8_SETTINGS = {"per_channel": True, "reduce_range": False, "weight_type": "QInt8", "op_types": ["MatMul", "Gemm"]}
 EMBEDDING_OUTPUTS = ("sentence_embedding", "image_embeds", "pooler_output")
@@ -77,15 +79,31 @@ def parse_precisions(value: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(p for p in PRECISIONS if p == "fp32" or p in items)
 
 
+@contextlib.contextmanager
+def quiet_quantizer():
+    """Drop onnxruntime.quantization's advice to pre-process the model (a root-logger warning per
+    file; the exported graphs are already shape-inferred and constant-folded)."""
+    def keep(record: logging.LogRecord) -> bool:
+        return "pre-processing before quantization" not in record.getMessage()
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
+
+
 def quantize(src: str | Path, dst: str | Path, per_channel: bool = True, reduce_range: bool = False) -> None:
     """Dynamic int8 quantization of the ONNX file ``src`` (MatMul / Gemm weights) into ``dst``
     (weights in ``dst.data`` when ``src`` has external data, as :mod:`elastic_export.onnx_io` names it)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     try:
-        quantize_dynamic(str(src), str(dst), op_types_to_quantize=INT8_SETTINGS["op_types"],
-                         per_channel=per_channel, reduce_range=reduce_range, weight_type=QuantType.QInt8,
-                         use_external_data_format=bool(onnx_io.external_like(src)))
+        with quiet_quantizer():
+            quantize_dynamic(str(src), str(dst), op_types_to_quantize=INT8_SETTINGS["op_types"],
+                             per_channel=per_channel, reduce_range=reduce_range, weight_type=QuantType.QInt8,
+                             use_external_data_format=bool(onnx_io.external_like(src)))
     except Exception as e:  # the quantizer's own errors on ops it cannot handle
         raise UserError(f"{Path(src).name}: int8 quantization failed ({first_line(e)})") from e
 

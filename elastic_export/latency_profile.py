@@ -34,10 +34,11 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from elastic_export.errors import UserError
+from elastic_export.precision import PRECISIONS
 
 PROFILE = "latency_profile.json"
 STATS = ("p50_ms", "p90_ms", "p99_ms")
-PRECISION_ORDER = ("fp32", "fp16", "int8")  # best first, where no quality figure says otherwise
+PRECISION_ORDER = PRECISIONS  # best first, where no quality figure says otherwise
 Pair = tuple[float, str]  # (sparsity, precision)
 Rows = dict[int, dict[float, dict[str, float]]]  # batch -> sparsity -> {p50_ms, p90_ms, p99_ms}
 
@@ -187,7 +188,8 @@ def load_profile(path: str | Path) -> LatencyProfile:
         others = {}
         for p, rows in raw.get("precisions", {}).items():
             if p not in PRECISION_ORDER or p == "fp32":
-                raise ValueError(f"precision {p!r} (fp32 rows go in 'batches'; others: fp16, int8)")
+                raise ValueError(f"precision {p!r} (fp32 rows go in 'batches'; others: "
+                                 f"{', '.join(PRECISION_ORDER[1:])})")
             others[p] = _parse_rows(rows, f"precision {p}, ")
         quality, metric = _parse_quality(raw.get("quality"))
     except (TypeError, ValueError) as e:

@@ -100,7 +100,7 @@ def load_manifest(directory: str | Path) -> dict:
             raise UserError(f"{path}: {key!r} must be a list of {{name, dtype, shape}} objects")
     if not isinstance(m["dense"].get("onnx"), str):
         raise UserError(f"{path}: 'dense' needs its 'onnx' file")
-    for key in ("onnx", "onnx_fp16", "onnx_int8", "onnx_optimized", "engine"):
+    for key in ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized", "engine"):
         resolve(directory, m["dense"].get(key))
     resolve(directory, m["ranking"].get("file"))
     seen: set[float] = set()
@@ -115,7 +115,7 @@ def load_manifest(directory: str | Path) -> dict:
         seen.add(round(s, 6))
         if not isinstance(b.get("onnx"), str):
             raise UserError(f"{path}: budget {s!r} needs its 'onnx' file")
-        for key in ("onnx", "onnx_fp16", "onnx_int8", "onnx_optimized", "engine"):
+        for key in ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized", "engine"):
             resolve(directory, b.get(key))
         for key in ("heads_per_layer", "neurons_per_layer"):
             v = b.get(key)

@@ -20,9 +20,9 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__, onnx_io, preprocess, st_layout
+from elastic_export import __version__, int8_qdq, onnx_io, preprocess, st_layout
 from elastic_export.budgets import budget_tag
-from elastic_export.calibration import load_calibration
+from elastic_export.calibration import Calibration, load_calibration
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError, first_line
 from elastic_export.export import export_dense
@@ -79,10 +79,16 @@ class Options:
     layout: str = "artifacts"  # "sentence-transformers": also DIR/sentence-transformers/ (elastic_export.st_layout)
 
 
-def _twins(name: str, fp16: dict, int8: dict) -> dict:
-    """The manifest fields of the fp16 and int8 twins of the fp32 file ``name`` (None where absent)."""
-    (f16, rel), (i8, cos) = fp16.get(name, (None, None)), int8.get(name, (None, None))
-    return {"onnx_fp16": f16, "fp16_max_rel_error": rel, "onnx_int8": i8, "int8_min_cosine": cos}
+def _twins(name: str, fp16: dict, int8: dict, qdq: dict) -> dict:
+    """The manifest fields of the fp16, int8 and int8-qdq twins of the fp32 file ``name`` (None where absent)."""
+    (f16, rel), (i8, cos), (q8, qcos) = (d.get(name, (None, None)) for d in (fp16, int8, qdq))
+    return {"onnx_fp16": f16, "fp16_max_rel_error": rel, "onnx_int8": i8, "int8_min_cosine": cos,
+            int8_qdq.FILE_KEY: q8, int8_qdq.COSINE_KEY: qcos}
+
+
+def load_calib(encoder: Encoder, opts: Options) -> Calibration:
+    """The calibration data of ``opts`` (the ranking's and the int8-qdq calibrator's: the same call)."""
+    return load_calibration(encoder, opts.calib, size=opts.calib_size, batch_size=opts.batch_size, seed=opts.seed)
 
 
 def check_device(device: str) -> torch.device:
@@ -97,13 +103,17 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Callable[[str], None]) -> Ranking:
-    """Score every unit with ``opts.method`` and wrap the scores with their metadata."""
+def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Callable[[str], None],
+                 calib: Calibration | None = None) -> Ranking:
+    """Score every unit with ``opts.method`` (on ``calib`` when given and the method needs data) and
+    wrap the scores with their metadata."""
     if opts.method not in METHODS:
         raise UserError(f"--method {opts.method}: unknown; choose from {', '.join(sorted(METHODS))}")
-    calib, desc = None, {"source": None}
-    if opts.method in NEEDS_DATA:
-        calib = load_calibration(encoder, opts.calib, size=opts.calib_size, batch_size=opts.batch_size, seed=opts.seed)
+    desc = {"source": None}
+    if opts.method not in NEEDS_DATA:
+        calib = None
+    else:
+        calib = calib if calib is not None else load_calib(encoder, opts)
         desc = calib.description
         skipped = desc.get("failed_to_decode") or 0
         echo(f"calibration: {desc.get('samples')} samples from {desc.get('source')}"
@@ -330,6 +340,10 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
     if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
         raise UserError(EXTERNAL_REFUSAL.format(src="dense.onnx"))
     check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
+    calib = qdq = None  # int8-qdq: calibrated on the ranking's calibration data, less a held-out part
+    if int8_qdq.PRECISION in precisions:
+        calib = load_calib(encoder, opts)
+        qdq = int8_qdq.split_heldout(calib.batches, calib.description)
     rank_seconds = None  # time taken to rank (None: reused)
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
@@ -339,7 +353,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         if opts.checkpoint is None:
             opts.checkpoint = str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
         t_rank = time.time()
-        ranking = rank_encoder(encoder, inventory, opts, echo)
+        ranking = rank_encoder(encoder, inventory, opts, echo, calib)
         rank_seconds = round(time.time() - t_rank, 1)
     plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
 
@@ -356,11 +370,14 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
         fp16: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (fp16 file, relative error)
         int8: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (int8 file, min embedding cosine)
+        int8q: dict[str, tuple[str | None, float | None]] = {}  # the same for int8-qdq (held-out calibration data)
         np_feeds = {k: v.numpy() for k, v in feeds.items()} if opts.verify else None
         if "fp16" in precisions:
             fp16["dense.onnx"] = add_fp16(dense, tmp, "dense.onnx", np_feeds)
         if "int8" in precisions:
             int8["dense.onnx"] = add_int8(tmp, "dense.onnx", np_feeds)
+        if qdq is not None:
+            int8q["dense.onnx"] = int8_qdq.add_qdq(tmp, "dense.onnx", qdq, check=opts.verify)
         t0 = time.time()
         names = []
         slicer = BudgetSlicer(dense, external=onnx_io.external_like(tmp / "dense.onnx"))
@@ -384,6 +401,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
                 fp16[name] = add_fp16(onnx.load(str(tmp / name)), tmp, name, np_feeds)
             if "int8" in precisions:
                 int8[name] = add_int8(tmp, name, np_feeds)
+            if qdq is not None:
+                int8q[name] = int8_qdq.add_qdq(tmp, name, qdq, check=opts.verify)
             rows.append((plan, name, err))
         elastic = None
         if opts.elastic_graph:
@@ -402,7 +421,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
             "prunable_gflops": inventory.prunable_flops / 1e9,
             "align": opts.align,
             "precisions": list(precisions),
-            "dense": {"onnx": "dense.onnx", **_twins("dense.onnx", fp16, int8),
+            "dense": {"onnx": "dense.onnx", **_twins("dense.onnx", fp16, int8, int8q),
                       "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
             "budgets": [
                 {
@@ -415,11 +434,12 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
                     "heads_per_layer": p.heads_per_layer,
                     "neurons_per_layer": p.neurons_per_layer,
                     "max_abs_error": err,
-                    **_twins(name, fp16, int8),
+                    **_twins(name, fp16, int8, int8q),
                 }
                 for p, name, err in rows
             ],
             "elastic": elastic,
+            **({int8_qdq.MANIFEST_ENTRY: int8_qdq.manifest_entry(qdq)} if qdq is not None else {}),
             "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method"), "seconds": rank_seconds},
         }
         if opts.layout == st_layout.LAYOUT:

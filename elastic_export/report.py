@@ -295,7 +295,7 @@ def _gflops(v: Any) -> str:
 
 
 def _files(entry: dict) -> str:
-    names = [entry.get(k) for k in ("onnx", "onnx_fp16", "onnx_int8", "onnx_optimized")]
+    names = [entry.get(k) for k in ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized")]
     return " ".join(f"<code>{_e(n)}</code>" for n in names if n) or "-"
 
 

@@ -84,12 +84,13 @@ from elastic_export.policies import (  # noqa: F401 - re-exported
     frontier,
     quality_order,
 )
+from elastic_export.precision import FILE_KEYS
 from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, make_session, shared_initializers
 from elastic_export.targets.profiles import Profile, compute_profile
 
 MODES = ("per-budget", "elastic")
 BACKENDS = ("onnxruntime", "tensorrt")
-PRECISION_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}  # precision -> manifest key
+PRECISION_KEYS = FILE_KEYS  # precision -> manifest key
 _key, _fmt = key, fmt  # the names this module used before the split
 
 
@@ -463,8 +464,9 @@ def _precisions(manifest: dict, mode: str, precision: str | None, precisions: Se
             raise UserError(f"precision {p!r}: unknown; choose from {', '.join(PRECISION_KEYS)}")
     if precision and precision not in asked:
         raise UserError(f"precision {precision!r} is not among precisions {', '.join(asked)}")
-    if "int8" in asked and mode == "elastic":
-        raise UserError("precision 'int8': the elastic graph has no int8 twin; use mode='per-budget'")
+    int8 = [p for p in asked if p.startswith("int8")]
+    if int8 and mode == "elastic":
+        raise UserError(f"precision {int8[0]!r}: the elastic graph has no int8 twin; use mode='per-budget'")
     return [p for p in PRECISION_KEYS if p in asked]
 
 

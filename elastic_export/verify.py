@@ -14,7 +14,9 @@ still computes what the manifest says it does.
   fp32 ONNX (max abs error <= ``atol``, 1e-4), the fp16 files where the manifest lists them
   (relative error <= ``rtol_fp16``, 1e-2, see :func:`elastic_export.fp16.relative_error`), the int8
   files where it lists them, each against its own fp32 file (min embedding cosine >=
-  :data:`elastic_export.int8.INT8_MIN_COSINE`), the single
+  :data:`elastic_export.int8.INT8_MIN_COSINE`; the int8-qdq files likewise with
+  :data:`elastic_export.int8_qdq.QDQ_MIN_COSINE`, on these random inputs: verify has no calibration
+  data), the single
   elastic graph when the manifest's ``elastic`` is not null (``budget_input``, an int64 index into
   the manifest's budgets, selects each budget in turn, and its ``dense_index`` the dense model,
   checked against dense.onnx; ``atol``), TensorRT engines where
@@ -48,6 +50,9 @@ from elastic_export import onnx_io
 from elastic_export.errors import UserError, first_line
 from elastic_export.fp16 import FP16_RTOL, relative_error
 from elastic_export.int8 import INT8_MIN_COSINE, embedding, min_cosine
+from elastic_export.int8_qdq import FILE_KEY as QDQ_KEY
+from elastic_export.int8_qdq import PRECISION as QDQ
+from elastic_export.int8_qdq import QDQ_MIN_COSINE
 from elastic_export.manifest import MANIFEST, elastic_indices, load_manifest, resolve
 
 ATOL = 1e-4  # DESIGN.md invariant 2: fp32 max abs error on the final output
@@ -61,7 +66,7 @@ class Check:
     Args:
         budget: ``dense`` or the budget's sparsity.
         artifact: the file (relative to the directory), ``[i]`` appended for an elastic-graph index.
-        kind: ``fp32``, ``fp16``, ``int8``, ``elastic``, ``elastic fp16``, ``engine`` or ``torch``.
+        kind: ``fp32``, ``fp16``, ``int8``, ``int8-qdq``, ``elastic``, ``elastic fp16``, ``engine`` or ``torch``.
         reference: what it was compared with.
         max_abs: largest absolute difference over all outputs (None when not compared).
         rel: :func:`relative_error` (None when not compared).
@@ -522,8 +527,9 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
         if b.get("onnx_fp16") is not None:
             onnx_check(label, b["onnx_fp16"], "fp16", ref, "masked dense")
     for label, entry in [("dense", manifest["dense"]), *((f"{b['sparsity']:.2f}", b) for b in budgets)]:
-        if entry.get("onnx_int8") is not None:
-            report.checks.append(_check_int8(d, label, entry["onnx"], entry["onnx_int8"], feeds, outputs))
+        for key, kind, bound in (("onnx_int8", "int8", INT8_MIN_COSINE), (QDQ_KEY, QDQ, QDQ_MIN_COSINE)):
+            if entry.get(key) is not None:
+                report.checks.append(_check_int8(d, label, entry["onnx"], entry[key], feeds, outputs, bound, kind))
     echo(f"checked {len(budgets)} budgets")
 
     elastic = manifest.get("elastic")
@@ -537,10 +543,10 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
 
 
 def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, outputs: list[str],
-                bound: float = INT8_MIN_COSINE) -> Check:
-    """One row: the int8 file against its own fp32 file, min embedding cosine >= ``bound``
-    (:func:`elastic_export.int8.embedding`)."""
-    check = Check(label, str(int8_rel), "int8", fp32_rel, tol=f"cos >= {bound:g}")
+                bound: float = INT8_MIN_COSINE, kind: str = "int8") -> Check:
+    """One row: the int8 (or ``int8-qdq``, ``kind``) file against its own fp32 file, min embedding
+    cosine >= ``bound`` (:func:`elastic_export.int8.embedding`)."""
+    check = Check(label, str(int8_rel), kind, fp32_rel, tol=f"cos >= {bound:g}")
 
     def go() -> Check:
         if not isinstance(int8_rel, str):

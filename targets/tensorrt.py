@@ -18,6 +18,15 @@ string (Polygraphy's ``try_set_flag`` style):
   with explicit Casts, fp32 norms / softmax / tail) is parsed, and runs in exactly the precision its
   types say.
 
+**INT8.** Explicit quantization only: the directory's QDQ files (``onnx_int8_qdq``, written by
+``--precision int8-qdq``: int8 weights per output channel, symmetric int8 activations, Q/DQ on the
+weight MatMuls' inputs; :mod:`elastic_export.int8_qdq`) are parsed, never the fp32 ONNX with a
+calibrator (TensorRT 11 has none, and the dynamic ``*.int8.onnx`` files use onnxruntime-only ops).
+Feature checks again (:func:`int8_mode`): where ``BuilderFlag.INT8`` exists (TensorRT 10) the network
+is parsed as before and the flag set, so the Q/DQ layers may run int8 kernels; otherwise (TensorRT 11,
+strongly typed only) the network is parsed strongly typed and the Q/DQ layers say the precision.
+Layers outside the Q/DQ pairs stay fp32 in both.
+
 **FP32** engines are built with ``BuilderFlag.TF32`` cleared unless ``tf32=True`` (``--tf32``): TensorRT
 enables TF32 by default, which rounds matmul inputs to 10-bit mantissas.
 
@@ -164,6 +173,22 @@ def fp16_mode(trt: Any, have_fp16_onnx: bool) -> str:
                     "cannot build fp16 engines")
 
 
+def int8_mode(trt: Any) -> str:
+    """How this ``tensorrt`` builds int8 engines from the QDQ files: :data:`BUILDER_FLAG` where
+    ``trt.BuilderFlag.INT8`` exists (TensorRT 10), else :data:`STRONGLY_TYPED` where the network flag
+    exists (TensorRT 11).
+
+    Raises:
+        UserError: neither exists.
+    """
+    if hasattr(getattr(trt, "BuilderFlag", None), "INT8"):
+        return BUILDER_FLAG
+    if hasattr(getattr(trt, "NetworkDefinitionCreationFlag", None), "STRONGLY_TYPED"):
+        return STRONGLY_TYPED
+    raise UserError("this TensorRT has neither BuilderFlag.INT8 nor a STRONGLY_TYPED network flag; "
+                    "cannot build int8 engines")
+
+
 def try_set_flag(config: Any, flags: Any, name: str) -> bool:
     """Set builder flag ``name`` on ``config`` if this TensorRT has it (Polygraphy's ``try_set_flag``).
 
@@ -278,14 +303,19 @@ class Job:
 
 
 def engine_name(onnx_name: str) -> str:
-    """``budget_s010.onnx`` / ``budget_s010.fp16.onnx`` -> ``budget_s010.engine``."""
+    """``budget_s010.onnx`` / ``budget_s010.fp16.onnx`` / ``budget_s010.int8-qdq.onnx`` -> ``budget_s010.engine``."""
     stem = onnx_name[:-5] if onnx_name.endswith(".onnx") else onnx_name
-    if stem.endswith(".fp16"):
-        stem = stem[:-5]
+    for suffix in (".fp16", ".int8-qdq"):
+        stem = stem[: -len(suffix)] if stem.endswith(suffix) else stem
     return stem + ".engine"
 
 
-def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool, dense: bool = True) -> list[Job]:
+SOURCE_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8_qdq"}  # engine precision -> ONNX parsed
+REEXPORT = {"onnx_fp16": "fp16", "onnx_int8_qdq": "int8-qdq"}  # the --precision that writes those files
+
+
+def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool = False, dense: bool = True,
+              key: str | None = None) -> list[Job]:
     """The engines to build, with their ONNX sources checked to exist.
 
     Args:
@@ -293,11 +323,12 @@ def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool, dense: bool 
         manifest: its loaded manifest.
         use_fp16_onnx: parse the ``onnx_fp16`` files (strongly typed fp16) instead of ``onnx``.
         dense: also build ``dense.engine``.
+        key: the manifest field of the files to parse (overrides ``use_fp16_onnx``; e.g. ``onnx_int8_qdq``).
 
     Raises:
-        UserError: a listed ONNX file is missing (or an fp16 one is not listed).
+        UserError: a listed ONNX file is missing (or a twin is not listed).
     """
-    key = "onnx_fp16" if use_fp16_onnx else "onnx"
+    key = key or ("onnx_fp16" if use_fp16_onnx else "onnx")
     entries: list[tuple[str | int, str, dict]] = [("dense", "dense", manifest["dense"])] if dense else []
     entries += [(i, f"{b.get('sparsity', i)}", b) for i, b in enumerate(manifest["budgets"])]
     jobs = []
@@ -305,7 +336,7 @@ def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool, dense: bool 
         rel = entry.get(key)
         if not isinstance(rel, str):
             raise UserError(f"{directory / MANIFEST}: {label} has no {key!r} file"
-                            + (" (re-export with --precision fp16)" if use_fp16_onnx else ""))
+                            + (f" (re-export with --precision {REEXPORT[key]})" if key in REEXPORT else ""))
         path = resolve(directory, rel)
         if path is None or not path.is_file():
             raise UserError(f"{directory}: {rel} is listed in the manifest but missing")
@@ -388,7 +419,7 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
 
     Args:
         directory: an artifact directory (with ``manifest.json``).
-        precision: ``fp32`` or ``fp16`` (see the module docstring for how fp16 is chosen).
+        precision: ``fp32``, ``fp16`` or ``int8`` (from the ``int8-qdq`` files; see the module docstring).
         min_batch: smallest batch of the optimisation profile.
         opt_batch: batch TensorRT tunes for.
         max_batch: largest batch.
@@ -418,8 +449,8 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
     d = Path(directory)
     if not d.is_dir():
         raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
-    if precision not in ("fp32", "fp16"):
-        raise UserError(f"--precision {precision}: choose fp32 or fp16")
+    if precision not in SOURCE_KEYS:
+        raise UserError(f"--precision {precision}: choose fp32, fp16 or int8")
     if workspace_gb is not None and not workspace_gb > 0:
         raise UserError(f"--workspace-gb must be positive, got {workspace_gb}")
     if opt_level is not None and (isinstance(opt_level, bool) or opt_level not in range(6)):
@@ -427,7 +458,7 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
     manifest = load_manifest(d)
     profile = compute_profile(manifest, min_batch=min_batch, opt_batch=opt_batch, max_batch=max_batch,
                               min_tokens=min_tokens, opt_tokens=opt_tokens, max_tokens=max_tokens)
-    plan_jobs(d, manifest, use_fp16_onnx=False, dense=dense)  # sources exist before TensorRT is touched
+    plan_jobs(d, manifest, dense=dense, key="onnx_int8_qdq" if precision == "int8" else None)  # before TensorRT
     cache_path = Path(timing_cache) if timing_cache is not None else d / TIMING_CACHE
     if cache_path.exists() and not cache_path.is_file():
         raise UserError(f"--timing-cache {cache_path}: not a file")
@@ -435,11 +466,14 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
     trt = import_tensorrt()
     if cuda_device_count() == 0:
         raise UserError("TensorRT engines need a CUDA GPU: no CUDA device is visible")
-    mode = None
+    mode, source = None, None
     if precision == "fp16":
         have16 = all(isinstance(e.get("onnx_fp16"), str) for e in [manifest["dense"], *manifest["budgets"]])
         mode = fp16_mode(trt, have16)
-    jobs = plan_jobs(d, manifest, use_fp16_onnx=mode == STRONGLY_TYPED, dense=dense)
+        source = "onnx_fp16" if mode == STRONGLY_TYPED else None
+    elif precision == "int8":
+        mode, source = int8_mode(trt), SOURCE_KEYS["int8"]
+    jobs = plan_jobs(d, manifest, dense=dense, key=source)
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -466,7 +500,10 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
             if opt_level is not None and hasattr(config, "builder_optimization_level"):
                 config.builder_optimization_level = int(opt_level)
             tf32_flag = (try_set_flag if tf32 else try_clear_flag)(config, trt.BuilderFlag, "TF32")
-            if mode == BUILDER_FLAG:
+            if mode == BUILDER_FLAG and precision == "int8":
+                if not try_set_flag(config, trt.BuilderFlag, "INT8"):
+                    raise UserError("this TensorRT rejected BuilderFlag.INT8 for the Q/DQ network")
+            elif mode == BUILDER_FLAG:
                 if not try_set_flag(config, trt.BuilderFlag, "FP16"):
                     raise UserError("this TensorRT rejected BuilderFlag.FP16; re-export with --precision fp16 so "
                                     "the strongly typed fp16 ONNX can be used")
@@ -501,7 +538,8 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
     info = {
         "version": getattr(trt, "__version__", None),
         "precision": precision,
-        "fp16_mode": mode,
+        "fp16_mode": mode if precision == "fp16" else None,
+        "int8_mode": mode if precision == "int8" else None,
         "profiles": [profile.to_json()],
         "workspace_bytes": workspace,
         "builder_optimization_level": opt_level,

@@ -139,6 +139,29 @@ class _Config:
         self.flags.append(flag)
 
 
+def test_int8_mode_feature_checks():
+    """int8 engines come from the QDQ files: BuilderFlag.INT8 where it exists (10), else strongly typed (11)."""
+    trt10 = SimpleNamespace(BuilderFlag=SimpleNamespace(FP16=0, INT8=2, TF32=1),
+                            NetworkDefinitionCreationFlag=SimpleNamespace(EXPLICIT_BATCH=0, STRONGLY_TYPED=1))
+    assert T.int8_mode(trt10) == T.BUILDER_FLAG
+    assert T.int8_mode(TRT11) == T.STRONGLY_TYPED
+    with pytest.raises(UserError, match="neither BuilderFlag.INT8"):
+        T.int8_mode(NEITHER)
+
+
+def test_int8_jobs_use_the_qdq_files(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    m = load_manifest(d)
+    for entry in [m["dense"], *m["budgets"]]:
+        entry["onnx_int8_qdq"] = entry["onnx"][:-5] + ".int8-qdq.onnx"
+        (d / entry["onnx_int8_qdq"]).write_bytes(b"not really onnx")
+    jobs = T.plan_jobs(d, m, key=T.SOURCE_KEYS["int8"])
+    assert [(j.onnx, j.engine) for j in jobs] == [("dense.int8-qdq.onnx", "dense.engine"),
+                                                 ("budget_s010.int8-qdq.onnx", "budget_s010.engine"),
+                                                 ("budget_s050.int8-qdq.onnx", "budget_s050.engine")]
+    assert T.engine_name("budget_s010.int8-qdq.onnx") == "budget_s010.engine"
+
+
 def test_try_set_flag():
     c = _Config()
     assert T.try_set_flag(c, TRT10.BuilderFlag, "FP16") and c.flags == [0]
@@ -290,8 +313,10 @@ def test_build_engines_checks_input_before_tensorrt(tmp_path):
     before = _snapshot(d)
     with pytest.raises(UserError, match="min <= opt <= max"):
         T.build_engines(d, min_batch=8, opt_batch=4, max_batch=16)
-    with pytest.raises(UserError, match="fp32 or fp16"):
-        T.build_engines(d, precision="int8")
+    with pytest.raises(UserError, match="fp32, fp16 or int8"):
+        T.build_engines(d, precision="int4")
+    with pytest.raises(UserError, match="no 'onnx_int8_qdq' file.*--precision int8-qdq"):
+        T.build_engines(d, precision="int8")  # the directory has no QDQ files: refused before TensorRT
     with pytest.raises(UserError, match="no such directory"):
         T.build_engines(tmp_path / "nope")
     with pytest.raises(UserError, match="--opt-level must be 0..5"):
