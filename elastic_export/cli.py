@@ -82,7 +82,7 @@ def ranking_options(fn):
 
 def export_options(fn):
     """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision,
-    --ort-optimize, --report/--no-report, --external-data, --layout."""
+    --ort-optimize, --report/--no-report, --quick-eval/--no-quick-eval, --external-data, --layout."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -112,6 +112,11 @@ def export_options(fn):
         click.option("--external-data", "external_data", flag_value=True, default=None,
                      help="Keep every ONNX file's weights in NAME.onnx.data beside it (ONNX external data). "
                           "Automatic for models whose weights pass protobuf's 2 GiB (about 530M fp32 parameters)."),
+        click.option("--quick-eval/--no-quick-eval", "quick_eval", default=True, show_default=True,
+                     help="Also measure every (budget, precision): fidelity (and text recall@10) on held-out "
+                          "calibration-source samples the ranking did not see, and CPU latency at batch 1 and 8 "
+                          "(a few runs); recorded in the manifest's quick_eval entry, DIR/latency_profile.json "
+                          "(with quality figures and the frontier) and the report."),
         click.option("--layout", type=click.Choice(["artifacts", "sentence-transformers"]), default="artifacts",
                      show_default=True,
                      help="sentence-transformers (text encoders): also DIR/sentence-transformers/, one folder per "
