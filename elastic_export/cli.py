@@ -383,8 +383,9 @@ def verify_cmd(directory, batch, seq_len, seed, model, tower, use_torch, atol, r
               help="Write <stem>_throughput.png, <stem>_latency.png and <stem>_speedup.png next to the JSON.")
 @click.option("--profile/--no-profile", default=True, show_default=True,
               help="Write DIR/latency_profile.json (p50/p90/p99 ms and throughput per batch and budget).")
-@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
-              help="onnxruntime: time the fp16 twins (exported with --precision fp16; for GPU providers).")
+@click.option("--precision", default="all", show_default=True, metavar="LIST",
+              help="all (every precision DIR was exported with) or a comma list of fp32, fp16, int8 "
+                   "(onnxruntime backend; fp16 is for GPU providers).")
 def bench_cmd(directory, backend, provider, batches, seq_len, repeats, warmup, threads, out, plot, profile, precision):
     """Time the dense model and every budget of DIR at each batch size: throughput, latency
     p50/p90/p99 and the cost of switching budget; write JSON, plots and the latency profile."""
