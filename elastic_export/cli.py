@@ -312,7 +312,10 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
 @click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory (default: the model source in the manifest).")
 @click.option("--out", default=None, type=click.Path(), help="Write the results as JSON.")
 @click.option("--plot", default=None, type=click.Path(), help="Write a PNG of every metric vs GFLOPs.")
-def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, tokenizer, out, plot):
+@click.option("--precision", default="all", show_default=True, metavar="LIST",
+              help="all (every precision each DIR was exported with) or a comma list of fp32, fp16, int8; "
+                   "fidelity is always against the dense fp32 model.")
+def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, tokenizer, out, plot, precision):
     """Evaluate the exported ONNX of the dense model and every budget of each artifact DIR:
     fidelity (cosine to the dense output), retrieval recall@1/@10 against a dense index and
     symmetric (text), k-NN accuracy (images)."""
@@ -321,7 +324,8 @@ def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, toke
     check_output_path(out, "--out")
     check_output_path(plot, "--plot")
     results = evaluate(list(dirs), pairs=pairs, images=images, max_pairs=max_pairs, split=split,
-                       max_length=max_length, batch_size=batch_size, tokenizer=tokenizer, echo=_echo)
+                       max_length=max_length, batch_size=batch_size, tokenizer=tokenizer, echo=_echo,
+                       precisions=None if precision == "all" else [p.strip() for p in precision.split(",")])
     click.echo(format_table(results))
     if out:
         write_results(out, results)

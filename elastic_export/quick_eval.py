@@ -243,3 +243,37 @@ def run_quick_eval(directory: Path, manifest: dict, encoder, calib: str | None, 
             "speed": {"provider": rt.provider, "batches": list(BATCHES), "repeats": REPEATS, "warmup": WARMUP,
                       "threads": "onnxruntime default", "spin": False, "seq_len": manifest.get("tokens")},
             "seconds": seconds, "rows": rows}
+
+
+# --- views of the entry (the report draws them like eval / bench results) -----------------------
+def as_eval_result(manifest: dict) -> dict | None:
+    """The manifest's ``quick_eval`` entry as an ``elastic-export eval`` result (None without one)."""
+    qe = manifest.get(ENTRY)
+    if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list):
+        return None
+    held = qe.get("heldout") or {}
+    return {"datasets": {"held-out": {"source": held.get("source"), "count": held.get("samples")}},
+            "results": [{"label": "quick eval", "method": (manifest.get("ranking") or {}).get("method"), "dir": ".",
+                         "budgets": [r for r in qe["rows"] if isinstance(r, dict)]}]}
+
+
+def as_bench_result(manifest: dict) -> dict | None:
+    """The speed of the manifest's ``quick_eval`` entry as an ``elastic-export bench`` result (None
+    without one): rows per (batch, sparsity, precision), speedup over the dense fp32 model."""
+    qe = manifest.get(ENTRY)
+    if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list):
+        return None
+    dense_gflops = float(manifest["dense"]["gflops"])
+    base = {b: st["throughput"] for r in qe["rows"] if r.get("sparsity") == 0.0 and r.get("precision") == "fp32"
+            for b, st in (r.get("speed") or {}).items()}
+    rows = []
+    for r in qe["rows"]:
+        for b, st in (r.get("speed") or {}).items():
+            rows.append({"sparsity": r["sparsity"], "precision": r["precision"], "gflops": r["gflops"],
+                         "flop_ratio": dense_gflops / float(r["gflops"]), "batch": int(b), **st,
+                         "speedup": st["throughput"] / base[b] if b in base else None, "switch_ms": None})
+    speed = qe.get("speed") or {}
+    return {"format": "elastic-export-bench/1", "backend": "onnxruntime", "provider": speed.get("provider"),
+            "runtime": "the main job's quick eval", "machine": {},
+            "settings": {"repeats": speed.get("repeats"), "seq_len": speed.get("seq_len"),
+                         "threads": speed.get("threads")}, "rows": rows}
