@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/elastic-ranking-quality-mpnet", help="ranking: work directory")
     ap.add_argument("--pairs", type=int, default=0, help="ranking: held-out pairs (0: all)")
     ap.add_argument("--methods", default=None, help="ranking: comma-separated methods (default: all)")
+    ap.add_argument("--budgets", default=None,
+                    help="ranking: sparsities (default 0.05..0.6:0.05; e.g. 0.1,0.4,0.5,0.6 for the issue's checks only)")
     ap.add_argument("extra", nargs="*", help="main: extra elastic-export options (after --)")
     args = ap.parse_args(argv)
     try:
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     import ranking_quality
 
     rq = ["--model", str(model), "--name", "mpnet", "--lean", "--work", args.work, "--pairs", str(args.pairs),
-          "--results", args.results] + (["--methods", args.methods] if args.methods else [])
+          "--results", args.results] + (["--methods", args.methods] if args.methods else []) \
+        + (["--budgets", args.budgets] if args.budgets else [])
     return ranking_quality.main(rq)
 
 

@@ -144,6 +144,130 @@ def loss_kind(names: list[str], config: ElasticConfig, calibration: Calibration)
     return "cosine"
 
 
+def _shares(batches: list[dict], config: ElasticConfig) -> tuple[list[slice], list[float], list[float]]:
+    """This process's rows of every batch, its share of each batch's samples and of its real tokens
+    (the token term's weight; the sample share when the token term is off or no mask exists)."""
+    sizes = [ddp.batch_size(b) for b in batches]
+    parts = [ddp.share(n) for n in sizes]
+    fracs = [(p.stop - p.start) / n for p, n in zip(parts, sizes)]
+    tok_fracs = fracs
+    if ddp.active() and config.token_weight and "attention_mask" in batches[0]:
+        local = torch.tensor([float(b["attention_mask"][p].sum()) for b, p in zip(batches, parts)], dtype=torch.float64)
+        total = ddp.all_reduce_(local.clone())
+        tok_fracs = [float(a / t) if t > 0 else f for a, t, f in zip(local, total, fracs)]
+    return parts, fracs, tok_fracs
+
+
+class _Distiller:
+    """The distillation loss of a masked forward pass against the frozen dense model's outputs:
+    1 - cosine of the pooled embedding (or KL / cross-entropy on logits), plus the similarity
+    structure against the dense index of all calibration samples, plus the per-token term."""
+
+    def __init__(self, encoder: Encoder, names: list[str], config: ElasticConfig, kind: str) -> None:
+        self.encoder, self.names, self.config = encoder, names, config
+        self.use_kl = kind in ("kl", "ce")  # both work on the logits
+        self.hidden_at = names.index("last_hidden_state") if "last_hidden_state" in names else None
+        self.bank: torch.Tensor | None = None
+
+    def targets(self, outputs, feeds) -> dict[str, torch.Tensor]:
+        t = {"emb": F.normalize(self.encoder.embedding(outputs, feeds), dim=-1)}
+        if self.use_kl:
+            t["logp"] = F.log_softmax(outputs[self.names.index("logits")], dim=-1)
+        if self.config.token_weight and self.hidden_at is not None:
+            t["tokens"] = F.normalize(outputs[self.hidden_at], dim=-1)
+        return t
+
+    @torch.no_grad()
+    def dense_targets(self, fn, batches: list[dict], dev, dtype) -> list[dict[str, torch.Tensor]]:
+        """The frozen dense model's targets per batch; sets the dense index (``bank``)."""
+        dense = []
+        for b in batches:
+            feeds = ddp.place(ddp.shard(b), dev, dtype)
+            dense.append(self.targets(ddp.as_fp32(fn(*feeds.values())), feeds))
+        self.bank = torch.cat([d["emb"] for d in dense])
+        if ddp.active():  # every process's share of every batch, in the global order
+            shares = ddp.gather_objects([d["emb"].cpu() for d in dense])
+            self.bank = torch.cat([r[i] for i in range(len(batches)) for r in shares]).to(dev)
+        if self.config.relational_weight and not self.use_kl:
+            for d in dense:
+                d["rel"] = F.log_softmax(d["emb"] @ self.bank.T / self.config.relational_temperature, dim=-1)
+        return dense
+
+    def loss(self, outputs, feeds, dense_t, reps, target=None, frac=1.0, tok_frac=1.0) -> torch.Tensor:
+        """The loss of this process's share, weighted by its share (1.0: the whole batch)."""
+        config = self.config
+        got = self.targets(ddp.as_fp32(outputs), feeds)
+        if target is not None:
+            loss = F.nll_loss(got["logp"], target.to(got["logp"].device).repeat(reps))
+        elif self.use_kl:
+            ref = dense_t["logp"].repeat(reps, 1)
+            loss = (ref.exp() * (ref - got["logp"])).sum(-1).mean()
+        else:
+            loss = (1.0 - (got["emb"] * dense_t["emb"].repeat(reps, 1)).sum(-1)).mean()
+        if frac != 1.0:
+            loss = loss * frac
+        if "rel" in dense_t:
+            logq = F.log_softmax(got["emb"] @ self.bank.T / config.relational_temperature, dim=-1)
+            ref = dense_t["rel"].repeat(reps, 1)
+            rel = (ref.exp() * (ref - logq)).sum(-1).mean()
+            loss = loss + config.relational_weight * (rel * frac if frac != 1.0 else rel)
+        if "tokens" in got:
+            cos = (got["tokens"] * dense_t["tokens"].repeat(reps, 1, 1)).sum(-1)
+            w = feeds.get("attention_mask")
+            w = torch.ones_like(cos) if w is None else w.to(cos.dtype)
+            tok = ((1.0 - cos) * w).sum() / w.sum().clamp(min=1.0)
+            loss = loss + config.token_weight * (tok * tok_frac if tok_frac != 1.0 else tok)
+        return loss
+
+
+@dataclass
+class _Adam:
+    """Adam on the score vector (the optimiser state a checkpoint holds with the scores)."""
+
+    s: torch.Tensor
+    m1: torch.Tensor
+    m2: torch.Tensor
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    @torch.no_grad()
+    def update(self, grad: torch.Tensor, k: int, lr: float) -> None:
+        self.m1.mul_(self.b1).add_(grad, alpha=1 - self.b1)
+        self.m2.mul_(self.b2).addcmul_(grad, grad, value=1 - self.b2)
+        self.s = self.s - lr * (self.m1 / (1 - self.b1**k)) / ((self.m2 / (1 - self.b2**k)).sqrt() + self.eps)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"scores": self.s, "m1": self.m1, "m2": self.m2}
+
+
+def _start(encoder: Encoder, units: _Units, initial: Scores, config: ElasticConfig, calibration: Calibration,
+           checkpoint: Path | None, resume: bool) -> tuple[_Adam, int, dict]:
+    """The optimiser at its first step (standardised log initial scores, or a checkpoint's state with
+    ``resume``), that step, and the run's identity a checkpoint must match."""
+    dev = next(encoder.module.parameters()).device
+    init = units.flatten(*initial).clamp(min=1e-30).log()
+    init = (init - init.mean()) / init.std().clamp(min=1e-12)
+    s = init.float().to(dev)
+    adam, start = _Adam(s, torch.zeros_like(s), torch.zeros_like(s)), 0
+    meta = {"config": asdict(config), "fingerprint": encoder.fingerprint(), "calibration": calibration.description,
+            "units": int(s.numel())}
+    meta = json.loads(json.dumps(meta, default=list))
+    if resume and checkpoint is not None:
+        loaded = _load_checkpoint(checkpoint, meta)
+        if loaded is not None:
+            state, start = loaded
+            adam = _Adam(state["scores"].to(dev), state["m1"].to(dev), state["m2"].to(dev))
+    return adam, start, meta
+
+
+def _batch_of_step(step: int, n_batches: int, seed: int) -> int:
+    """The calibration batch of a step: a fresh permutation of the batches every epoch."""
+    epoch, pos = divmod(step, n_batches)
+    perm = torch.randperm(n_batches, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    return int(perm[pos])
+
+
 def optimise_ranking(
     encoder: Encoder,
     inventory: Inventory,
@@ -168,128 +292,57 @@ def optimise_ranking(
     ddp.check_batches(calibration.batches)
     kind = loss_kind(names, config, calibration)
     units = _Units.of(inventory)
-    dev = next(encoder.module.parameters()).device
-    init = units.flatten(*initial).clamp(min=1e-30).log()
-    init = (init - init.mean()) / init.std().clamp(min=1e-12)
-    s = init.float().to(dev)
-    m1, m2 = torch.zeros_like(s), torch.zeros_like(s)
-    start = 0
-    meta = {"config": asdict(config), "fingerprint": encoder.fingerprint(), "calibration": calibration.description,
-            "units": int(s.numel())}
-    meta = json.loads(json.dumps(meta, default=list))
-    if resume and checkpoint is not None:
-        loaded = _load_checkpoint(checkpoint, meta)
-        if loaded is not None:
-            state, start = loaded
-            s, m1, m2 = state["scores"].to(dev), state["m1"].to(dev), state["m2"].to(dev)
-    targets = list(config.targets)
+    adam, start, meta = _start(encoder, units, initial, config, calibration, checkpoint, resume)
+    targets, batches = list(config.targets), calibration.batches
     per_step = min(config.targets_per_step, len(targets))
-    batches = calibration.batches
-    sizes = [ddp.batch_size(b) for b in batches]
-    parts = [ddp.share(n) for n in sizes]
-    fracs = [(p.stop - p.start) / n for p, n in zip(parts, sizes)]  # this process's share of each batch
-    tok_fracs = fracs
-    if ddp.active() and config.token_weight and "attention_mask" in batches[0]:
-        local = torch.tensor([float(b["attention_mask"][p].sum()) for b, p in zip(batches, parts)], dtype=torch.float64)
-        total = ddp.all_reduce_(local.clone())
-        tok_fracs = [float(a / t) if t > 0 else f for a, t, f in zip(local, total, fracs)]
-    dtype = ddp.model_dtype(encoder.module)
+    parts, fracs, tok_fracs = _shares(batches, config)
+    dev, dtype = adam.s.device, ddp.model_dtype(encoder.module)
     fn = encoder.export_module()
-    cost = units.cost
-    use_kl = kind in ("kl", "ce")  # both work on the logits
     labels = calibration.labels if kind == "ce" else None
-    hidden_at = names.index("last_hidden_state") if "last_hidden_state" in names else None
-
-    def distill_targets(outputs, feeds):
-        t = {"emb": F.normalize(encoder.embedding(outputs, feeds), dim=-1)}
-        if use_kl:
-            t["logp"] = F.log_softmax(outputs[names.index("logits")], dim=-1)
-        if config.token_weight and hidden_at is not None:
-            t["tokens"] = F.normalize(outputs[hidden_at], dim=-1)
-        return t
-
-    def distill_loss(outputs, feeds, dense_t, reps, target=None, frac=1.0, tok_frac=1.0):
-        """The loss of this process's share, weighted by its share (1.0: the whole batch)."""
-        got = distill_targets(ddp.as_fp32(outputs), feeds)
-        if target is not None:
-            loss = F.nll_loss(got["logp"], target.to(got["logp"].device).repeat(reps))
-        elif use_kl:
-            ref = dense_t["logp"].repeat(reps, 1)
-            loss = (ref.exp() * (ref - got["logp"])).sum(-1).mean()
-        else:
-            loss = (1.0 - (got["emb"] * dense_t["emb"].repeat(reps, 1)).sum(-1)).mean()
-        if frac != 1.0:
-            loss = loss * frac
-        if "rel" in dense_t:
-            logq = F.log_softmax(got["emb"] @ bank.T / config.relational_temperature, dim=-1)
-            ref = dense_t["rel"].repeat(reps, 1)
-            rel = (ref.exp() * (ref - logq)).sum(-1).mean()
-            loss = loss + config.relational_weight * (rel * frac if frac != 1.0 else rel)
-        if "tokens" in got:
-            cos = (got["tokens"] * dense_t["tokens"].repeat(reps, 1, 1)).sum(-1)
-            w = feeds.get("attention_mask")
-            w = torch.ones_like(cos) if w is None else w.to(cos.dtype)
-            tok = ((1.0 - cos) * w).sum() / w.sum().clamp(min=1.0)
-            loss = loss + config.token_weight * (tok * tok_frac if tok_frac != 1.0 else tok)
-        return loss
-
-    with torch.no_grad():  # the distillation targets: the frozen dense model's outputs
-        dense = []
-        for b in batches:
-            feeds = ddp.place(ddp.shard(b), dev, dtype)
-            dense.append(distill_targets(ddp.as_fp32(fn(*feeds.values())), feeds))
-        bank = torch.cat([d["emb"] for d in dense])  # the dense index of the calibration samples
-        if ddp.active():  # every process's share of every batch, in the global order
-            shares = ddp.gather_objects([d["emb"].cpu() for d in dense])
-            bank = torch.cat([r[i] for i in range(len(batches)) for r in shares]).to(dev)
-        if config.relational_weight and not use_kl:
-            for d in dense:
-                d["rel"] = F.log_softmax(d["emb"] @ bank.T / config.relational_temperature, dim=-1)
-    blocks = encoder.blocks()
-    state = {}
+    distiller = _Distiller(encoder, names, config, kind)
+    dense = distiller.dense_targets(fn, batches, dev, dtype)
+    blocks, state = encoder.blocks(), {}
 
     def mask_for(layer, kind):
         return state["masks"][:, units.slices[(layer, kind)]]
 
     losses: list[float] = []
-    b1, b2, eps = 0.9, 0.999, 1e-8
     with frozen_weights(encoder.module):
         bar = tqdm(range(start, config.steps), desc="ranking (elastic)", unit="step", initial=start,
                    total=config.steps, leave=False, disable=not ddp.is_main())
         for step in bar:
-            epoch, pos = divmod(step, len(batches))
-            perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(config.seed * 7919 + epoch))
-            bi = int(perm[pos])
+            bi = _batch_of_step(step, len(batches), config.seed)
             feeds = ddp.place(ddp.shard(batches[bi]), dev, dtype)
             chosen = [targets[(step * per_step + j) % len(targets)] for j in range(per_step)]
-            scores = s.clone().requires_grad_(True)
-            t = cutoffs(scores, cost, chosen)
+            scores = adam.s.clone().requires_grad_(True)
+            t = cutoffs(scores, units.cost, chosen)
             state["masks"] = torch.sigmoid((scores[None, :] - t[:, None]) / config.temperature)
             rep = {k: torch.cat([v] * per_step) for k, v in feeds.items()}
             with unit_masks(blocks, mask_for, groups=per_step):
-                loss = distill_loss(fn(*rep.values()), rep, dense[bi], per_step,
-                                    None if labels is None else labels[bi][parts[bi]], fracs[bi], tok_fracs[bi])
+                loss = distiller.loss(fn(*rep.values()), rep, dense[bi], per_step,
+                                      None if labels is None else labels[bi][parts[bi]], fracs[bi], tok_fracs[bi])
                 (grad,) = torch.autograd.grad(loss, scores)  # inside: checkpointed blocks recompute with masks
             loss = loss.detach()
             if ddp.active():  # the global batch's gradient and loss: sum of the weighted shares
                 both = ddp.all_reduce_(torch.cat([grad.reshape(-1), loss.reshape(1).to(grad.dtype)]))
                 grad, loss = both[:-1], both[-1]
-            with torch.no_grad():
-                k = step + 1
-                m1.mul_(b1).add_(grad, alpha=1 - b1)
-                m2.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                s = s - config.lr * (m1 / (1 - b1**k)) / ((m2 / (1 - b2**k)).sqrt() + eps)
-            value = float(loss.detach())
-            losses.append(value)
-            bar.set_postfix(loss=f"{value:.4f}")
+            k = step + 1
+            adam.update(grad, k, config.lr)
+            losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
             if (checkpoint is not None and config.checkpoint_every and k % config.checkpoint_every == 0
                     and k < config.steps and ddp.is_main()):
-                _save_checkpoint(checkpoint, {"scores": s, "m1": m1, "m2": m2}, dict(meta, step=k))
+                _save_checkpoint(checkpoint, adam.state(), dict(meta, step=k))
+    return units.split(_finish(adam.s, checkpoint)), losses
+
+
+def _finish(s: torch.Tensor, checkpoint: Path | None) -> torch.Tensor:
+    """Rank 0's scores on every process; the checkpoint of the finished run removed."""
     s = ddp.broadcast_(s)  # every process holds rank 0's scores (they agree already)
     ddp.barrier()  # nobody is still reading a checkpoint
     if checkpoint is not None and checkpoint.exists() and ddp.is_main():
         checkpoint.unlink()
-    return units.split(s), losses
+    return s
 
 
 @register_method("elastic")
