@@ -1,7 +1,8 @@
 """``elastic-export bench DIR``: speed of the dense model and every budget of an artifact directory.
 
-For every budget (dense included) and every batch size it measures, through one runtime that holds
-all budgets at once:
+For every budget (dense included), every precision the directory has (``--precision``: all by
+default, or a list) and every batch size it measures, through one runtime that holds all
+(budget, precision) pairs at once:
 
 * **latency** p50 / p90 / p99 (ms) of ``repeats`` timed runs after ``warmup`` untimed ones, and
   **throughput** (inputs / s = batch / p50);
@@ -17,7 +18,10 @@ policy::
     {"backend": "onnxruntime", "provider": "cpu",
      "batches": {"1": {"0.0": {"p50_ms": .., "p90_ms": .., "p99_ms": .., "throughput": ..}, ...}, ...}}
 
-(sparsity keys are ``str(float(sparsity))``; the dense model is ``"0.0"``).
+(sparsity keys are ``str(float(sparsity))``; the dense model is ``"0.0"``), with the rows of other
+precisions under ``"precisions"``, the ``quality`` block kept from the previous profile or the
+manifest's ``quick_eval`` entry, and the quality / latency ``frontier`` per batch
+(:mod:`elastic_export.frontier`; full form in :mod:`elastic_export.latency_profile`).
 
 The runtime is :class:`elastic_export.runtime.ElasticRuntime` (per-budget mode: dense.onnx and every
 budget's file, sessions from ``elastic_export.targets.onnxruntime``; or the manifest's TensorRT
@@ -38,6 +42,7 @@ import numpy as np
 
 from elastic_export.errors import UserError
 from elastic_export.fileio import atomic_write, check_creatable
+from elastic_export.latency_profile import PRECISION_ORDER, key
 from elastic_export.manifest import load_manifest, resolve
 
 FORMAT = "elastic-export-bench/1"
@@ -59,8 +64,8 @@ class BenchConfig:
         repeats: timed runs per (budget, batch), and timed switches per (budget, batch).
         warmup: untimed runs per (budget, batch) before the timed ones.
         threads: onnxruntime intra-op threads (0: onnxruntime's default).
-        precision: ``fp32`` files or their ``fp16`` twins (onnxruntime backend; exported with
-            ``--precision fp16``).
+        precision: ``all`` (every precision the directory was exported with; the default) or a comma
+            list of ``fp32``, ``fp16``, ``int8`` (their twins; onnxruntime backend).
     """
 
     backend: str = "onnxruntime"
@@ -70,12 +75,17 @@ class BenchConfig:
     repeats: int = 20
     warmup: int = 3
     threads: int = 0
-    precision: str = "fp32"
+    precision: str = "all"
+
+    def precisions(self) -> list[str] | None:
+        """The precisions asked for; None: every one the directory has (``all``)."""
+        if self.precision == "all":
+            return None
+        asked = [p.strip() for p in self.precision.split(",") if p.strip()]
+        return [p for p in PRECISION_ORDER if p in asked]
 
     def check(self) -> None:
         """Refuse bad values with a one-line :class:`UserError`."""
-        from elastic_export.fp16 import check_precision
-
         if self.backend not in BACKENDS:
             raise UserError(f"--backend {self.backend}: choose one of {', '.join(BACKENDS)}")
         if self.provider not in PROVIDERS:
@@ -88,8 +98,11 @@ class BenchConfig:
                 raise UserError(f"{name} must be >= {low}, got {value}")
         if self.seq_len is not None and self.seq_len < 1:
             raise UserError(f"--seq-len must be a positive integer, got {self.seq_len}")
-        check_precision(self.precision)
-        if self.precision != "fp32" and self.backend == "tensorrt":
+        asked = [p.strip() for p in self.precision.split(",")] if self.precision != "all" else []
+        bad = [p for p in asked if p not in PRECISION_ORDER]
+        if bad or (self.precision != "all" and not any(asked)):
+            raise UserError(f"--precision {self.precision}: choose all or a comma list of {', '.join(PRECISION_ORDER)}")
+        if self.backend == "tensorrt" and any(p != "fp32" for p in asked):
             raise UserError(f"--precision {self.precision} applies to --backend onnxruntime; TensorRT engines carry their own")
 
 
@@ -199,7 +212,7 @@ def open_runtime(directory: Path, config: BenchConfig):
         profile = tensorrt_ep_profile(load_manifest(directory), min_batch=min(config.batches),
                                       opt_batch=max(config.batches), max_batch=max(config.batches),
                                       opt_tokens=tokens, max_tokens=tokens)
-    return ElasticRuntime.from_dir(directory, backend="onnxruntime", precision=config.precision,
+    return ElasticRuntime.from_dir(directory, backend="onnxruntime", precisions=config.precisions() or "all",
                                    config=SessionConfig(provider=config.provider, threads=config.threads,
                                                         opt_level="all", trt_profile=profile))
 
@@ -249,8 +262,32 @@ def busy_warning(host: dict[str, Any]) -> str | None:
     return None
 
 
+def _measure_batch(runtime, feeds: dict, graphs: list[dict], batch: int, config: BenchConfig,
+                   echo: Callable[[str], None]) -> tuple[dict, dict]:
+    """Steady-state stats and switch times (s) of every (sparsity, precision) of ``graphs`` at one batch."""
+    steady: dict[tuple[float, str], dict] = {}
+    for g in graphs:
+        pair = (g["sparsity"], g["precision"])
+        echo(f"batch {batch}, sparsity {g['sparsity']:g} {g['precision']} ({g['gflops']:.3f} GFLOPs): steady state")
+        runtime.set_budget(*pair)
+        steady[pair] = latency_stats(time_calls(lambda: runtime.run(feeds), warmup=config.warmup,
+                                                repeats=config.repeats), batch)
+    switches: dict[tuple[float, str], list[float]] = {pair: [] for pair in steady}
+    echo(f"batch {batch}: switch cost ({config.repeats} rounds over {len(graphs)} budget/precision pairs)")
+    if len(graphs) > 1:
+        runtime.set_budget(graphs[-1]["sparsity"], graphs[-1]["precision"])
+        runtime.run(feeds)
+        for _ in range(config.repeats):
+            for pair in steady:  # each timed switch comes right after a run at the previous pair
+                t = time.perf_counter()
+                runtime.set_budget(*pair)
+                runtime.run(feeds)
+                switches[pair].append(time.perf_counter() - t)
+    return steady, switches
+
+
 def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], None] = lambda s: None) -> dict:
-    """Measure every budget (dense included) at every batch size.
+    """Measure every budget (dense included) at every batch size and precision.
 
     Args:
         directory: artifact directory (with ``manifest.json``).
@@ -259,45 +296,36 @@ def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], 
 
     Returns:
         The result: ``{"format", "dir", "model", "backend", "provider", "runtime", "settings", "machine",
-        "rows": [{sparsity, achieved_sparsity, gflops, flop_ratio, batch, p50_ms, p90_ms, p99_ms, mean_ms,
-        min_ms, max_ms, throughput, speedup, switch_ms, switch_p90_ms, switch_overhead_ms}, ...]}``.
+        "rows": [{sparsity, precision, achieved_sparsity, gflops, flop_ratio, batch, p50_ms, p90_ms, p99_ms,
+        mean_ms, min_ms, max_ms, throughput, speedup, switch_ms, switch_p90_ms, switch_overhead_ms}, ...]}``
+        (speedup: throughput over the dense fp32 model's, or the first measured pair's).
     """
     config.check()
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory")
     manifest = load_manifest(directory)
+    have = manifest.get("precisions") or ["fp32"]
+    missing = [p for p in config.precisions() or [] if p not in have]
+    if missing and config.backend == "onnxruntime":
+        raise UserError(f"--precision {config.precision}: {directory} has no {missing[0]} files (exported with "
+                        f"{', '.join(have)}); export with --precision {','.join(have + missing)}")
     echo(f"loading {1 + len(manifest['budgets'])} models ({config.backend}, {config.provider})")
     runtime = open_runtime(directory, config)
     dense_gflops = float(manifest["dense"]["gflops"])
-    graphs = [g for g in _graphs(manifest) if round(g["sparsity"], 6) in runtime.sparsities]
-    base = graphs[0]["sparsity"]  # the dense model, unless the backend has no dense engine
+    by_s = {key(g["sparsity"]): g for g in _graphs(manifest)}
+    graphs = [{**by_s[s], "precision": p} for p in runtime.precisions for s, q in runtime.pairs if q == p and s in by_s]
+    base = (graphs[0]["sparsity"], graphs[0]["precision"])  # dense fp32, unless the backend has no dense engine
     text = any(spec["name"] == "input_ids" for spec in manifest["inputs"])
     seq_len = (config.seq_len or manifest.get("tokens")) if text else None
     rows: list[dict] = []
     for batch in config.batches:
         feeds = sample_feeds(directory, manifest, batch, config.seq_len)
-        steady: dict[float, dict] = {}
-        for g in graphs:
-            echo(f"batch {batch}, sparsity {g['sparsity']:g} ({g['gflops']:.3f} GFLOPs): steady state")
-            runtime.set_budget(g["sparsity"])
-            samples = time_calls(lambda: runtime.run(feeds), warmup=config.warmup, repeats=config.repeats)
-            steady[g["sparsity"]] = latency_stats(samples, batch)
-        switches: dict[float, list[float]] = {g["sparsity"]: [] for g in graphs}
-        echo(f"batch {batch}: switch cost ({config.repeats} rounds over {len(graphs)} budgets)")
-        if len(graphs) > 1:
-            runtime.set_budget(graphs[-1]["sparsity"])
-            runtime.run(feeds)
-            for _ in range(config.repeats):
-                for g in graphs:  # each timed switch comes right after a run at the previous budget
-                    t = time.perf_counter()
-                    runtime.set_budget(g["sparsity"])
-                    runtime.run(feeds)
-                    switches[g["sparsity"]].append(time.perf_counter() - t)
+        steady, switches = _measure_batch(runtime, feeds, graphs, batch, config, echo)
         base_tp = steady[base]["throughput"]
         for g in graphs:
-            st = steady[g["sparsity"]]
-            sw = np.asarray(switches[g["sparsity"]]) * 1e3
+            st = steady[(g["sparsity"], g["precision"])]
+            sw = np.asarray(switches[(g["sparsity"], g["precision"])]) * 1e3
             switch_ms = float(np.median(sw)) if sw.size else None  # None: nothing to switch from
             rows.append({**g, "flop_ratio": dense_gflops / g["gflops"], "batch": batch, **st,
                          "speedup": st["throughput"] / base_tp, "switch_ms": switch_ms,
@@ -305,33 +333,89 @@ def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], 
                          "switch_overhead_ms": None if switch_ms is None else switch_ms - st["p50_ms"]})
     return {"format": FORMAT, "dir": str(directory), "model": manifest["model"].get("source"),
             "architecture": manifest["model"].get("architecture"), "backend": runtime.backend,
-            "provider": runtime.provider, "runtime": f"ElasticRuntime ({runtime.mode})", "speedup_over": base,
+            "provider": runtime.provider, "runtime": f"ElasticRuntime ({runtime.mode})", "speedup_over": base[0],
+            "speedup_over_precision": base[1],
             "settings": {**asdict(config), "batches": list(config.batches), "seq_len": seq_len,
-                         "gflops_tokens": manifest.get("tokens")},
+                         "precisions": list(runtime.precisions), "gflops_tokens": manifest.get("tokens")},
             "machine": machine(), "rows": rows}
 
 
 # --- outputs ------------------------------------------------------------------------------------
-def latency_profile(result: dict) -> dict:
+def latency_profile(result: dict, quality: dict | None = None) -> dict:
     """The latency-target table a runtime selector reads (see the module docstring).
 
     Args:
         result: :func:`run_bench`'s result.
+        quality: the profile's ``quality`` block to keep ({metric, values: {precision: {sparsity:
+            figure}}}, e.g. from the main job's quick eval: :func:`stored_quality`); None: none.
 
     Returns:
         ``{"backend", "provider", "batches": {str(batch): {str(float(sparsity)): {p50_ms, p90_ms, p99_ms,
-        throughput}}}}``; rows measured at another precision than fp32 go under
-        ``"precisions": {precision: {...}}`` instead (:mod:`elastic_export.latency_profile`).
+        throughput}}}}`` with the fp32 rows; the rows of other precisions under ``"precisions":
+        {precision: {...}}`` (:mod:`elastic_export.latency_profile`); ``quality`` as given, and the
+        ``frontier`` per batch (:mod:`elastic_export.frontier`; over p90 and the quality figures, or
+        the default quality order without them: ``"metric": null``).
     """
-    batches: dict[str, dict[str, dict[str, float]]] = {}
+    from elastic_export.frontier import profile_frontier
+    from elastic_export.policies import quality_order
+
+    tables: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    rows: dict[str, dict[int, dict[float, dict]]] = {}
     for r in result["rows"]:
-        batches.setdefault(str(r["batch"]), {})[str(float(r["sparsity"]))] = {
-            k: float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "throughput")}
-    precision = result.get("settings", {}).get("precision", "fp32")
-    if precision != "fp32" and result.get("backend") != "tensorrt":
-        return {"backend": result["backend"], "provider": result["provider"], "batches": {},
-                "precisions": {precision: batches}}
-    return {"backend": result["backend"], "provider": result["provider"], "batches": batches}
+        prec = r.get("precision", result.get("settings", {}).get("precision", "fp32"))
+        prec = "fp32" if result.get("backend") == "tensorrt" or prec not in PRECISION_ORDER else prec
+        stats = {k: float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "throughput")}
+        tables.setdefault(prec, {}).setdefault(str(r["batch"]), {})[str(float(r["sparsity"]))] = stats
+        rows.setdefault(prec, {}).setdefault(int(r["batch"]), {})[key(r["sparsity"])] = stats
+    out: dict[str, Any] = {"backend": result["backend"], "provider": result["provider"],
+                           "batches": tables.pop("fp32", {})}
+    if tables:
+        out["precisions"] = tables
+    pairs = [(s, p) for p, by_b in rows.items() for s in {s for t in by_b.values() for s in t}]
+    values = {p: {key(float(s)): float(v) for s, v in q.items()} for p, q in ((quality or {}).get("values") or {}).items()}
+    figures = {(s, p): values[p][s] for s, p in pairs if s in values.get(p, {})}
+    metric = (quality or {}).get("metric") if figures else None
+    if figures:
+        out["quality"] = {"metric": metric, "values": {p: {str(s): v for s, v in sorted(q.items())}
+                                                       for p, q in values.items()}}
+    else:  # the default order (lower sparsity first, then fp32 > fp16 > int8) as ranks
+        figures = {pair: -float(i) for i, pair in enumerate(quality_order(pairs))}
+    out["frontier"] = profile_frontier(rows, figures, metric)
+    return out
+
+
+def stored_quality(directory: Path, manifest: dict) -> dict | None:
+    """The quality block to keep in a new latency profile: the one ``DIR/latency_profile.json``
+    has, else one made from the manifest's ``quick_eval`` entry (None: neither)."""
+    from elastic_export.latency_profile import load_profile
+
+    try:
+        old = load_profile(directory)
+        if old.quality:
+            return old.to_json()["quality"]
+    except UserError:
+        pass
+    qe = manifest.get("quick_eval")
+    if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list) or not qe.get("metric"):
+        return None
+    values: dict[str, dict[float, float]] = {}
+    for r in qe["rows"]:
+        if isinstance(r, dict) and isinstance(r.get(qe["metric"]), (int, float)):
+            values.setdefault(str(r.get("precision", "fp32")), {})[key(r["sparsity"])] = float(r[qe["metric"]])
+    return {"metric": qe["metric"], "values": values} if values else None
+
+
+def series(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Rows grouped into one curve per (batch, precision): ``("batch 8 int8", rows)``, the precision
+    named only where the rows have more than one."""
+    precs = [p for p in PRECISION_ORDER if any(r.get("precision", "fp32") == p for r in rows)]
+    out = []
+    for batch in sorted({r["batch"] for r in rows}):
+        for p in precs:
+            mine = [r for r in rows if r["batch"] == batch and r.get("precision", "fp32") == p]
+            if mine:
+                out.append((f"batch {batch}" + (f" {p}" if len(precs) > 1 else ""), mine))
+    return out
 
 
 def plot_paths(out: str | Path) -> dict[str, Path]:
@@ -357,7 +441,6 @@ def write_plots(result: dict, out: str | Path) -> list[Path]:
 
     paths = plot_paths(out)
     title = f"{result.get('model') or result['dir']} ({result['backend']}/{result['provider']})"
-    batches = sorted({r["batch"] for r in result["rows"]})
     specs = {"throughput": ("GFLOPs per input", "throughput (inputs / s)", "gflops", "throughput"),
              "latency": ("GFLOPs per input", "latency p50 (ms)", "gflops", "p50_ms"),
              "speedup": ("FLOP ratio (dense / budget)", "throughput speedup over dense", "flop_ratio", "speedup")}
@@ -366,13 +449,13 @@ def write_plots(result: dict, out: str | Path) -> list[Path]:
         fig = Figure(figsize=(5.6, 4.2), layout="constrained")
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
-        for batch in batches:
-            pts = sorted((r[xkey], r[ykey]) for r in result["rows"] if r["batch"] == batch)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=f"batch {batch}")
+        for label, rows in series(result["rows"]):
+            pts = sorted((r[xkey], r[ykey]) for r in rows)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=label)
         if kind == "speedup":
             top = max([1.0] + [r["flop_ratio"] for r in result["rows"]] + [r["speedup"] for r in result["rows"]])
             ax.plot([1.0, top], [1.0, top], linestyle="--", color="gray", label="y = x")
-        elif len(batches) > 1:  # batch sizes differ by orders of magnitude in latency
+        elif len({r["batch"] for r in result["rows"]}) > 1:  # batch sizes differ by orders of magnitude in latency
             ax.set_yscale("log")
             plain = FuncFormatter(lambda v, _: f"{v:g}")
             ax.yaxis.set_major_formatter(plain)
@@ -392,13 +475,14 @@ def write_json(path: str | Path, data: dict) -> Path:
 
 
 def format_table(result: dict) -> str:
-    """The printed table: one row per (batch, budget)."""
-    head = ["batch", "budget", "GFLOPs", "FLOP ratio", "p50 ms", "p90 ms", "p99 ms", "inputs/s", "speedup",
+    """The printed table: one row per (batch, budget, precision)."""
+    head = ["batch", "budget", "precision", "GFLOPs", "FLOP ratio", "p50 ms", "p90 ms", "p99 ms", "inputs/s", "speedup",
             "switch ms", "switch - p50"]
     rows = [head]
     for r in result["rows"]:
         rows.append([str(r["batch"]), "dense" if r["sparsity"] == 0.0 else f"{r['sparsity']:.2f}",
-                     f"{r['gflops']:.3f}", f"{r['flop_ratio']:.2f}", f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}",
+                     str(r.get("precision", "fp32")), f"{r['gflops']:.3f}", f"{r['flop_ratio']:.2f}",
+                     f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}",
                      f"{r['p99_ms']:.2f}", f"{r['throughput']:.1f}", f"{r['speedup']:.2f}",
                      "-" if r["switch_ms"] is None else f"{r['switch_ms']:.2f}",
                      "-" if r["switch_overhead_ms"] is None else f"{r['switch_overhead_ms']:+.2f}"])
@@ -452,5 +536,6 @@ def bench(directory: str | Path, config: BenchConfig, *, out: str | Path | None 
     if profile:
         from elastic_export.runtime import save_profile
 
-        written.profile = save_profile(latency_profile(result), directory)
+        quality = stored_quality(directory, load_manifest(directory))
+        written.profile = save_profile(latency_profile(result, quality), directory)
     return result, written

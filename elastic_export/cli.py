@@ -88,7 +88,7 @@ def ranking_options(fn):
 
 def export_options(fn):
     """--budgets, --out, --ranking, --align, --overwrite, --verify/--no-verify, --elastic-graph, --precision,
-    --ort-optimize, --report/--no-report, --external-data, --layout."""
+    --ort-optimize, --report/--no-report, --quick-eval/--no-quick-eval, --external-data, --layout."""
     opts = [
         click.option("--budgets", default=DEFAULT_BUDGETS, show_default=True,
                      help="Sparsities: 0.1..0.6 (step 0.1), 0.1..0.6:0.05 or 0.1,0.25,0.5."),
@@ -121,6 +121,11 @@ def export_options(fn):
         click.option("--external-data", "external_data", flag_value=True, default=None,
                      help="Keep every ONNX file's weights in NAME.onnx.data beside it (ONNX external data). "
                           "Automatic for models whose weights pass protobuf's 2 GiB (about 530M fp32 parameters)."),
+        click.option("--quick-eval/--no-quick-eval", "quick_eval", default=True, show_default=True,
+                     help="Also measure every (budget, precision): fidelity (and text recall@10) on held-out "
+                          "calibration-source samples the ranking did not see, and CPU latency at batch 1 and 8 "
+                          "(a few runs); recorded in the manifest's quick_eval entry, DIR/latency_profile.json "
+                          "(with quality figures and the frontier) and the report."),
         click.option("--layout", type=click.Choice(["artifacts", "sentence-transformers"]), default="artifacts",
                      show_default=True,
                      help="sentence-transformers (text encoders): also DIR/sentence-transformers/, one folder per "
@@ -322,7 +327,10 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
 @click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory (default: the model source in the manifest).")
 @click.option("--out", default=None, type=click.Path(), help="Write the results as JSON.")
 @click.option("--plot", default=None, type=click.Path(), help="Write a PNG of every metric vs GFLOPs.")
-def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, tokenizer, out, plot):
+@click.option("--precision", default="all", show_default=True, metavar="LIST",
+              help="all (every precision each DIR was exported with) or a comma list of fp32, fp16, int8; "
+                   "fidelity is always against the dense fp32 model.")
+def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, tokenizer, out, plot, precision):
     """Evaluate the exported ONNX of the dense model and every budget of each artifact DIR:
     fidelity (cosine to the dense output), retrieval recall@1/@10 against a dense index and
     symmetric (text), k-NN accuracy (images)."""
@@ -331,7 +339,8 @@ def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, toke
     check_output_path(out, "--out")
     check_output_path(plot, "--plot")
     results = evaluate(list(dirs), pairs=pairs, images=images, max_pairs=max_pairs, split=split,
-                       max_length=max_length, batch_size=batch_size, tokenizer=tokenizer, echo=_echo)
+                       max_length=max_length, batch_size=batch_size, tokenizer=tokenizer, echo=_echo,
+                       precisions=None if precision == "all" else [p.strip() for p in precision.split(",")])
     click.echo(format_table(results))
     if out:
         write_results(out, results)
@@ -393,8 +402,9 @@ def verify_cmd(directory, batch, seq_len, seed, model, tower, use_torch, atol, r
               help="Write <stem>_throughput.png, <stem>_latency.png and <stem>_speedup.png next to the JSON.")
 @click.option("--profile/--no-profile", default=True, show_default=True,
               help="Write DIR/latency_profile.json (p50/p90/p99 ms and throughput per batch and budget).")
-@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
-              help="onnxruntime: time the fp16 twins (exported with --precision fp16; for GPU providers).")
+@click.option("--precision", default="all", show_default=True, metavar="LIST",
+              help="all (every precision DIR was exported with) or a comma list of fp32, fp16, int8 "
+                   "(onnxruntime backend; fp16 is for GPU providers).")
 def bench_cmd(directory, backend, provider, batches, seq_len, repeats, warmup, threads, out, plot, profile, precision):
     """Time the dense model and every budget of DIR at each batch size: throughput, latency
     p50/p90/p99 and the cost of switching budget; write JSON, plots and the latency profile."""

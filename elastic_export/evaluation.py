@@ -58,7 +58,7 @@ class Artifact:
     directory: Path
     manifest: dict
     modality: str
-    models: list[dict] = field(default_factory=list)  # {sparsity, achieved_sparsity, gflops, onnx: Path}
+    models: list[dict] = field(default_factory=list)  # {sparsity, achieved_sparsity, gflops, precision, onnx: Path}
 
     @property
     def method(self) -> str:
@@ -85,8 +85,17 @@ def _modality(manifest: dict, path: Path) -> str:
     raise UserError(f"{path}: inputs {sorted(map(str, names))} are neither text (input_ids) nor images (pixel_values)")
 
 
-def load_artifact(directory: str | Path) -> Artifact:
-    """Check and load one artifact directory (refuses a missing directory or manifest, missing files)."""
+PRECISION_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}  # precision -> manifest field
+
+
+def load_artifact(directory: str | Path, precisions: list[str] | None = None) -> Artifact:
+    """Check and load one artifact directory (refuses a missing directory or manifest, missing files).
+
+    Args:
+        directory: the artifact directory.
+        precisions: the precisions to evaluate (None: every one the manifest lists); the dense fp32
+            model always comes first (every model's fidelity is measured against it).
+    """
     given = str(directory)
     d = Path(directory)
     if not d.exists():
@@ -100,13 +109,22 @@ def load_artifact(directory: str | Path) -> Artifact:
     entries = [({"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": m["dense"].get("gflops")}, m["dense"])]
     entries += [({"sparsity": b.get("sparsity"), "achieved_sparsity": b.get("achieved_sparsity"),
                   "gflops": b.get("gflops")}, b) for b in m["budgets"]]
-    for info, entry in entries:
-        onnx_path = resolve(d, entry.get("onnx"))
-        if onnx_path is None:
-            raise UserError(f"{d / 'manifest.json'}: budget {info['sparsity']} has no ONNX file")
-        if not onnx_path.is_file():
-            raise UserError(f"{d}: {entry.get('onnx')} is listed in the manifest but missing")
-        art.models.append({**info, "onnx": onnx_path})
+    have = [p for p in PRECISION_KEYS if p in (m.get("precisions") or ["fp32"])]
+    if precisions is not None and [p for p in precisions if p not in have]:
+        missing = next(p for p in precisions if p not in have)
+        raise UserError(f"--precision {','.join(precisions)}: {given} has no {missing} files (exported with "
+                        f"{', '.join(have)})")
+    for prec in ["fp32"] + [p for p in (precisions or have) if p != "fp32"]:
+        for info, entry in entries:
+            rel = entry.get(PRECISION_KEYS[prec])
+            onnx_path = resolve(d, rel)
+            if onnx_path is None:
+                raise UserError(f"{d / 'manifest.json'}: budget {info['sparsity']} has no {PRECISION_KEYS[prec]} file")
+            if not onnx_path.is_file():
+                raise UserError(f"{d}: {rel} is listed in the manifest but missing")
+            art.models.append({**info, "precision": prec, "onnx": onnx_path})
+    if precisions is not None and "fp32" not in precisions:  # kept only as the reference
+        art.models = art.models[:1] + [x for x in art.models if x["precision"] != "fp32"]
     return art
 
 
@@ -398,6 +416,7 @@ def evaluate(
     max_length: int = 128,
     batch_size: int = 64,
     tokenizer: str | None = None,
+    precisions: list[str] | None = None,
     echo: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Evaluate the dense model and every budget of each artifact directory.
@@ -412,11 +431,13 @@ def evaluate(
         max_length: token cap (the manifest's ``tokens`` when smaller).
         batch_size: inputs per onnxruntime run.
         tokenizer: tokenizer directory overriding the manifest's model source.
+        precisions: evaluate these precisions' files (fp32, fp16, int8; None: every one each
+            directory has); fidelity is always against the dense fp32 model.
         echo: progress messages.
 
     Returns:
         ``{"datasets": ..., "settings": ..., "results": [{"dir", "method", "label", "modality",
-        "budgets": [{"sparsity", "achieved_sparsity", "gflops", "fidelity_cosine", ...}]}]}``.
+        "budgets": [{"sparsity", "precision", "achieved_sparsity", "gflops", "fidelity_cosine", ...}]}]}``.
 
     Raises:
         UserError: missing directory or manifest, bad pairs file, data of the wrong modality, ...
@@ -431,7 +452,9 @@ def evaluate(
         raise UserError(f"--batch-size must be positive, got {batch_size}")
     if split is not None and not 0 < split < 1:
         raise UserError(f"--split must be a fraction between 0 and 1, got {split}")
-    arts = [load_artifact(d) for d in dirs]
+    if precisions is not None and (not precisions or [p for p in precisions if p not in PRECISION_KEYS]):
+        raise UserError(f"--precision {','.join(precisions)}: choose all or a comma list of {', '.join(PRECISION_KEYS)}")
+    arts = [load_artifact(d, precisions) for d in dirs]
     text_arts = [a for a in arts if a.modality == "text"]
     image_arts = [a for a in arts if a.modality == "image"]
     if pairs is not None and image_arts:
@@ -517,12 +540,14 @@ def _eval_text(art: Artifact, pairs: list[dict], tok_dir: str | None, max_length
             dense_d, dense_all = d, emb
         asym = recall_at(q, dense_d)
         sym = recall_at(q, d)
-        row = {"sparsity": model["sparsity"], "achieved_sparsity": model["achieved_sparsity"],
-               "gflops": model["gflops"], "fidelity_cosine": mean_cosine(emb, dense_all),
+        row = {"sparsity": model["sparsity"], "precision": model["precision"],
+               "achieved_sparsity": model["achieved_sparsity"], "gflops": model["gflops"],
+               "fidelity_cosine": mean_cosine(emb, dense_all),
                "recall@1": asym[1], "recall@10": asym[10], "sym_recall@1": sym[1], "sym_recall@10": sym[10]}
         out.append(row)
-        echo(f"  sparsity {row['sparsity']:.2f}: fidelity {row['fidelity_cosine']:.4f}  R@1 {row['recall@1']:.3f}  "
-             f"R@10 {row['recall@10']:.3f}  sym R@10 {row['sym_recall@10']:.3f}  ({time.time() - t0:.1f}s)")
+        echo(f"  sparsity {row['sparsity']:.2f} {row['precision']}: "
+             f"fidelity {row['fidelity_cosine']:.4f}  R@1 {row['recall@1']:.3f}  R@10 {row['recall@10']:.3f}  "
+             f"sym R@10 {row['sym_recall@10']:.3f}  ({time.time() - t0:.1f}s)")
     return out
 
 
@@ -552,14 +577,16 @@ def _eval_image(art: Artifact, folder: Path | None, split: float | None, batch_s
         feats = encode_images(_session(model["onnx"]), pixels, want, batch_size)
         if i == 0:
             dense = feats
-        row = {"sparsity": model["sparsity"], "achieved_sparsity": model["achieved_sparsity"],
-               "gflops": model["gflops"], "fidelity_cosine": mean_cosine(feats, dense), "knn@1": None, "knn@10": None}
+        row = {"sparsity": model["sparsity"], "precision": model["precision"],
+               "achieved_sparsity": model["achieved_sparsity"], "gflops": model["gflops"],
+               "fidelity_cosine": mean_cosine(feats, dense), "knn@1": None, "knn@10": None}
         if labels is not None:
             acc = knn_accuracy(feats, labels, (1, 10), split)
             row["knn@1"], row["knn@10"] = acc[1], acc[10]
         out.append(row)
         knn = "" if labels is None else f"  kNN@1 {row['knn@1']:.3f}  kNN@10 {row['knn@10']:.3f}"
-        echo(f"  sparsity {row['sparsity']:.2f}: fidelity {row['fidelity_cosine']:.4f}{knn}  ({time.time() - t0:.1f}s)")
+        echo(f"  sparsity {row['sparsity']:.2f} {row['precision']}: fidelity {row['fidelity_cosine']:.4f}{knn}  "
+             f"({time.time() - t0:.1f}s)")
     return out
 
 
@@ -576,6 +603,21 @@ def write_results(path: str | Path, results: dict) -> Path:
 def _metrics_present(results: dict) -> list[str]:
     order = list(dict.fromkeys(TEXT_METRICS + IMAGE_METRICS))
     return [m for m in order if any(b.get(m) is not None for r in results["results"] for b in r["budgets"])]
+
+
+def by_precision(curves: list[dict]) -> list[dict]:
+    """Each curve ``{"label", "budgets"}`` split into one per precision of its budgets (label
+    ``"<label> int8"``; a curve of one precision keeps its label)."""
+    out = []
+    for c in curves:
+        precs = list(dict.fromkeys(b.get("precision", "fp32") for b in c["budgets"] if isinstance(b, dict)))
+        if len(precs) <= 1:
+            out.append(c)
+            continue
+        for p in precs:
+            out.append({**c, "label": f"{c['label']} {p}",
+                        "budgets": [b for b in c["budgets"] if isinstance(b, dict) and b.get("precision", "fp32") == p]})
+    return out
 
 
 def quality_figure(curves: list[dict], metrics: list[str], width: float = 4.6, height: float = 3.6):
@@ -621,7 +663,7 @@ def plot_results(results: dict, path: str | Path) -> Path:
     metrics = _metrics_present(results)
     if not metrics:
         raise UserError("nothing to plot: no metric was computed")
-    fig = quality_figure(results["results"], metrics)
+    fig = quality_figure(by_precision(results["results"]), metrics)
 
     def write(tmp: str) -> None:
         fig.savefig(tmp, format="png", dpi=110)
@@ -630,10 +672,13 @@ def plot_results(results: dict, path: str | Path) -> Path:
 
 
 def format_table(results: dict) -> str:
-    """The printed summary: dir/method, sparsity, GFLOPs, fidelity, R@1, R@10, sym R@10 (kNN for images)."""
+    """The printed summary: dir/method, sparsity, (precision, where any is not fp32,) GFLOPs, fidelity,
+    R@1, R@10, sym R@10 (kNN for images)."""
     has_text = any(r["modality"] == "text" for r in results["results"])
     has_image = any(r["modality"] == "image" for r in results["results"])
-    cols = [("dir/method", None), ("sparsity", None), ("GFLOPs", None), ("fidelity", "fidelity_cosine")]
+    precs = any(b.get("precision", "fp32") != "fp32" for r in results["results"] for b in r["budgets"])
+    cols = [("dir/method", None), ("sparsity", None)] + ([("precision", None)] if precs else []) + [
+        ("GFLOPs", None), ("fidelity", "fidelity_cosine")]
     if has_text:
         cols += [("R@1", "recall@1"), ("R@10", "recall@10"), ("sym R@10", "sym_recall@10")]
     if has_image:
@@ -642,9 +687,10 @@ def format_table(results: dict) -> str:
     for r in results["results"]:
         name = f"{r['dir']}/{r['method']}"
         for b in r["budgets"]:
-            cells = [name, "dense" if b["sparsity"] == 0.0 else f"{b['sparsity']:.2f}",
-                     "-" if b.get("gflops") is None else f"{b['gflops']:.3f}"]
-            for _, key in cols[3:]:
+            cells = [name, "dense" if b["sparsity"] == 0.0 else f"{b['sparsity']:.2f}"]
+            cells += [b.get("precision", "fp32")] if precs else []
+            cells.append("-" if b.get("gflops") is None else f"{b['gflops']:.3f}")
+            for _, key in cols[len(cells):]:
                 v = b.get(key)
                 cells.append("-" if v is None else f"{v:.4f}" if key == "fidelity_cosine" else f"{v:.3f}")
             rows.append(cells)

@@ -8,7 +8,8 @@ File form (``elastic-export bench`` writes it; :func:`measure_profile` measures 
      "batches": {"1": {"0.0": {"p50_ms": 4.1, "p90_ms": 4.6, "p99_ms": 5.0}, "0.1": {...}}, "8": {...}},
      "precisions": {"int8": {"1": {"0.0": {...}, ...}, "8": {...}}, "fp16": {...}},
      "quality": {"metric": "fidelity_cosine",
-                 "values": {"fp32": {"0.0": 1.0, "0.1": 0.998}, "int8": {"0.0": 0.991, "0.1": 0.990}}}}
+                 "values": {"fp32": {"0.0": 1.0, "0.1": 0.998}, "int8": {"0.0": 0.991, "0.1": 0.990}}},
+     "frontier": {"metric": "fidelity_cosine", "stat": "p90_ms", "batches": {"1": [[0.6, "int8"], [0.0, "fp32"]]}}}
 
 * ``batches`` holds the **fp32** rows (batch size -> sparsity -> stats), exactly as every profile
   written before precisions existed, so old profiles load unchanged (precision fp32 implicit) and
@@ -19,6 +20,9 @@ File form (``elastic-export bench`` writes it; :func:`measure_profile` measures 
   cosine to the dense fp32 model, or held-out recall@10), with the metric's name. Where a profile
   has none, the policies order the pairs by the default quality order (lower sparsity first,
   then fp32 > fp16 > int8; :func:`elastic_export.policies.quality_order`).
+* ``frontier`` (optional): per batch size, the Pareto-optimal pairs over (``stat`` latency,
+  quality), fastest first (:mod:`elastic_export.frontier`); for people and tools reading the file,
+  the policies compute their own from the rows and quality.
 
 Imports no torch (the runtime runs on numpy, onnx and onnxruntime only).
 """
@@ -77,6 +81,7 @@ class LatencyProfile:
     precisions: dict[str, Rows] = field(default_factory=dict)
     quality: dict[str, dict[float, float]] = field(default_factory=dict)
     quality_metric: str | None = None
+    frontier: dict = field(default_factory=dict)  # {metric, stat, batches: {batch: [[s, p], ...]}} (elastic_export.frontier)
 
     def rows(self, precision: str = "fp32") -> Rows:
         """The rows of one precision (empty when it was not measured)."""
@@ -117,6 +122,8 @@ class LatencyProfile:
             out["quality"] = {"metric": self.quality_metric,
                               "values": {p: {_skey(s): float(v) for s, v in sorted(q.items())}
                                          for p, q in self.quality.items()}}
+        if self.frontier:
+            out["frontier"] = self.frontier
         return out
 
 
@@ -194,8 +201,9 @@ def load_profile(path: str | Path) -> LatencyProfile:
         quality, metric = _parse_quality(raw.get("quality"))
     except (TypeError, ValueError) as e:
         raise UserError(f"{path}: malformed latency profile ({e})")
+    frontier = raw.get("frontier") if isinstance(raw.get("frontier"), dict) else {}
     return LatencyProfile(str(raw.get("backend", "onnxruntime")), str(raw.get("provider", "cpu")), batches,
-                          others, quality, metric)
+                          others, quality, metric, frontier)
 
 
 def save_profile(profile: LatencyProfile | dict, directory: str | Path) -> Path:

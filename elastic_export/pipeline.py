@@ -77,6 +77,7 @@ class Options:
     external_data: bool | None = None  # weights in NAME.onnx.data: True always, None above 2 GiB (onnx_io)
     report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
     layout: str = "artifacts"  # "sentence-transformers": also DIR/sentence-transformers/ (elastic_export.st_layout)
+    quick_eval: bool = True  # quality and speed of every (budget, precision) (elastic_export.quick_eval); a failure only warns
 
 
 def _twins(name: str, fp16: dict, int8: dict, qdq: dict) -> dict:
@@ -296,6 +297,22 @@ def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]
         echo(f"warning: report.html not written ({type(e).__name__}: {first_line(e)})")
 
 
+def quick_eval_or_warn(directory: Path, manifest: dict, encoder: Encoder, opts: Options,
+                       echo: Callable[[str], None]) -> dict:
+    """Add the ``quick_eval`` entry (:mod:`elastic_export.quick_eval`) to the manifest in ``directory``;
+    a failure only warns (the entry is then null): the measurements never cost the artifacts."""
+    from elastic_export.quick_eval import ENTRY, run_quick_eval
+
+    try:
+        entry = run_quick_eval(directory, manifest, encoder, opts.calib, opts.calib_size, opts.seed, echo)
+    except Exception as e:  # noqa: BLE001 - a view of the artifacts, not one of them
+        echo(f"warning: quick eval skipped ({type(e).__name__}: {first_line(e)})")
+        entry = None
+    manifest = {**manifest, ENTRY: entry}
+    write_manifest(directory, manifest)
+    return manifest
+
+
 def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
     """Run the whole pipeline; returns the manifest written to ``opts.out``.
 
@@ -448,6 +465,8 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         if opts.ort_optimize:
             optimize_artifacts(tmp, update_manifest=True, echo=echo)
             manifest = load_manifest(tmp)
+        if opts.quick_eval:
+            manifest = quick_eval_or_warn(tmp, manifest, encoder, opts, echo)
         if opts.report:
             write_report_or_warn(tmp, out, echo)
         commit_out(tmp, out)

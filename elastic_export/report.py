@@ -11,6 +11,10 @@ inline styles and ``data:`` images; every figure is an inline base64 PNG) with
   (``*.safetensors``; their plans are made with the same budgets and ``align``);
 * **speed vs budget** from ``elastic-export bench`` results in DIR (JSON of format
   ``elastic-export-bench/1``, e.g. ``DIR/bench.json``);
+* **quality vs speed**: quality against measured latency p90 (each batch size) and throughput, one
+  curve per precision, the Pareto frontier ringed (:mod:`elastic_export.frontier`);
+* without eval / bench results in DIR, the quality and speed sections show the manifest's
+  ``quick_eval`` entry (the main job measures it by default: :mod:`elastic_export.quick_eval`);
 * the rankings' **provenance** (method, calibration data, hyperparameters, time taken) from the
   ranking files' metadata and the manifest.
 
@@ -31,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic_export.errors import UserError
-from elastic_export.evaluation import quality_figure
+from elastic_export.evaluation import by_precision, quality_figure
 from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.manifest import MANIFEST, load_manifest, resolve
 
@@ -108,6 +112,17 @@ def find_results(directory: Path) -> Found:
         elif _is_eval(data):
             found.evals.append((path, data))
     return found
+
+
+def add_quick_eval(found: Found, manifest: dict) -> None:
+    """Where the directory has no eval (bench) result, show the manifest's quick eval as one."""
+    from elastic_export.quick_eval import as_bench_result, as_eval_result
+
+    label = Path(f"{MANIFEST} (quick eval)")
+    if not found.evals and (res := as_eval_result(manifest)) is not None:
+        found.evals.append((label, res))
+    if not found.benches and (res := as_bench_result(manifest)) is not None:
+        found.benches.append((label, res))
 
 
 def _totals(heads: list[np.ndarray], neurons: list[np.ndarray]) -> tuple[list[int], list[int]]:
@@ -243,19 +258,21 @@ def speed_figure(result: dict):
     """Throughput and latency p50 vs sparsity (one line per batch), speedup vs FLOP ratio with y = x."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    from elastic_export.bench import series
+
     rows = [r for r in result["rows"] if isinstance(r, dict)]
-    batches = sorted({r["batch"] for r in rows})
     fig = _figure(13.0, 3.6)
     specs = (("sparsity (budget)", "throughput (inputs / s)", "sparsity", "throughput"),
              ("sparsity (budget)", "latency p50 (ms)", "sparsity", "p50_ms"),
              ("FLOP ratio (dense / budget)", "speedup over dense", "flop_ratio", "speedup"))
     for i, (xlabel, ylabel, xkey, ykey) in enumerate(specs):
         ax = fig.add_subplot(1, 3, i + 1)
-        for batch in batches:
-            pts = sorted((float(r[xkey]), float(r[ykey])) for r in rows if r["batch"] == batch)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=f"batch {batch}")
+        for label, mine in series(rows):
+            pts = sorted((float(r[xkey]), float(r[ykey])) for r in mine if isinstance(r.get(ykey), (int, float)))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=label)
         if ykey == "speedup":
-            top = max([1.0] + [float(r["flop_ratio"]) for r in rows] + [float(r["speedup"]) for r in rows])
+            top = max([1.0] + [float(r["flop_ratio"]) for r in rows]
+                      + [float(r["speedup"]) for r in rows if isinstance(r.get("speedup"), (int, float))])
             ax.plot([1.0, top], [1.0, top], linestyle="--", color="gray", label="y = x (FLOP ratio)")
         elif _spans_decade([float(r[ykey]) for r in rows]):  # e.g. latency at batch 1 and 32
             ax.set_yscale("log")
@@ -342,7 +359,7 @@ def section_quality(found: Found) -> str:
                                                  for c in curves for b in c["budgets"])]
     if not metrics:
         return _absent("Evaluation results were found but hold no metric.")
-    out = [_png(quality_figure(curves, metrics, width=4.2, height=3.3), "quality vs GFLOPs")]
+    out = [_png(quality_figure(by_precision(curves), metrics, width=4.2, height=3.3), "quality vs GFLOPs")]
     sources = ", ".join(f"<code>{_e(p.name)}</code>" for p, _ in found.evals)
     sets = []
     for _, data in found.evals:
@@ -350,7 +367,7 @@ def section_quality(found: Found) -> str:
             if isinstance(ds, dict):
                 sets.append(f"{_e(name)}: {_e(ds.get('source'))}" + (f" ({_e(ds['count'])})" if ds.get("count") else ""))
     out.append(f'<p class="meta">From {sources}. Dense model: black star. Data: {"; ".join(sets) or "-"}.</p>')
-    head = ["method", "directory", "budget", "GFLOPs"] + metrics
+    head = ["method", "directory", "budget", "precision", "GFLOPs"] + metrics
     rows = []
     for c in curves:
         for b in c["budgets"]:
@@ -358,8 +375,9 @@ def section_quality(found: Found) -> str:
                 continue
             s = b.get("sparsity")
             rows.append([_e(c["label"]), _e(c["dir"]), "dense" if s == 0.0 else _num(s, ".2f"),
-                         _gflops(b.get("gflops"))] + [_num(b.get(m), ".4f") for m in metrics])
-    out.append(_table(head, rows, left=(0, 1)))
+                         _e(b.get("precision", "fp32")), _gflops(b.get("gflops"))]
+                        + [_num(b.get(m), ".4f") for m in metrics])
+    out.append(_table(head, rows, left=(0, 1, 3)))
     return "\n".join(out)
 
 
@@ -408,13 +426,89 @@ def section_speed(found: Found) -> str:
                    f'onnxruntime {_e(m.get("onnxruntime"))}; {_e(settings.get("repeats"))} timed runs per point, '
                    f'{_e(settings.get("seq_len") or "-")} tokens, threads {_e(settings.get("threads"))}. '
                    f'Speedup is throughput over the dense model\'s; the dashed line is the FLOP ratio.</p>')
-        head = ["batch", "budget", "GFLOPs", "FLOP ratio", "p50 ms", "p90 ms", "p99 ms", "inputs/s", "speedup",
+        head = ["batch", "budget", "precision", "GFLOPs", "FLOP ratio", "p50 ms", "p90 ms", "p99 ms", "inputs/s", "speedup",
                 "switch ms"]
         cells = [[_e(r.get("batch")), "dense" if r.get("sparsity") == 0.0 else _num(r.get("sparsity"), ".2f"),
-                  _gflops(r.get("gflops")), _num(r.get("flop_ratio"), ".2f"), _num(r.get("p50_ms"), ".2f"),
+                  _e(r.get("precision", "fp32")), _gflops(r.get("gflops")), _num(r.get("flop_ratio"), ".2f"),
+                  _num(r.get("p50_ms"), ".2f"),
                   _num(r.get("p90_ms"), ".2f"), _num(r.get("p99_ms"), ".2f"), _num(r.get("throughput"), ".1f"),
                   _num(r.get("speedup"), ".2f"), _num(r.get("switch_ms"), ".2f")] for r in rows]
-        out.append(_table(head, cells, left=(1,)))
+        out.append(_table(head, cells, left=(1, 2)))
+    return "\n".join(out)
+
+
+FRONTIER_METRICS = ("recall@10", "fidelity_cosine", "knn@10")  # the quality axis: the first one present
+
+
+def frontier_inputs(found: Found) -> tuple[str, dict, list[dict], str] | None:
+    """(metric, quality per (sparsity, precision), speed rows, sources) for the frontier: the first eval
+    result's and the first bench result's (the quick eval's where the directory has none)."""
+    if not found.evals or not found.benches:
+        return None
+    (qpath, qdata), (bpath, bdata) = found.evals[0], found.benches[0]
+    budgets = [b for b in qdata["results"][0]["budgets"] if isinstance(b, dict)]
+    metric = next((m for m in FRONTIER_METRICS if any(isinstance(b.get(m), (int, float)) for b in budgets)), None)
+    if metric is None:
+        return None
+    quality = {(round(float(b["sparsity"]), 6), str(b.get("precision", "fp32"))): float(b[metric])
+               for b in budgets if isinstance(b.get(metric), (int, float))}
+    rows = [r for r in bdata["rows"] if isinstance(r, dict)
+            and (round(float(r["sparsity"]), 6), str(r.get("precision", "fp32"))) in quality]
+    return metric, quality, rows, f"quality from {qpath.name}, speed from {bpath.name}"
+
+
+def _frontier_axes(ax, pts: list[tuple[float, float, tuple[float, str]]], lower_is_better: bool) -> list:
+    """One curve per precision (points by sparsity) and the Pareto frontier over (x, quality) ringed
+    and joined; returns the frontier's pairs, cheapest first."""
+    from elastic_export.frontier import pareto_frontier
+
+    for prec in dict.fromkeys(p for _, _, (_, p) in sorted(pts, key=lambda t: t[2][1])):
+        mine = sorted((pair[0], x, q) for x, q, pair in pts if pair[1] == prec)
+        ax.plot([m[1] for m in mine], [m[2] for m in mine], marker="o", markersize=4, label=prec)
+    idx = pareto_frontier([(x if lower_is_better else -x, q) for x, q, _ in pts])
+    ax.plot([pts[i][0] for i in idx], [pts[i][1] for i in idx], linestyle="--", color="black", marker="o",
+            markersize=9, markerfacecolor="none", label="Pareto frontier", zorder=4)
+    return [pts[i][2] for i in idx]
+
+
+def frontier_figure(quality: dict, metric: str, rows: list[dict]):
+    """Quality vs latency p90 at each batch size and vs throughput at the largest, one curve per
+    precision, the Pareto frontier marked; returns (figure, {batch: frontier pairs by latency})."""
+    batches = sorted({int(r["batch"]) for r in rows})
+    fig = _figure(4.4 * (len(batches) + 1), 3.6)
+    fronts = {}
+    for i, batch in enumerate(batches + [batches[-1]]):
+        ax = fig.add_subplot(1, len(batches) + 1, i + 1)
+        mine = [r for r in rows if int(r["batch"]) == batch]
+        stat = "p90_ms" if i < len(batches) else "throughput"
+        pts = [(float(r[stat]), quality[(round(float(r["sparsity"]), 6), str(r.get("precision", "fp32")))],
+                (float(r["sparsity"]), str(r.get("precision", "fp32")))) for r in mine
+               if isinstance(r.get(stat), (int, float))]
+        front = _frontier_axes(ax, pts, lower_is_better=stat == "p90_ms")
+        if stat == "p90_ms":
+            fronts[batch] = front
+        ax.set_xlabel(f"latency p90 (ms), batch {batch}" if stat == "p90_ms" else f"throughput (inputs / s), batch {batch}")
+        ax.set_ylabel(metric)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig, fronts
+
+
+def section_frontier(found: Found) -> str:
+    """Quality vs measured latency and throughput per (budget, precision), with the Pareto frontier."""
+    got = frontier_inputs(found)
+    if got is None:
+        return _absent("Needs quality and speed figures (the main job's quick eval, or elastic-export eval and bench).")
+    metric, quality, rows, sources = got
+    if not rows:
+        return _absent(f"No (budget, precision) has both a quality and a speed figure ({sources}).")
+    fig, fronts = frontier_figure(quality, metric, rows)
+    out = [_png(fig, "quality vs latency and throughput, Pareto frontier")]
+    out.append(f'<p class="meta">One curve per precision, points from dense to the sparsest budget; ringed and '
+               f'joined: the Pareto frontier (no other pair is both faster and better). {_e(sources)}.</p>')
+    cells = [[_e(b), " → ".join(f"{'dense' if s == 0.0 else f'{s:g}'} {_e(p)}" for s, p in front)]
+             for b, front in fronts.items()]
+    out.append(_table(["batch", "frontier, fastest to best"], cells, left=(1,)))
     return "\n".join(out)
 
 
@@ -473,6 +567,7 @@ def render_report(directory: str | Path, name: str | None = None) -> str:
         raise UserError(f"{directory}: no such directory")
     manifest = load_manifest(directory)
     found = find_results(directory)
+    add_quick_eval(found, manifest)
     rankings, notes = find_rankings(directory, manifest)
     model = manifest["model"]
     d = manifest["dense"]
@@ -488,6 +583,7 @@ def render_report(directory: str | Path, name: str | None = None) -> str:
         ("quality", "Quality vs GFLOPs", lambda: section_quality(found)),
         ("sparsity", "Where sparsity goes", lambda: section_sparsity(manifest, rankings, notes)),
         ("speed", "Speed vs budget", lambda: section_speed(found)),
+        ("frontier", "Quality vs speed: the frontier", lambda: section_frontier(found)),
         ("provenance", "Ranking provenance", lambda: section_provenance(manifest, rankings, notes)),
     ]
     body = [f"<h1>{_e(title)}</h1>",

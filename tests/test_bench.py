@@ -17,7 +17,8 @@ BUDGETS = (0.2, 0.5)
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """A tiny HF BERT exported at two budgets (magnitude ranking, 16 tokens)."""
+    """A tiny HF BERT exported at two budgets and two precisions (magnitude ranking, 16 tokens), with the
+    main job's quick eval (its quality figures go into the latency profile)."""
     from elastic_export import pipeline
 
     root = tmp_path_factory.mktemp("bench")
@@ -25,7 +26,8 @@ def artifacts(tmp_path_factory):
     tiny_encoder("hf-bert").module.save_pretrained(model)
     out = root / "art"
     pipeline.run(pipeline.Options(model=str(model), budgets=BUDGETS, out=str(out), seq_len=16, method="magnitude",
-                                  verify=False, elastic_graph=False), echo=lambda s: None)
+                                  verify=False, elastic_graph=False, precision="fp32,int8", calib_size=8),
+                 echo=lambda s: None)
     return out
 
 
@@ -46,8 +48,8 @@ def test_bench_writes_json_plots_and_profile(artifacts, tmp_path, capsys):
     assert code == 0, err
     result = json.loads(out.read_text())
     sparsities = [0.0, *BUDGETS]
-    assert sorted((r["batch"], r["sparsity"]) for r in result["rows"]) == sorted(
-        (b, s) for b in (1, 3) for s in sparsities)
+    assert sorted((r["batch"], r["sparsity"], r["precision"]) for r in result["rows"]) == sorted(
+        (b, s, p) for b in (1, 3) for s in sparsities for p in ("fp32", "int8"))  # every precision present
     assert result["backend"] == "onnxruntime" and result["provider"] == "cpu"
     for r in result["rows"]:
         for key in ("gflops", "flop_ratio", "p50_ms", "p90_ms", "p99_ms", "throughput", "speedup", "switch_ms"):
@@ -55,18 +57,18 @@ def test_bench_writes_json_plots_and_profile(artifacts, tmp_path, capsys):
         assert math.isfinite(r["switch_overhead_ms"])
         assert r["min_ms"] <= r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"]
         assert r["throughput"] == pytest.approx(r["batch"] / (r["p50_ms"] / 1e3))
-        if r["sparsity"] == 0.0:
+        if r["sparsity"] == 0.0 and r["precision"] == "fp32":
             assert r["speedup"] == pytest.approx(1.0) and r["flop_ratio"] == pytest.approx(1.0)
-        else:
+        elif r["sparsity"] > 0:
             assert r["flop_ratio"] > 1.0
     for kind in ("throughput", "latency", "speedup"):
         png = out.with_name(f"tiny_{kind}.png")
         assert png.read_bytes()[:8] == PNG
-    # the table: one line per (batch, budget) plus the header
-    assert sum(1 for line in stdout.splitlines() if line.strip().startswith(("1 ", "3 "))) == 6
+    # the table: one line per (batch, budget, precision) plus the header
+    assert sum(1 for line in stdout.splitlines() if line.strip().startswith(("1 ", "3 "))) == 12
 
     profile = json.loads((artifacts / "latency_profile.json").read_text())
-    assert set(profile) == {"backend", "provider", "batches"}
+    assert set(profile) == {"backend", "provider", "batches", "precisions", "quality", "frontier"}
     assert profile["backend"] == "onnxruntime" and profile["provider"] == "cpu"
     assert set(profile["batches"]) == {"1", "3"}
     for batch, table in profile["batches"].items():
@@ -74,8 +76,21 @@ def test_bench_writes_json_plots_and_profile(artifacts, tmp_path, capsys):
         for s, entry in table.items():
             assert set(entry) == {"p50_ms", "p90_ms", "p99_ms", "throughput"}
             assert 0 < entry["p50_ms"] <= entry["p90_ms"] <= entry["p99_ms"] and entry["throughput"] > 0
-            row = next(r for r in result["rows"] if r["batch"] == int(batch) and str(float(r["sparsity"])) == s)
+            row = next(r for r in result["rows"] if r["batch"] == int(batch) and str(float(r["sparsity"])) == s
+                       and r["precision"] == "fp32")
             assert entry["p50_ms"] == row["p50_ms"]
+    assert set(profile["precisions"]) == {"int8"} and set(profile["precisions"]["int8"]) == {"1", "3"}
+    # the quick eval's quality figures are kept; the frontier is over them and the measured p90
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    assert profile["quality"]["metric"] == manifest["quick_eval"]["metric"] == "fidelity_cosine"
+    assert profile["quality"]["values"]["fp32"]["0.0"] == pytest.approx(1.0)
+    assert profile["frontier"]["metric"] == "fidelity_cosine" and profile["frontier"]["stat"] == "p90_ms"
+    for batch, front in profile["frontier"]["batches"].items():
+        table = {("fp32", s): v for s, v in profile["batches"][batch].items()}
+        table.update({("int8", s): v for s, v in profile["precisions"]["int8"][batch].items()})
+        lat = [table[(p, str(float(s)))]["p90_ms"] for s, p in front]
+        qual = [profile["quality"]["values"][p][str(float(s))] for s, p in front]
+        assert lat == sorted(lat) and qual == sorted(qual) and front  # fastest first, quality rising
     # the runtime's latency-target policy reads it
     from elastic_export.runtime import load_profile
 
@@ -86,10 +101,11 @@ def test_bench_writes_json_plots_and_profile(artifacts, tmp_path, capsys):
 def test_bench_default_out_and_no_plot(artifacts, capsys):
     (artifacts / "latency_profile.json").unlink(missing_ok=True)
     code, _, err = cli(["bench", str(artifacts), "--batches", "2", "--repeats", "2", "--warmup", "0",
-                        "--threads", "1", "--no-plot", "--no-profile"], capsys)
+                        "--threads", "1", "--no-plot", "--no-profile", "--precision", "int8"], capsys)
     assert code == 0, err
     result = json.loads((artifacts / "bench.json").read_text())
     assert {r["batch"] for r in result["rows"]} == {2} and len(result["rows"]) == 1 + len(BUDGETS)
+    assert {r["precision"] for r in result["rows"]} == {"int8"} and result["rows"][0]["speedup"] == pytest.approx(1.0)
     assert not list(artifacts.glob("bench_*.png")) and not (artifacts / "latency_profile.json").exists()
 
 
@@ -101,6 +117,8 @@ def test_bench_default_out_and_no_plot(artifacts, capsys):
     (["--provider", "gpu"], "--provider"),
     (["--backend", "tensorrt"], "tensorrt"),
     (["--backend", "openvino"], "--backend"),
+    (["--precision", "int4"], "--precision"),
+    (["--precision", "fp16"], "fp16"),  # not exported with fp16
 ])
 def test_bench_bad_input_exits_2_with_one_line(artifacts, capsys, args, words):
     if args == ["--provider", "cuda"] and "CUDAExecutionProvider" in ort.get_available_providers():

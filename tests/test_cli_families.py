@@ -39,6 +39,8 @@ def test_inspect_main_job_and_verify(model_class, tmp_path, capsys, monkeypatch)
     assert [b["sparsity"] for b in m["budgets"]] == [0.3, 0.6]
     assert all(b["max_abs_error"] <= 1e-4 for b in m["budgets"])
     assert m["elastic"] is not None and m["elastic"]["max_abs_error"] <= 1e-4
+    assert "quick eval skipped" not in err  # the main job's quick eval runs on every family
+    assert [(r["sparsity"], r["precision"]) for r in m["quick_eval"]["rows"]] == [(0.0, "fp32"), (0.3, "fp32"), (0.6, "fp32")]
 
     rc, out, err = _run(["verify", "out"], capsys)
     assert rc == 0, (out + err)[-2000:]

@@ -114,7 +114,8 @@ def test_reuse_ranking_and_replace_previous_output(tmp_path):
     second = pipeline.run(opts, echo=lambda s: None)  # a previous artifact set is replaced
     assert [b["sparsity"] for b in second["budgets"]] == [0.3]
     assert sorted(p.name for p in out.iterdir()) == ["budget_s030.onnx", "dense.onnx", "elastic.onnx",
-                                                     "manifest.json", "ranking.safetensors", "report.html"]
+                                                     "latency_profile.json", "manifest.json", "ranking.safetensors",
+                                                     "report.html"]
     assert (out / "ranking.safetensors").read_bytes() == saved.read_bytes()
 
 

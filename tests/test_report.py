@@ -26,7 +26,7 @@ from elastic_export.retrieval_data import heldout_pairs, write_pairs_jsonl
 
 QUIET = dict(echo=lambda s: None)
 BUDGETS = (0.3, 0.6)
-SECTIONS = ("budgets", "quality", "sparsity", "speed", "provenance")
+SECTIONS = ("budgets", "quality", "sparsity", "speed", "frontier", "provenance")
 CHROMIUM = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
@@ -113,10 +113,13 @@ def test_main_job_writes_the_report(exported):
     assert isinstance(m["ranking"]["seconds"], float)
     for anchor in SECTIONS:
         assert f'<section id="{anchor}">' in page
-    # a fresh directory has no eval or bench results yet: one line each, not a failure
-    assert page.count('class="absent"') == 2
-    assert "No evaluation results" in page and "No speed measurements" in page
-    assert len(_images(page)) == 1  # where sparsity goes
+    # a fresh directory has no eval or bench results yet: the main job's quick eval stands in
+    assert 'class="absent"' not in page and "could not be drawn" not in page
+    assert len(_images(page)) == 4  # quality vs GFLOPs, where sparsity goes, speed, the frontier
+    for anchor in ("quality", "speed"):
+        assert "manifest.json (quick eval)" in page.split(f'<section id="{anchor}">')[1].split("</section>")[0]
+    frontier = page.split('<section id="frontier">')[1].split("</section>")[0]
+    assert "Pareto frontier" in frontier and "recall@10" not in frontier.split("<img")[0]
     for b in m["budgets"]:
         assert b["onnx"] in page
     assert not [p for p in d.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
@@ -127,7 +130,7 @@ def test_report_is_fast(exported):
     render_report(d)  # matplotlib imported once
     t0 = time.perf_counter()
     render_report(d)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 6.0  # four figures (the main job's quick eval fills quality, speed, frontier)
 
 
 def test_render_failure_keeps_artifacts(work, model, monkeypatch):
@@ -141,8 +144,8 @@ def test_render_failure_keeps_artifacts(work, model, monkeypatch):
     m = pipeline.run(pipeline.Options(model=str(model), method="magnitude", budgets=(0.5,), out=str(out), seq_len=16,
                                       verify=False, elastic_graph=False), echo=said.append)
     assert not (out / REPORT).exists()
-    assert sorted(p.name for p in out.iterdir()) == ["budget_s050.onnx", "dense.onnx", "manifest.json",
-                                                     "ranking.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["budget_s050.onnx", "dense.onnx", "latency_profile.json",
+                                                     "manifest.json", "ranking.safetensors"]
     assert m["budgets"][0]["onnx"] == "budget_s050.onnx"
     assert any("report.html not written" in s and "renderer exploded" in s for s in said)
 
@@ -166,7 +169,7 @@ def test_full_report_has_every_section(full):
     for anchor in SECTIONS:
         assert f'<section id="{anchor}">' in page
     images = _images(page)
-    assert len(images) == 3  # quality, where sparsity goes, speed
+    assert len(images) == 4  # quality, where sparsity goes, speed, the frontier
     assert all(w > 100 and h > 100 for w, h in map(_png_size, images))
     assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing from the network
     assert "default-src 'none'" in page
@@ -194,7 +197,8 @@ def test_absent_and_broken_data_do_not_fail(full, tmp_path, capsys):
     assert code == 0 and stdout.strip() == f"wrote {tmp_path / 'r.html'}"
     page = (tmp_path / "r.html").read_text()
     assert "Evaluation results were found but hold no metric" in page
-    assert "No speed measurements" in page
+    assert "manifest.json (quick eval)" in page.split('<section id="speed">')[1]  # the quick eval stands in
+    assert "Needs quality and speed figures" in page  # the frontier: the eval result holds no metric
     assert "No readable ranking file" in page and "ranking.safetensors is missing" in page
     assert "broken.json" in page and "ranking_random.safetensors: skipped" in page
     assert "could not be drawn" not in page
@@ -210,7 +214,7 @@ def test_ranking_of_another_model_is_skipped(full, tmp_path):
     save_ranking(other, d / "ranking_random.safetensors")
     page = render_report(d)
     assert "ranking_random.safetensors: skipped (it was made for another model)" in page
-    assert len(_images(page)) == 3  # the directory's own ranking is still drawn
+    assert len(_images(page)) == 4  # the directory's own ranking is still drawn (and quality, speed, frontier)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -330,5 +334,5 @@ def test_report_in_headless_chromium(full, tmp_path):
     assert requests and all(u.startswith(("file:", "data:image/png;base64,")) for u in requests)
     assert [u for u in requests if u.startswith("file:")] == [(full / REPORT).resolve().as_uri()]
     assert state["title"].startswith("elastic-export report") and state["sections"] == len(SECTIONS)
-    assert len(state["images"]) == 3
+    assert len(state["images"]) == 4  # quality, where sparsity goes, speed, the frontier
     assert all(done and w > 0 and h > 0 for done, w, h in state["images"]), state["images"]

@@ -1,0 +1,57 @@
+"""The Pareto frontier over (cost, quality) points (elastic_export.frontier): pure functions."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+from elastic_export.frontier import pair_frontier, pareto_frontier, profile_frontier
+
+
+def _dominated(p, q) -> bool:
+    """q is at most as costly and at least as good as p, and better in one of the two."""
+    return q[0] <= p[0] and q[1] >= p[1] and (q[0] < p[0] or q[1] > p[1])
+
+
+def test_pareto_frontier_small_example():
+    pts = [(10.0, 0.99), (5.0, 0.95), (6.0, 0.90), (2.0, 0.80), (5.0, 0.97), (12.0, 0.99), (1.0, 0.5)]
+    # (6, .90) is beaten by (5, .97); (5, .95) by (5, .97); (12, .99) by (10, .99)
+    assert pareto_frontier(pts) == [6, 3, 4, 0]
+
+
+def test_pareto_frontier_edge_cases():
+    assert pareto_frontier([]) == []
+    assert pareto_frontier([(3.0, 0.7)]) == [0]
+    assert pareto_frontier([(1.0, 0.5), (1.0, 0.5)]) == [0]  # equal points: the first only
+    assert pareto_frontier([(2.0, 0.5), (1.0, 0.5)]) == [1]  # same quality, slower: dropped
+    assert pareto_frontier([(1.0, 0.5), (1.0, 0.6)]) == [1]  # same cost, worse: dropped
+    assert pareto_frontier([(1.0, math.nan), (math.inf, 0.9), (2.0, 0.4)]) == [2]
+    assert pareto_frontier([(1.0, 0.1), (2.0, 0.2), (3.0, 0.3)]) == [0, 1, 2]  # all optimal
+
+
+def test_pareto_frontier_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        pts = [(float(rng.randint(1, 6)), rng.randint(0, 5) / 5) for _ in range(n)]
+        got = pareto_frontier(pts)
+        undominated = {i for i, p in enumerate(pts) if not any(_dominated(p, q) for q in pts)}
+        distinct = {pts[i] for i in undominated}
+        assert {pts[i] for i in got} == distinct  # every undominated point, each value once
+        assert len(got) == len(distinct)
+        for a, b in itertools.pairwise(got):
+            assert pts[a][0] < pts[b][0] and pts[a][1] < pts[b][1]
+
+
+def test_pair_frontier_and_profile_frontier():
+    cost = {(0.0, "fp32"): 10.0, (0.0, "int8"): 4.0, (0.3, "fp32"): 7.0, (0.3, "int8"): 3.0, (0.6, "fp32"): 4.5}
+    quality = {(0.0, "fp32"): 1.0, (0.0, "int8"): 0.99, (0.3, "fp32"): 0.97, (0.3, "int8"): 0.96, (0.6, "fp32"): 0.9}
+    assert pair_frontier(cost, quality) == [(0.3, "int8"), (0.0, "int8"), (0.0, "fp32")]
+    assert pair_frontier(cost, {(0.6, "fp32"): 0.9}) == [(0.6, "fp32")]  # pairs without quality left out
+    rows = {"fp32": {1: {s: {"p90_ms": c} for (s, p), c in cost.items() if p == "fp32"},
+                     8: {0.0: {"p90_ms": 50.0}}},
+            "int8": {1: {s: {"p90_ms": c} for (s, p), c in cost.items() if p == "int8"}}}
+    got = profile_frontier(rows, quality, "fidelity_cosine")
+    assert got == {"metric": "fidelity_cosine", "stat": "p90_ms",
+                   "batches": {"1": [[0.3, "int8"], [0.0, "int8"], [0.0, "fp32"]], "8": [[0.0, "fp32"]]}}

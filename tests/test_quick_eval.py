@@ -1,0 +1,152 @@
+"""The main job's quick eval (elastic_export.quick_eval): held-out data disjoint from the calibration
+sample, quality and speed of every (budget, precision) in the manifest, the latency profile's quality
+block and frontier, and the runtime's latency-target policy reading them. Tiny real models, real
+onnxruntime; timings are only checked for presence and positivity."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import tiny_encoder
+
+from elastic_export import pipeline, quick_eval
+from elastic_export.calibration import _spread, default_texts, synthetic_images
+from elastic_export.cli import main
+from elastic_export.manifest import MANIFEST
+
+QUIET = dict(echo=lambda s: None)
+BUDGETS = (0.3, 0.6)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qe") / "tiny-bert"
+    tiny_encoder("hf-bert").module.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_art(bert_dir):
+    """The main job on a tiny BERT at two precisions, quick eval on (the default)."""
+    out = bert_dir.parent / "art"
+    said: list[str] = []
+    m = pipeline.run(pipeline.Options(model=str(bert_dir), budgets=BUDGETS, out=str(out), seq_len=16,
+                                      method="magnitude", calib_size=8, precision="fp32,int8", elastic_graph=False),
+                     echo=said.append)
+    return out, m, said
+
+
+def test_heldout_texts_are_beyond_the_calibration_sample(tmp_path):
+    texts = default_texts()
+    calib = set(_spread(texts, 256))  # what load_calibration takes from the built-in source
+    held, desc = quick_eval.heldout_texts(None, 256)
+    assert len(held) == quick_eval.HELDOUT == desc["samples"] and len(set(held)) == len(held)
+    assert not set(held) & calib and set(held) <= set(texts)
+    f = tmp_path / "calib.txt"
+    f.write_text("\n".join(f"passage number {i} about topic {i % 7}" for i in range(30)))
+    held, desc = quick_eval.heldout_texts(str(f), 8)
+    lines = f.read_text().splitlines()
+    assert len(held) == 22 and not set(held) & set(_spread(lines, 8)) and desc["source"] == str(f)
+    held, desc = quick_eval.heldout_texts(str(f), 30)  # the whole file calibrated: the fallback set
+    assert held and not set(held) & set(lines) and "heldout_pairs" in desc["source"]
+
+
+def test_heldout_images_continue_the_synthetic_stream():
+    enc = tiny_encoder("timm-vit")
+    imgs, desc = quick_eval.heldout_images(enc, None, 8, seed=0, n=5)
+    stream = synthetic_images(enc.data_config, 13, 0)
+    assert len(imgs) == 5 and all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(imgs, stream[8:]))
+    assert "synthetic" in desc["source"]
+
+
+def test_neighbour_recall():
+    rng = np.random.default_rng(0)
+    index = rng.normal(size=(40, 8))
+    assert quick_eval.neighbour_recall(index, index) == 1.0
+    assert quick_eval.neighbour_recall(index * 3.0, index) == 1.0  # cosine: scale does not matter
+    assert quick_eval.neighbour_recall(rng.normal(size=(40, 8)), index) < 0.6
+    close = quick_eval.neighbour_recall(index + 0.05 * rng.normal(size=index.shape), index)
+    assert 0.6 < close < 1.0 or close == 1.0
+
+
+def test_main_job_records_quality_and_speed_of_every_pair(text_art):
+    out, m, said = text_art
+    qe = m[quick_eval.ENTRY]
+    assert qe == json.loads((out / MANIFEST).read_text())[quick_eval.ENTRY]
+    assert any(s.startswith("quick eval: 6 (budget, precision) pairs") for s in said)
+    assert qe["metric"] == "fidelity_cosine" and qe["speed"]["batches"] == [1, 8]
+    assert qe["heldout"]["samples"] == quick_eval.HELDOUT and "8 spread evenly" in qe["heldout"]["excluded"]
+    pairs = [(r["sparsity"], r["precision"]) for r in qe["rows"]]
+    assert pairs == [(s, p) for p in ("fp32", "int8") for s in (0.0, *BUDGETS)]
+    gflops = {0.0: m["dense"]["gflops"], **{b["sparsity"]: b["gflops"] for b in m["budgets"]}}
+    for r in qe["rows"]:
+        assert r["gflops"] == gflops[r["sparsity"]]
+        assert -1.0 <= r["fidelity_cosine"] <= 1.0 + 1e-6 and 0.0 <= r["recall@10"] <= 1.0
+        assert set(r["speed"]) == {"1", "8"}
+        for b, st in r["speed"].items():
+            assert 0 < st["p50_ms"] <= st["p90_ms"] <= st["p99_ms"]
+            assert st["throughput"] == pytest.approx(int(b) / (st["p50_ms"] / 1e3))
+    dense = qe["rows"][0]
+    assert dense["fidelity_cosine"] == pytest.approx(1.0) and dense["recall@10"] == 1.0
+    assert qe["rows"][2]["fidelity_cosine"] < 1.0 - 1e-4  # the sparsest fp32 budget differs from dense
+    assert all(math.isfinite(r["fidelity_cosine"]) for r in qe["rows"])
+
+
+def test_latency_profile_carries_quality_and_frontier(text_art):
+    from elastic_export.runtime import ElasticRuntime, LatencyTargetPolicy, load_profile
+
+    out, m, _ = text_art
+    prof = load_profile(out)
+    assert prof.quality_metric == "fidelity_cosine" and prof.measured_precisions() == ["fp32", "int8"]
+    for r in m[quick_eval.ENTRY]["rows"]:
+        assert prof.quality_of(r["sparsity"], r["precision"]) == pytest.approx(r["fidelity_cosine"])
+        assert prof.latency(8, r["sparsity"], "p90_ms", r["precision"]) == pytest.approx(r["speed"]["8"]["p90_ms"])
+    assert prof.frontier["metric"] == "fidelity_cosine" and set(prof.frontier["batches"]) == {"1", "8"}
+    for b, front in prof.frontier["batches"].items():
+        lat = [prof.latency(int(b), s, "p90_ms", p) for s, p in front]
+        qual = [prof.quality_of(s, p) for s, p in front]
+        assert lat == sorted(lat) and qual == sorted(qual)
+        assert front[-1] == [0.0, "fp32"]  # the best pair ends every frontier
+    # the runtime's policy picks by those figures with no separate eval run
+    rt = ElasticRuntime.from_dir(out, precisions="all")
+    rt.set_policy(LatencyTargetPolicy(prof, target_ms=1e9))
+    assert rt.choose_pair(1) == (0.0, "fp32")
+    p90 = {pair: prof.latency(1, pair[0], "p90_ms", pair[1]) for pair in rt.pairs}
+    target = sorted(p90.values())[len(p90) // 2]
+    rt.set_policy(LatencyTargetPolicy(prof, target_ms=target))
+    meeting = [pair for pair in rt.pairs if p90[pair] <= target]
+    assert rt.choose_pair(1) == max(meeting, key=lambda pair: prof.quality_of(*pair))
+
+
+def test_image_model_quick_eval(tmp_path):
+    m = pipeline.run(pipeline.Options(model="vit_tiny_patch16_224", pretrained=False, image_size=32, budgets=(0.5,),
+                                      out=str(tmp_path / "vit"), method="magnitude", calib_size=8, verify=False,
+                                      elastic_graph=False, report=False), **QUIET)
+    rows = m[quick_eval.ENTRY]["rows"]
+    assert [(r["sparsity"], r["precision"]) for r in rows] == [(0.0, "fp32"), (0.5, "fp32")]
+    assert rows[0]["fidelity_cosine"] == pytest.approx(1.0) and "recall@10" not in rows[0]
+    assert "synthetic" in m[quick_eval.ENTRY]["heldout"]["source"]
+
+
+def test_no_quick_eval_flag_and_failure_only_warns(bert_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "plain"
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(bert_dir), "--budgets", "0.5", "--method", "magnitude", "--seq-len", "16",
+              "--no-verify", "--no-elastic-graph", "--no-report", "--no-quick-eval", "--out", str(out)])
+    assert e.value.code == 0
+    assert quick_eval.ENTRY not in json.loads((out / MANIFEST).read_text())
+    assert not (out / "latency_profile.json").exists()
+
+    def broken(*args, **kw):
+        raise RuntimeError("timer exploded")
+
+    monkeypatch.setattr(quick_eval, "run_quick_eval", broken)
+    said: list[str] = []
+    m = pipeline.run(pipeline.Options(model=str(bert_dir), budgets=(0.5,), out=str(tmp_path / "warned"), seq_len=16,
+                                      method="magnitude", verify=False, elastic_graph=False, report=False),
+                     echo=said.append)
+    assert m[quick_eval.ENTRY] is None and (tmp_path / "warned" / "budget_s050.onnx").is_file()
+    assert any("quick eval skipped" in s and "timer exploded" in s for s in said)
