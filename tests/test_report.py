@@ -125,14 +125,6 @@ def test_main_job_writes_the_report(exported):
     assert not [p for p in d.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
 
 
-def test_report_is_fast(exported):
-    d, _ = exported
-    render_report(d)  # matplotlib imported once
-    t0 = time.perf_counter()
-    render_report(d)
-    assert time.perf_counter() - t0 < 6.0  # four figures (the main job's quick eval fills quality, speed, frontier)
-
-
 def test_render_failure_keeps_artifacts(work, model, monkeypatch):
     import elastic_export.report as report
 
