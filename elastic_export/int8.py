@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -154,12 +153,8 @@ def add_int8(directory: str | Path, fp32_name: str, feeds: dict[str, np.ndarray]
 
     directory = Path(directory)
     name = int8_name(fp32_name)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:  # the quantizer writes helper files next to dst
-        quantize(directory / fp32_name, Path(scratch) / name, INT8_SETTINGS["per_channel"],
-                 INT8_SETTINGS["reduce_range"])
-        for f in onnx_io.files(Path(scratch) / name):
-            onnx_io.share_mode(f)
-            f.replace(directory / f.name)
+    onnx_io.write_via_scratch(directory, name, lambda dst: quantize(
+        directory / fp32_name, dst, INT8_SETTINGS["per_channel"], INT8_SETTINGS["reduce_range"]))
     if feeds is None:
         return name, None
     sessions = [ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name)]

@@ -39,7 +39,6 @@ No elastic twin: see :data:`NO_ELASTIC`.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -211,11 +210,7 @@ def add_qdq(directory: str | Path, fp32_name: str, data: QdqData, check: bool = 
 
     directory = Path(directory)
     name = qdq_name(fp32_name)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        quantize_qdq(directory / fp32_name, Path(scratch) / name, data.calib)
-        for f in onnx_io.files(Path(scratch) / name):
-            onnx_io.share_mode(f)
-            f.replace(directory / f.name)
+    onnx_io.write_via_scratch(directory, name, lambda dst: quantize_qdq(directory / fp32_name, dst, data.calib))
     if not check:
         return name, None
     ref, sess = (ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name))

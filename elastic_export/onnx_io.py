@@ -13,7 +13,9 @@ path on tiny models; ``--external-data`` on the CLI forces it for any model.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import onnx
 from onnx.external_data_helper import load_external_data_for_model
@@ -56,6 +58,17 @@ def share_mode(path: str | Path) -> None:
     from elastic_export.fileio import umask
 
     Path(path).chmod(0o666 & ~umask())
+
+
+def write_via_scratch(directory: str | Path, name: str, write: Callable[[Path], None]) -> None:
+    """``write(path)`` into a scratch folder inside ``directory`` (quantizers leave helper files beside
+    their output), then move the model file ``name`` and its external data into ``directory``."""
+    directory = Path(directory)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        write(Path(scratch) / name)
+        for f in files(Path(scratch) / name):
+            share_mode(f)
+            f.replace(directory / f.name)
 
 
 def save(model: onnx.ModelProto, path: str | Path, external: bool | None = None) -> bool:
