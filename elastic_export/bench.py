@@ -44,7 +44,7 @@ from elastic_export.backends import DEFAULT_BACKEND, backend_names, get_backend
 from elastic_export.errors import UserError
 from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.latency_profile import PRECISION_ORDER, key
-from elastic_export.manifest import load_manifest, resolve
+from elastic_export.manifest import Manifest, as_manifest, resolve
 
 FORMAT = "elastic-export-bench/1"
 PROFILE = "latency_profile.json"
@@ -192,23 +192,25 @@ def open_runtime(directory: Path, config: BenchConfig):
 
 
 # --- measuring ----------------------------------------------------------------------------------
-def sample_feeds(directory: Path, manifest: dict, batch: int, seq_len: int | None) -> dict[str, np.ndarray]:
+def sample_feeds(directory: Path, manifest: Manifest | dict, batch: int, seq_len: int | None) -> dict[str, np.ndarray]:
     """Inputs for one run (``elastic_export.verify.sample_inputs``) at ``seq_len`` tokens
     (default: the manifest's token count, the N its GFLOPs are computed for)."""
     import onnx
 
     from elastic_export.verify import sample_inputs
 
-    dense = onnx.load(str(resolve(directory, manifest["dense"]["onnx"])), load_external_data=False)
-    tokens = manifest.get("tokens") if isinstance(manifest.get("tokens"), int) else None
+    manifest = as_manifest(manifest)
+    dense = onnx.load(str(resolve(directory, manifest.dense.onnx)), load_external_data=False)
+    tokens = manifest.tokens if isinstance(manifest.tokens, int) else None
     return sample_inputs(manifest, dense, batch=batch, seq_len=seq_len or tokens or 128)
 
 
-def _graphs(manifest: dict) -> list[dict]:
+def _graphs(manifest: Manifest) -> list[dict]:
     """Dense first, then every budget: {sparsity, achieved_sparsity, gflops}."""
-    rows = [{"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": float(manifest["dense"]["gflops"])}]
-    rows += [{"sparsity": float(b["sparsity"]), "achieved_sparsity": float(b.get("achieved_sparsity", b["sparsity"])),
-              "gflops": float(b["gflops"])} for b in manifest["budgets"]]
+    rows = [{"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": float(manifest.dense.gflops)}]
+    rows += [{"sparsity": float(b.sparsity), "gflops": float(b.gflops),
+              "achieved_sparsity": float(b.sparsity if b.achieved_sparsity is None else b.achieved_sparsity)}
+             for b in manifest.budgets]
     return rows
 
 
@@ -278,20 +280,20 @@ def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], 
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory")
-    manifest = load_manifest(directory)
-    have = manifest.get("precisions") or ["fp32"]
+    manifest = Manifest.load(directory)
+    have = manifest.precisions or ["fp32"]
     missing = [p for p in config.precisions() or [] if p not in have]
     if missing and get_backend(config.backend).supports_precisions:
         raise UserError(f"--precision {config.precision}: {directory} has no {missing[0]} files (exported with "
                         f"{', '.join(have)}); export with --precision {','.join(have + missing)}")
-    echo(f"loading {1 + len(manifest['budgets'])} models ({config.backend}, {config.provider})")
+    echo(f"loading {1 + len(manifest.budgets)} models ({config.backend}, {config.provider})")
     runtime = open_runtime(directory, config)
-    dense_gflops = float(manifest["dense"]["gflops"])
+    dense_gflops = float(manifest.dense.gflops)
     by_s = {key(g["sparsity"]): g for g in _graphs(manifest)}
     graphs = [{**by_s[s], "precision": p} for p in runtime.precisions for s, q in runtime.pairs if q == p and s in by_s]
     base = (graphs[0]["sparsity"], graphs[0]["precision"])  # dense fp32, unless the backend has no dense engine
-    text = any(spec["name"] == "input_ids" for spec in manifest["inputs"])
-    seq_len = (config.seq_len or manifest.get("tokens")) if text else None
+    text = any(spec.name == "input_ids" for spec in manifest.inputs)
+    seq_len = (config.seq_len or manifest.tokens) if text else None
     rows: list[dict] = []
     for batch in config.batches:
         feeds = sample_feeds(directory, manifest, batch, config.seq_len)
@@ -305,12 +307,12 @@ def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], 
                          "speedup": st["throughput"] / base_tp, "switch_ms": switch_ms,
                          "switch_p90_ms": float(np.percentile(sw, 90)) if sw.size else None,
                          "switch_overhead_ms": None if switch_ms is None else switch_ms - st["p50_ms"]})
-    return {"format": FORMAT, "dir": str(directory), "model": manifest["model"].get("source"),
-            "architecture": manifest["model"].get("architecture"), "backend": runtime.backend,
+    return {"format": FORMAT, "dir": str(directory), "model": manifest.model.source,
+            "architecture": manifest.model.architecture, "backend": runtime.backend,
             "provider": runtime.provider, "runtime": f"ElasticRuntime ({runtime.mode})", "speedup_over": base[0],
             "speedup_over_precision": base[1],
             "settings": {**asdict(config), "batches": list(config.batches), "seq_len": seq_len,
-                         "precisions": list(runtime.precisions), "gflops_tokens": manifest.get("tokens")},
+                         "precisions": list(runtime.precisions), "gflops_tokens": manifest.tokens},
             "machine": machine(), "rows": rows}
 
 
@@ -360,7 +362,7 @@ def latency_profile(result: dict, quality: dict | None = None) -> dict:
     return out
 
 
-def stored_quality(directory: Path, manifest: dict) -> dict | None:
+def stored_quality(directory: Path, manifest: Manifest) -> dict | None:
     """The quality block to keep in a new latency profile: the one ``DIR/latency_profile.json``
     has, else one made from the manifest's ``quick_eval`` entry (None: neither)."""
     from elastic_export.latency_profile import load_profile
@@ -371,7 +373,7 @@ def stored_quality(directory: Path, manifest: dict) -> dict | None:
             return old.to_json()["quality"]
     except UserError:
         pass
-    qe = manifest.get("quick_eval")
+    qe = manifest.quick_eval
     if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list) or not qe.get("metric"):
         return None
     values: dict[str, dict[float, float]] = {}
@@ -512,6 +514,6 @@ def bench(directory: str | Path, config: BenchConfig, *, out: str | Path | None 
     if profile:
         from elastic_export.runtime import save_profile
 
-        quality = stored_quality(directory, load_manifest(directory))
+        quality = stored_quality(directory, Manifest.load(directory))
         written.profile = save_profile(latency_profile(result, quality), directory)
     return result, written

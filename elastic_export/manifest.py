@@ -417,3 +417,9 @@ class Manifest(Entry):
     def elastic_indices(self) -> list[tuple[float, int]]:
         """(sparsity, ``budget_index``) of every budget the elastic graph selects (none without one)."""
         return self.elastic.indices(self.sparsities) if self.elastic is not None else []
+
+
+def as_manifest(manifest: Manifest | Mapping[str, Any]) -> Manifest:
+    """``manifest`` typed: a :class:`Manifest` as it is, a plain dict (a hand-made or older caller's)
+    converted."""
+    return manifest if isinstance(manifest, Manifest) else Manifest.from_dict(manifest)

@@ -43,6 +43,7 @@ from typing import Callable
 import numpy as np
 
 from elastic_export.latency_profile import PRECISION_ORDER, LatencyProfile, Pair, key, measure_profile, save_profile
+from elastic_export.manifest import Manifest, as_manifest
 
 ENTRY = "quick_eval"  # the manifest key
 HELDOUT = 64  # held-out samples at most
@@ -186,16 +187,16 @@ def quality(rt, batches: list[Feeds], text: bool) -> dict[Pair, dict[str, float]
 
 
 # --- the whole step -----------------------------------------------------------------------------
-def speed_feeds(directory: Path, manifest: dict) -> dict[int, Feeds]:
+def speed_feeds(directory: Path, manifest: Manifest) -> dict[int, Feeds]:
     """The inputs ``elastic-export bench`` times, at each of :data:`BATCHES`."""
     from elastic_export.bench import sample_feeds
 
     return {b: sample_feeds(directory, manifest, b, None) for b in BATCHES}
 
 
-def entry_rows(manifest: dict, qual: dict[Pair, dict[str, float]], prof: LatencyProfile) -> list[dict]:
+def entry_rows(manifest: Manifest, qual: dict[Pair, dict[str, float]], prof: LatencyProfile) -> list[dict]:
     """The ``rows`` of the manifest entry: one per pair, dense first, by precision then sparsity."""
-    gflops = {0.0: manifest["dense"]["gflops"], **{key(b["sparsity"]): b["gflops"] for b in manifest["budgets"]}}
+    gflops = {0.0: manifest.dense.gflops, **{key(b.sparsity): b.gflops for b in manifest.budgets}}
     rows = []
     for s, p in sorted(qual, key=lambda pair: (PRECISION_ORDER.index(pair[1]), pair[0])):
         speed = {}
@@ -208,7 +209,7 @@ def entry_rows(manifest: dict, qual: dict[Pair, dict[str, float]], prof: Latency
 
 
 
-def run_quick_eval(directory: Path, manifest: dict, encoder, calib: str | None, calib_size: int, seed: int,
+def run_quick_eval(directory: Path, manifest: Manifest | dict, encoder, calib: str | None, calib_size: int, seed: int,
                    echo: Callable[[str], None] = print) -> dict:
     """Measure every pair of the artifact ``directory`` (its manifest already written); write
     ``DIR/latency_profile.json``; return the manifest's ``quick_eval`` entry (module docstring).
@@ -226,6 +227,7 @@ def run_quick_eval(directory: Path, manifest: dict, encoder, calib: str | None, 
     from elastic_export.runtime import ElasticRuntime
     from elastic_export.targets.onnxruntime import SessionConfig
 
+    manifest = as_manifest(manifest)
     t0 = time.time()
     batches, heldout = heldout_feeds(encoder, calib, calib_size, seed)
     rt = ElasticRuntime.from_dir(directory, precisions="all", config=SessionConfig(spin=False))
@@ -241,29 +243,29 @@ def run_quick_eval(directory: Path, manifest: dict, encoder, calib: str | None, 
          f"batches {', '.join(map(str, BATCHES))}, in {seconds:.1f}s")
     return {"heldout": heldout, "metric": QUALITY_METRIC,
             "speed": {"provider": rt.provider, "batches": list(BATCHES), "repeats": REPEATS, "warmup": WARMUP,
-                      "threads": "onnxruntime default", "spin": False, "seq_len": manifest.get("tokens")},
+                      "threads": "onnxruntime default", "spin": False, "seq_len": manifest.tokens},
             "seconds": seconds, "rows": rows}
 
 
 # --- views of the entry (the report draws them like eval / bench results) -----------------------
-def as_eval_result(manifest: dict) -> dict | None:
+def as_eval_result(manifest: Manifest) -> dict | None:
     """The manifest's ``quick_eval`` entry as an ``elastic-export eval`` result (None without one)."""
-    qe = manifest.get(ENTRY)
+    qe = manifest.quick_eval
     if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list):
         return None
     held = qe.get("heldout") or {}
     return {"datasets": {"held-out": {"source": held.get("source"), "count": held.get("samples")}},
-            "results": [{"label": "quick eval", "method": (manifest.get("ranking") or {}).get("method"), "dir": ".",
+            "results": [{"label": "quick eval", "method": manifest.ranking.method, "dir": ".",
                          "budgets": [r for r in qe["rows"] if isinstance(r, dict)]}]}
 
 
-def as_bench_result(manifest: dict) -> dict | None:
+def as_bench_result(manifest: Manifest) -> dict | None:
     """The speed of the manifest's ``quick_eval`` entry as an ``elastic-export bench`` result (None
     without one): rows per (batch, sparsity, precision), speedup over the dense fp32 model."""
-    qe = manifest.get(ENTRY)
+    qe = manifest.quick_eval
     if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list):
         return None
-    dense_gflops = float(manifest["dense"]["gflops"])
+    dense_gflops = float(manifest.dense.gflops)
     base = {b: st["throughput"] for r in qe["rows"] if r.get("sparsity") == 0.0 and r.get("precision") == "fp32"
             for b, st in (r.get("speed") or {}).items()}
     rows = []

@@ -77,7 +77,7 @@ from elastic_export.latency_profile import (  # noqa: F401 - re-exported: the ru
     measure_profile,
     save_profile,
 )
-from elastic_export.manifest import load_manifest
+from elastic_export.manifest import Manifest
 from elastic_export.policies import (  # noqa: F401 - re-exported
     FixedPolicy,
     LatencyTargetPolicy,
@@ -101,7 +101,7 @@ class ElasticRuntime:
     Build with :meth:`from_dir`.
     """
 
-    def __init__(self, directory: Path, manifest: dict, budgets: list[Budget], backend: str, provider: str,
+    def __init__(self, directory: Path, manifest: Manifest, budgets: list[Budget], backend: str, provider: str,
                  mode: str, input_names: list[str], output_names: list[str], precision: str = "fp32",
                  impl: Backend | None = None) -> None:
         self.directory, self.manifest = directory, manifest
@@ -156,11 +156,11 @@ class ElasticRuntime:
         impl = get_backend(backend)
         if mode not in MODES:
             raise UserError(f"mode {mode!r}: unknown; choose from {', '.join(MODES)}")
-        manifest = load_manifest(directory)
+        manifest = Manifest.load(directory)
         wanted = _precisions(manifest, mode, precision, precisions)
         impl.check_precisions(wanted, ", ".join(wanted))
-        inputs = [v["name"] for v in manifest["inputs"]]
-        outputs = [v["name"] for v in manifest["outputs"]]
+        inputs = [v.name for v in manifest.inputs]
+        outputs = [v.name for v in manifest.outputs]
         keep = _sparsity_filter(directory, manifest, sparsities)
         budgets, provider = impl.load_budgets(directory, manifest, mode, keep, wanted, config, providers)
         if not budgets:
@@ -356,12 +356,12 @@ def measure_switch_cost(rt: ElasticRuntime, n: int = 20000) -> float:
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _precisions(manifest: dict, mode: str, precision: str | None, precisions: Sequence[str] | str | None) -> list[str]:
+def _precisions(manifest: Manifest, mode: str, precision: str | None, precisions: Sequence[str] | str | None) -> list[str]:
     """The precisions to load, in :data:`PRECISION_KEYS` order; UserError for unknown ones."""
     if precisions == "all":
-        have = manifest.get("precisions") or ["fp32"]
+        have = manifest.precisions or ["fp32"]
         if mode == "elastic":
-            have = ["fp32"] + (["fp16"] if (manifest.get("elastic") or {}).get("onnx_fp16") else [])
+            have = ["fp32"] + (["fp16"] if manifest.elastic is not None and manifest.elastic.onnx_fp16 else [])
         precisions = have
     elif isinstance(precisions, str):
         precisions = [p.strip() for p in precisions.split(",")]
@@ -377,12 +377,12 @@ def _precisions(manifest: dict, mode: str, precision: str | None, precisions: Se
     return [p for p in PRECISION_KEYS if p in asked]
 
 
-def _sparsity_filter(directory: Path, manifest: dict, sparsities: Sequence[float] | None) -> Callable[[float], bool]:
+def _sparsity_filter(directory: Path, manifest: Manifest, sparsities: Sequence[float] | None) -> Callable[[float], bool]:
     """``keep(s)``: whether sparsity ``s`` is to be loaded; UserError for a sparsity the manifest
     does not list."""
     if sparsities is None:
         return lambda s: True
-    listed = [0.0] + [manifest_sparsity(directory, b.get("sparsity")) for b in manifest["budgets"]]
+    listed = [0.0] + [manifest_sparsity(directory, s) for s in manifest.sparsities]
     wanted = {_key(s) for s in sparsities}
     bad = sorted(wanted - set(listed))
     if bad or not wanted:

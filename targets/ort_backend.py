@@ -21,7 +21,7 @@ import numpy as np
 
 from elastic_export.backends import Backend, Budget, Loaded, manifest_sparsity
 from elastic_export.errors import UserError
-from elastic_export.manifest import MANIFEST, elastic_indices, load_manifest, resolve
+from elastic_export.manifest import BUDGET_INPUT, MANIFEST, Manifest, as_manifest
 from elastic_export.precision import FILE_KEYS
 from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, check_provider, make_session, shared_initializers
 from elastic_export.targets.profiles import Profile, compute_profile
@@ -44,12 +44,12 @@ class OrtBackend(Backend):
         except UserError as e:
             raise UserError(f"--provider {config.provider}: {e}")
 
-    def load_budgets(self, directory: Path, manifest: dict, mode: str, keep: Keep, precisions: list[str],
+    def load_budgets(self, directory: Path, manifest: Manifest, mode: str, keep: Keep, precisions: list[str],
                      config: Any = None, providers: Sequence[str] | str | None = None) -> Loaded:
         config = _config(providers, config)
         if config.provider == "tensorrt" and config.trt_profile is None:
             config = replace(config, trt_profile=tensorrt_ep_profile(manifest, elastic=mode == "elastic"))
-        outputs = [v["name"] for v in manifest["outputs"]]
+        outputs = [v.name for v in manifest.outputs]
         load = _elastic_budgets if mode == "elastic" else _file_budgets
         return Loaded(load(directory, manifest, config, outputs, precisions, keep), config.provider)
 
@@ -59,20 +59,20 @@ class OrtBackend(Backend):
         profile = None
         if bench.provider == "tensorrt":
             tokens = bench.seq_len
-            profile = tensorrt_ep_profile(load_manifest(directory), min_batch=min(bench.batches),
+            profile = tensorrt_ep_profile(Manifest.load(directory), min_batch=min(bench.batches),
                                           opt_batch=max(bench.batches), max_batch=max(bench.batches),
                                           opt_tokens=tokens, max_tokens=tokens)
         return {**super().bench_options(directory, bench),
                 "config": SessionConfig(provider=bench.provider, threads=bench.threads, opt_level="all", trt_profile=profile)}
 
 
-def _file_budgets(directory: Path, manifest: dict, config: SessionConfig, outputs: list[str],
+def _file_budgets(directory: Path, manifest: Manifest, config: SessionConfig, outputs: list[str],
                   precisions: list[str], keep: Keep) -> list[Budget]:
     """Per-budget mode: one session per (budget, precision) file."""
     entries = []  # (sparsity, precision, file)
     for prec in precisions:
         k = FILE_KEYS[prec]
-        for s, rel in [(0.0, manifest["dense"].get(k))] + [(b.get("sparsity"), b.get(k)) for b in manifest["budgets"]]:
+        for s, rel in [(0.0, manifest.dense.file(prec))] + [(b.sparsity, b.file(prec)) for b in manifest.budgets]:
             s = manifest_sparsity(directory, s)
             if not keep(s):
                 continue
@@ -80,7 +80,7 @@ def _file_budgets(directory: Path, manifest: dict, config: SessionConfig, output
                 raise UserError(f"{directory / MANIFEST}: budget {s:g} lists no {k} file"
                                 + (f" (precision {prec!r}); export with --precision {prec}" if prec != "fp32" else ""))
             entries.append((s, prec, rel))
-    paths = [resolve(directory, rel) for _, _, rel in entries]
+    paths = [manifest.path(rel) for _, _, rel in entries]
     shared: list[dict] = [{} for _ in paths]
     if config.share_weights and config.provider == "cpu" and all(p is not None and p.is_file() for p in paths):
         shared = shared_initializers(paths)  # weights identical across the files (any precision): held once
@@ -91,32 +91,32 @@ def _file_budgets(directory: Path, manifest: dict, config: SessionConfig, output
     return out
 
 
-def _elastic_budgets(directory: Path, manifest: dict, config: SessionConfig, outputs: list[str],
+def _elastic_budgets(directory: Path, manifest: Manifest, config: SessionConfig, outputs: list[str],
                      precisions: list[str], keep: Keep) -> list[Budget]:
     """Elastic mode: one session of the elastic graph per precision, every budget an index into it."""
-    e = manifest.get("elastic")
-    if not e or not e.get("onnx"):
+    e = manifest.elastic
+    if e is None or not e.onnx:
         raise UserError(f"{directory / MANIFEST}: no elastic graph (built with --no-elastic-graph?); "
                         f"use mode='per-budget'")
-    budgets = [b.get("sparsity") for b in manifest["budgets"]]
-    indices = [(manifest_sparsity(directory, s), i) for s, i in elastic_indices(e, budgets)]
-    name = e.get("budget_input", "budget_index")
+    indices = [(manifest_sparsity(directory, s), i) for s, i in manifest.elastic_indices()]
+    name = e.budget_input
     out = []
     for prec in precisions:
         k = FILE_KEYS[prec]
-        if not e.get(k):
+        rel = e.get(k)
+        if not rel:
             raise UserError(f"{directory / MANIFEST}: the elastic graph has no {k} file; export with --precision {prec}")
-        sess = make_session(resolve(directory, e[k]), config)
+        sess = make_session(manifest.path(rel), config)
         if name not in [i.name for i in sess.get_inputs()]:
-            raise UserError(f"{directory / e[k]}: has no input {name!r}")
+            raise UserError(f"{directory / rel}: has no input {name!r}")
         for s, i in indices:
             if keep(s):
                 call = _ort_call(sess, config, (name, np.array([i], dtype=np.int64)), outputs)
-                out.append(Budget(s, e[k], call, (), prec))
+                out.append(Budget(s, rel, call, (), prec))
     return out
 
 
-def tensorrt_ep_profile(manifest: dict, elastic: bool = False, **ranges: int | None) -> Profile | None:
+def tensorrt_ep_profile(manifest: Manifest | dict, elastic: bool = False, **ranges: int | None) -> Profile | None:
     """The shape range for onnxruntime's TensorRT EP, from the manifest (see
     :func:`elastic_export.targets.profiles.compute_profile`; default batch 1..128 tuned for 32, text
     1..N tokens tuned for N).
@@ -130,12 +130,13 @@ def tensorrt_ep_profile(manifest: dict, elastic: bool = False, **ranges: int | N
     Returns:
         The profile, or None where the manifest cannot give one (the EP then picks its own ranges).
     """
+    manifest = as_manifest(manifest)
     try:
         profile = compute_profile(manifest, **{k: v for k, v in ranges.items() if v is not None})
     except UserError:
         return None
     if elastic:
-        profile = profile.with_input((manifest.get("elastic") or {}).get("budget_input", "budget_index"), (1,))
+        profile = profile.with_input(manifest.elastic.budget_input if manifest.elastic else BUDGET_INPUT, (1,))
     return profile
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from elastic_export.backends import Backend, Budget, Loaded, manifest_sparsity, serialized
 from elastic_export.errors import UserError
-from elastic_export.manifest import MANIFEST, resolve
+from elastic_export.manifest import MANIFEST, Manifest
 
 MODULE = "elastic_export.targets.tensorrt"
 
@@ -53,13 +53,12 @@ class TrtBackend(Backend):
                             f"backend 'tensorrt': {why}; use backend='onnxruntime'")
         return load
 
-    def load_budgets(self, directory: Path, manifest: dict, mode: str, keep: Callable[[float], bool],
+    def load_budgets(self, directory: Path, manifest: Manifest, mode: str, keep: Callable[[float], bool],
                      precisions: list[str], config: Any = None, providers: Sequence[str] | str | None = None) -> Loaded:
         if mode != "per-budget":
             raise UserError("backend 'tensorrt' runs one engine per budget; use mode='per-budget'")
         load = self._load_engine()
-        entries = [(0.0, manifest["dense"].get("engine"))] + [(b.get("sparsity"), b.get("engine"))
-                                                               for b in manifest["budgets"]]
+        entries = [(0.0, manifest.dense.engine)] + [(b.sparsity, b.engine) for b in manifest.budgets]
         if all(rel is None for _, rel in entries[1:]):
             raise UserError(f"{directory}: the manifest lists no TensorRT engines; "
                             f"run `elastic-export build --target tensorrt {directory}` first")
@@ -70,7 +69,7 @@ class TrtBackend(Backend):
                     continue  # the dense model has no engine: offer the budgets only
                 raise UserError(f"{directory / MANIFEST}: budget {s} lists no engine")
             if keep(manifest_sparsity(directory, s)):
-                engine = load(resolve(directory, rel))
+                engine = load(manifest.path(rel))
                 self._runners.append(engine)
                 out.append(Budget(manifest_sparsity(directory, s), rel, serialized(engine.run)))
         return Loaded(out, "tensorrt")
