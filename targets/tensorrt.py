@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from elastic_export.errors import UserError, first_line
-from elastic_export.fileio import atomic_write
+from elastic_export.fileio import atomic_write, existing_dir
 from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
 from elastic_export.targets.profiles import (
     DEFAULT_MAX_BATCH,
@@ -387,14 +387,6 @@ def record_engines(directory: str | Path, manifest: dict, engines: Mapping[str |
 
 
 # --- the build config -----------------------------------------------------------------------------
-def check_directory(directory: str | Path) -> Path:
-    """``directory`` as a Path, or a one-line :class:`UserError` when it is missing or not a directory."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
-    return d
-
-
 @dataclass(frozen=True)
 class BuildConfig:
     """How to build a directory's engines (as Polygraphy's ``CreateConfig``): checked when made, applied to
@@ -535,7 +527,7 @@ def plan_build(directory: str | Path, config: BuildConfig) -> BuildPlan:
         UserError: a bad directory, manifest, profile or timing cache; a missing ONNX file; TensorRT
             or a CUDA GPU missing; a precision this TensorRT cannot build.
     """
-    d = check_directory(directory)
+    d = existing_dir(directory)
     manifest = load_manifest(d)
     profile = config.profile(manifest)
     plan_jobs(d, manifest, dense=config.dense, key="onnx_int8_qdq" if config.precision == "int8" else None)  # before TensorRT
@@ -664,7 +656,7 @@ def build_engines(directory: str | Path, config: BuildConfig | None = None, *, p
             written), or a failed parse / build (nothing of this run is left behind).
     """
     if config is None:
-        check_directory(directory)  # a missing directory is named before a bad option
+        existing_dir(directory)  # a missing directory is named before a bad option
         config = BuildConfig(**options)
     elif options:
         raise TypeError(f"build_engines: give config or its fields as keywords, not both ({', '.join(options)})")
