@@ -461,6 +461,23 @@ def test_cli_build_refuses_without_tensorrt(tmp_path):
     assert r.returncode == 2 and "--opt-level" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_cli_build_tensorrt_subcommand_refuses_without_tensorrt(tmp_path):
+    """``build tensorrt DIR`` takes the TensorRT options only and refuses as ``build --target tensorrt`` does."""
+    d = _fake_dir(tmp_path / "a")
+    before = _snapshot(d)
+    args = ["--precision", "fp16", "--opt-level", "2", "--tf32", "--no-fp32-norms", "--workspace-gb", "2"]
+    sub = _cli_without_tensorrt("build", "tensorrt", str(d), *args)
+    target = _cli_without_tensorrt("build", "--target", "tensorrt", str(d), *args)
+    assert sub.returncode == 2 and (sub.stdout, sub.stderr) == (target.stdout, target.stderr), sub.stderr
+    lines = [x for x in sub.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "tensorrt is not installed" in lines[0] and "Traceback" not in sub.stderr
+    r = _cli_without_tensorrt("build", "tensorrt", str(d), "--triton-kind", "cpu")  # not a TensorRT option
+    assert r.returncode == 2 and "No such option '--triton-kind'" in r.stderr, r.stderr
+    r = _cli_without_tensorrt("build", "tensorrt", str(d), "--min-batch", "8", "--opt-batch", "4")
+    assert r.returncode == 2 and "min <= opt <= max" in r.stderr, r.stderr  # checked before TensorRT
+    assert _snapshot(d) == before and not (d / T.TIMING_CACHE).exists()
+
+
 def test_imports_and_refuses_without_torch(tmp_path):
     d = _fake_dir(tmp_path / "a")
     code = f"""
