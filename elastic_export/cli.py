@@ -447,73 +447,156 @@ def export_st_cmd(directory, out, budgets, precision, model):
     export_st(directory, out, budgets=budgets, precisions=precision, model=model, echo=click.echo)
 
 
-@cli.command("build")
-@click.argument("directory", metavar="DIR")
-@click.option("--target", type=click.Choice(["tensorrt", "triton"]), required=True,
-              help="tensorrt: one engine per budget (+ dense.engine); triton: a Triton model repository.")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
-              help="fp16: BuilderFlag.FP16 where TensorRT has it (10), else a strongly typed network from the "
-                   "directory's fp16 ONNX (11; export with --precision fp16). int8 (tensorrt only): the "
-                   "directory's Q/DQ ONNX (export with --precision int8-qdq), with BuilderFlag.INT8 where "
-                   "TensorRT has it (10), else strongly typed (11).")
-@click.option("--min-batch", type=int, default=1, show_default=True, help="Smallest batch of the profile.")
-@click.option("--opt-batch", type=int, default=32, show_default=True, help="Batch TensorRT tunes kernels for.")
-@click.option("--max-batch", type=int, default=128, show_default=True,
-              help="Largest batch of the profile (triton: max_batch_size [default: 128, or the engines' maximum]).")
-@click.option("--min-tokens", type=int, default=None, help="Text: fewest tokens [default: 1].")
-@click.option("--opt-tokens", type=int, default=None, help="Text: tokens tuned for [default: manifest tokens].")
-@click.option("--max-tokens", type=int, default=None, help="Text: most tokens [default: manifest tokens].")
-@click.option("--workspace-gb", type=float, default=4.0, show_default=True, help="Builder workspace limit (GiB).")
-@click.option("--timing-cache", default=None, type=click.Path(), metavar="PATH",
-              help="Timing cache shared by all builds [default: DIR/tensorrt.timing.cache].")
-@click.option("--opt-level", type=click.IntRange(0, 5), default=None,
-              help="TensorRT builder_optimization_level 0-5 [default: TensorRT's, 3]; lower builds faster.")
-@click.option("--tf32/--no-tf32", default=False, show_default=True,
-              help="TensorRT: let fp32 layers use TF32 tensor cores (faster, ~1e-3 relative error).")
-@click.option("--fp32-norms/--no-fp32-norms", default=True, show_default=True,
-              help="TensorRT 10 fp16 (builder flag): keep norms, softmax and reductions in fp32.")
-@click.option("--no-dense", is_flag=True, default=False, help="Do not build dense.engine (triton: do not serve the dense model).")
-@click.option("--triton-name", default="elastic", show_default=True,
-              help="Triton: the router model's name; budget models are NAME_s010, ...")
-@click.option("--triton-instances", type=int, default=1, show_default=True,
-              help="Triton: instances of each model (per GPU on a GPU).")
-@click.option("--triton-kind", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
-              help="Triton: instance kind of the budget models (auto: KIND_AUTO, the GPUs where there are any).")
-@click.option("--triton-default-sparsity", type=float, default=None,
-              help="Triton: budget the router serves when a request names none [default: the densest served].")
-@click.option("--triton-queue-delay-us", type=int, default=100, show_default=True,
-              help="Triton: dynamic batcher max_queue_delay_microseconds.")
-@click.option("--triton-platform", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
-              show_default=True, help="Triton: auto serves an engine where the manifest lists one, else the ONNX.")
-def build_cmd(directory, target, precision, min_batch, opt_batch, max_batch, min_tokens, opt_tokens, max_tokens,
-              workspace_gb, timing_cache, opt_level, tf32, fp32_norms, no_dense, triton_name, triton_instances, triton_kind,
-              triton_default_sparsity, triton_queue_delay_us, triton_platform):
-    """Add deployment artifacts to an artifact DIR and update its manifest."""
-    if target == "triton":
-        from elastic_export.targets.triton import build_repository
+# --- build: `build tensorrt DIR`, `build triton DIR`, and the original `build --target T DIR` ----------
+def _options(*opts):
+    """Apply click options in the order given (the order --help lists them)."""
+    def decorate(fn):
+        for o in reversed(opts):
+            fn = o(fn)
+        return fn
+    return decorate
 
-        given = click.get_current_context().get_parameter_source("max_batch") != click.core.ParameterSource.DEFAULT
-        manifest = build_repository(directory, name=triton_name, max_batch=max_batch if given else None,
-                                    instances=triton_instances, kind=triton_kind,
-                                    default_sparsity=triton_default_sparsity, queue_delay_us=triton_queue_delay_us,
-                                    precision=precision, dense=not no_dense, platform=triton_platform, echo=_echo)
-        for m in manifest["triton"]["models"]:
-            click.echo(f"{manifest['triton']['dir']}/{m['name']} ({m['platform']}, sparsity {m['sparsity']:g})")
-        click.echo(f"{manifest['triton']['dir']}/{manifest['triton']['router']} (router, python backend, "
-                   f"default sparsity {manifest['triton']['default_sparsity']:g})")
-        click.echo(f"wrote {Path(directory) / 'manifest.json'}")
-        return
+
+_TRT_BATCH = (
+    click.option("--min-batch", type=int, default=1, show_default=True, help="Smallest batch of the profile."),
+    click.option("--opt-batch", type=int, default=32, show_default=True, help="Batch TensorRT tunes kernels for."),
+)
+_TRT_REST = (
+    click.option("--min-tokens", type=int, default=None, help="Text: fewest tokens [default: 1]."),
+    click.option("--opt-tokens", type=int, default=None, help="Text: tokens tuned for [default: manifest tokens]."),
+    click.option("--max-tokens", type=int, default=None, help="Text: most tokens [default: manifest tokens]."),
+    click.option("--workspace-gb", type=float, default=4.0, show_default=True, help="Builder workspace limit (GiB)."),
+    click.option("--timing-cache", default=None, type=click.Path(), metavar="PATH",
+                 help="Timing cache shared by all builds [default: DIR/tensorrt.timing.cache]."),
+    click.option("--opt-level", type=click.IntRange(0, 5), default=None,
+                 help="TensorRT builder_optimization_level 0-5 [default: TensorRT's, 3]; lower builds faster."),
+    click.option("--tf32/--no-tf32", default=False, show_default=True,
+                 help="TensorRT: let fp32 layers use TF32 tensor cores (faster, ~1e-3 relative error)."),
+    click.option("--fp32-norms/--no-fp32-norms", default=True, show_default=True,
+                 help="TensorRT 10 fp16 (builder flag): keep norms, softmax and reductions in fp32."),
+)
+_TRITON = (
+    click.option("--triton-name", default="elastic", show_default=True,
+                 help="Triton: the router model's name; budget models are NAME_s010, ..."),
+    click.option("--triton-instances", type=int, default=1, show_default=True,
+                 help="Triton: instances of each model (per GPU on a GPU)."),
+    click.option("--triton-kind", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+                 help="Triton: instance kind of the budget models (auto: KIND_AUTO, the GPUs where there are any)."),
+    click.option("--triton-default-sparsity", type=float, default=None,
+                 help="Triton: budget the router serves when a request names none [default: the densest served]."),
+    click.option("--triton-queue-delay-us", type=int, default=100, show_default=True,
+                 help="Triton: dynamic batcher max_queue_delay_microseconds."),
+    click.option("--triton-platform", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
+                 show_default=True, help="Triton: auto serves an engine where the manifest lists one, else the ONNX."),
+)
+_TRT_PRECISION = ("fp16: BuilderFlag.FP16 where TensorRT has it (10), else a strongly typed network from the "
+                  "directory's fp16 ONNX (11; export with --precision fp16). int8{}: the directory's Q/DQ ONNX "
+                  "(export with --precision int8-qdq), with BuilderFlag.INT8 where TensorRT has it (10), else "
+                  "strongly typed (11).")
+
+
+def _build_tensorrt(directory: str, no_dense: bool, **options) -> None:
+    """Build the engines of DIR (options: :class:`~elastic_export.targets.tensorrt.BuildConfig`'s fields)."""
     from elastic_export.targets.tensorrt import build_engines
 
-    manifest = build_engines(directory, precision=precision, min_batch=min_batch, opt_batch=opt_batch,
-                             max_batch=max_batch, min_tokens=min_tokens, opt_tokens=opt_tokens,
-                             max_tokens=max_tokens, workspace_gb=workspace_gb, timing_cache=timing_cache,
-                             dense=not no_dense, opt_level=opt_level, tf32=tf32, fp32_norms=fp32_norms,
-                             echo=_echo)
+    manifest = build_engines(directory, dense=not no_dense, echo=_echo, **options)
     for entry in [manifest["dense"], *manifest["budgets"]]:
         if entry.get("engine"):
             click.echo(entry["engine"])
     click.echo(f"wrote {Path(directory) / 'manifest.json'}")
+
+
+def _build_triton(directory: str, precision: str, max_batch: int | None, no_dense: bool, triton_name: str,
+                  triton_instances: int, triton_kind: str, triton_default_sparsity: float | None,
+                  triton_queue_delay_us: int, triton_platform: str) -> None:
+    """Write DIR/triton/ and print its models."""
+    from elastic_export.targets.triton import build_repository
+
+    manifest = build_repository(directory, name=triton_name, max_batch=max_batch, instances=triton_instances,
+                                kind=triton_kind, default_sparsity=triton_default_sparsity,
+                                queue_delay_us=triton_queue_delay_us, precision=precision, dense=not no_dense,
+                                platform=triton_platform, echo=_echo)
+    t = manifest["triton"]
+    for m in t["models"]:
+        click.echo(f"{t['dir']}/{m['name']} ({m['platform']}, sparsity {m['sparsity']:g})")
+    click.echo(f"{t['dir']}/{t['router']} (router, python backend, default sparsity {t['default_sparsity']:g})")
+    click.echo(f"wrote {Path(directory) / 'manifest.json'}")
+
+
+@click.command("build")
+@click.argument("directory", metavar="DIR")
+@click.option("--target", type=click.Choice(["tensorrt", "triton"]), required=True,
+              help="tensorrt: one engine per budget (+ dense.engine); triton: a Triton model repository.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
+              help=_TRT_PRECISION.format(" (tensorrt only)"))
+@_options(*_TRT_BATCH)
+@click.option("--max-batch", type=int, default=128, show_default=True,
+              help="Largest batch of the profile (triton: max_batch_size [default: 128, or the engines' maximum]).")
+@_options(*_TRT_REST)
+@click.option("--no-dense", is_flag=True, default=False, help="Do not build dense.engine (triton: do not serve the dense model).")
+@_options(*_TRITON)
+@click.pass_context
+def build_target_cmd(ctx, directory, target, **kw):
+    """Add deployment artifacts to an artifact DIR and update its manifest."""
+    sub = build_triton_cmd if target == "triton" else build_tensorrt_cmd
+    if target == "triton" and ctx.get_parameter_source("max_batch") == click.core.ParameterSource.DEFAULT:
+        kw["max_batch"] = None  # triton's own default: 128, or the engines' maximum
+    (_build_triton if target == "triton" else _build_tensorrt)(
+        directory, **{p.name: kw[p.name] for p in sub.params if p.name != "directory"})
+
+
+class _BuildGroup(click.Group):
+    """``build tensorrt DIR`` / ``build triton DIR``; any other ``build`` command line (every one with
+    ``--target``, or none) is the original single command :data:`build_target_cmd`: its options, errors and
+    exit codes are unchanged."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        args = list(args)
+        target_form = any(a == "--target" or a.startswith("--target=") for a in args)
+        if target_form or not args or (args[0] not in self.commands and args[0] not in ("-h", "--help")):
+            return build_target_cmd.make_context(info_name, args, parent=parent, **extra)
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+
+@cli.group("build", cls=_BuildGroup)
+def build_cmd():
+    """Add deployment artifacts to an artifact DIR and update its manifest.
+
+    `build tensorrt DIR`: one TensorRT engine per budget (+ dense.engine); `build triton DIR`: a Triton
+    model repository. Each takes only its own options (`build tensorrt --help`). The single command
+    `build --target tensorrt|triton DIR [OPTIONS]` still works, with the options of both
+    (`build --target triton --help` lists them).
+    """
+
+
+@build_cmd.command("tensorrt", short_help="One TensorRT engine per budget (+ dense.engine); needs a CUDA GPU.")
+@click.argument("directory", metavar="DIR")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
+              help=_TRT_PRECISION.format(""))
+@_options(*_TRT_BATCH)
+@click.option("--max-batch", type=int, default=128, show_default=True, help="Largest batch of the profile.")
+@_options(*_TRT_REST)
+@click.option("--no-dense", is_flag=True, default=False, help="Do not build dense.engine.")
+def build_tensorrt_cmd(directory, **kw):
+    """Build one TensorRT engine per budget of DIR (and dense.engine) with a dynamic-batch profile and
+    record them in its manifest. Needs TensorRT and a CUDA GPU; everything is checked before anything
+    is written."""
+    _build_tensorrt(directory, **kw)
+
+
+@build_cmd.command("triton", short_help="A Triton model repository: one model per budget + a router.")
+@click.argument("directory", metavar="DIR")
+@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="fp16: serve the directory's fp16 ONNX files (export with --precision fp16).")
+@click.option("--max-batch", type=int, default=None,
+              help="max_batch_size of every model [default: 128, or the engines' maximum].")
+@click.option("--no-dense", is_flag=True, default=False, help="Do not serve the dense model.")
+@_options(*_TRITON)
+def build_triton_cmd(directory, **kw):
+    """Write DIR/triton/, a Triton model repository: one model per budget (the ONNX, or the engine
+    where the manifest lists one) and a router model that picks the budget per request; record it
+    in DIR's manifest."""
+    _build_triton(directory, **kw)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,6 +49,16 @@ def check_creatable(path: str | Path, what: str) -> None:
         raise UserError(f"{what} {path}: {ancestor} is not a writable directory")
 
 
+
+def existing_dir(directory: str | Path) -> Path:
+    """``directory`` as a Path; a one-line :class:`UserError` when it is missing or not a directory."""
+    from elastic_export.errors import UserError
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
+    return d
+
 class OutputLock:
     """An exclusive lock on an output path, so two processes never write the same artifacts.
 

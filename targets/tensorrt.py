@@ -3,8 +3,11 @@
 ``build_engines(DIR)`` parses each budget's ONNX with TensorRT's ONNX parser, builds one engine
 with a dynamic-batch optimisation profile (text: dynamic tokens too), writes it as
 ``budget_sXXX.engine`` / ``dense.engine`` next to the ONNX and records it in the manifest
-(``budgets[].engine``, ``dense.engine`` and a top-level ``tensorrt`` entry). :func:`load_engine`
-returns a :class:`TrtRunner` that runs an engine with named tensors (TensorRT >= 10 API).
+(``budgets[].engine``, ``dense.engine`` and a top-level ``tensorrt`` entry). How to build is a
+:class:`BuildConfig` (precision, profile ranges, workspace, timing cache, ...; checked when made, as
+Polygraphy's ``CreateConfig``); :func:`plan_build` checks a directory against it before anything is
+written. :func:`load_engine` returns a :class:`TrtRunner` that runs an engine with named tensors
+(TensorRT >= 10 API).
 
 **FP16.** Decided by feature checks on the imported ``tensorrt`` module, never by its version
 string (Polygraphy's ``try_set_flag`` style):
@@ -54,9 +57,16 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from elastic_export.errors import UserError, first_line
-from elastic_export.fileio import atomic_write
+from elastic_export.fileio import atomic_write, existing_dir
 from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
-from elastic_export.targets.profiles import DEFAULT_MAX_BATCH, DEFAULT_MIN_BATCH, DEFAULT_OPT_BATCH, Shape, compute_profile
+from elastic_export.targets.profiles import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MIN_BATCH,
+    DEFAULT_OPT_BATCH,
+    Profile,
+    Shape,
+    compute_profile,
+)
 
 INSTALL_HINT = 'pip install -e ".[tensorrt]" on a machine with a CUDA GPU'
 DEFAULT_WORKSPACE_GB = 4.0
@@ -376,6 +386,160 @@ def record_engines(directory: str | Path, manifest: dict, engines: Mapping[str |
     return manifest
 
 
+# --- the build config -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BuildConfig:
+    """How to build a directory's engines (as Polygraphy's ``CreateConfig``): checked when made, applied to
+    each engine's ``IBuilderConfig`` by :meth:`create_builder_config`, by feature checks only.
+
+    Args:
+        precision: ``fp32``, ``fp16`` or ``int8`` (from the ``int8-qdq`` files; see the module docstring).
+        min_batch: smallest batch of the optimisation profile.
+        opt_batch: batch TensorRT tunes for.
+        max_batch: largest batch.
+        min_tokens: text: fewest tokens (default 1).
+        opt_tokens: text: tokens tuned for (default: manifest ``tokens``).
+        max_tokens: text: most tokens (default: manifest ``tokens``).
+        workspace_gb: builder workspace limit in GiB (None: TensorRT's default).
+        timing_cache: timing cache file shared by all builds, read if it exists and saved after every
+            engine (default: ``DIR/tensorrt.timing.cache``).
+        dense: also build ``dense.engine``.
+        opt_level: ``builder_optimization_level`` (0-5; None: TensorRT's default, 3), where the config
+            has it. Lower builds faster with possibly slower engines.
+        tf32: let fp32 layers use TF32 tensor cores (TensorRT's own default is on; off here, as in
+            Polygraphy, so an fp32 engine computes in fp32).
+        fp32_norms: builder-flag fp16 only: keep norms, softmax and reductions in fp32
+            (:func:`pin_fp32_layers`), as the strongly typed fp16 ONNX does.
+
+    Raises:
+        UserError: a bad precision, workspace or optimisation level. The batch and token ranges need
+            the manifest's token count: :meth:`profile` checks them.
+    """
+
+    precision: str = "fp32"
+    min_batch: int = DEFAULT_MIN_BATCH
+    opt_batch: int = DEFAULT_OPT_BATCH
+    max_batch: int = DEFAULT_MAX_BATCH
+    min_tokens: int | None = None
+    opt_tokens: int | None = None
+    max_tokens: int | None = None
+    workspace_gb: float | None = DEFAULT_WORKSPACE_GB
+    timing_cache: str | Path | None = None
+    dense: bool = True
+    opt_level: int | None = None
+    tf32: bool = False
+    fp32_norms: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in SOURCE_KEYS:
+            raise UserError(f"--precision {self.precision}: choose fp32, fp16 or int8")
+        if self.workspace_gb is not None and not self.workspace_gb > 0:
+            raise UserError(f"--workspace-gb must be positive, got {self.workspace_gb}")
+        if self.opt_level is not None and (isinstance(self.opt_level, bool) or self.opt_level not in range(6)):
+            raise UserError(f"--opt-level must be 0..5, got {self.opt_level}")
+
+    @property
+    def workspace_bytes(self) -> int | None:
+        """The workspace limit in bytes (None: TensorRT's default)."""
+        return None if self.workspace_gb is None else int(self.workspace_gb * (1 << 30))
+
+    def profile(self, manifest: dict) -> Profile:
+        """The optimisation profile for ``manifest``'s inputs (raises :class:`UserError` on bad ranges)."""
+        return compute_profile(manifest, min_batch=self.min_batch, opt_batch=self.opt_batch, max_batch=self.max_batch,
+                               min_tokens=self.min_tokens, opt_tokens=self.opt_tokens, max_tokens=self.max_tokens)
+
+    def cache_path(self, directory: Path) -> Path:
+        """The timing cache file (``DIR/tensorrt.timing.cache`` by default); refuses a non-file there."""
+        path = Path(self.timing_cache) if self.timing_cache is not None else directory / TIMING_CACHE
+        if path.exists() and not path.is_file():
+            raise UserError(f"--timing-cache {path}: not a file")
+        return path
+
+    def create_builder_config(self, trt: Any, builder: Any, network: Any, mode: str | None) -> tuple[Any, Any, int | None]:
+        """One engine's ``IBuilderConfig``: workspace, optimisation level, TF32 and the precision flags.
+
+        Args:
+            trt: the tensorrt module.
+            builder: its ``IBuilder``.
+            network: the parsed network (its norms are pinned to fp32 for builder-flag fp16).
+            mode: :data:`BUILDER_FLAG`, :data:`STRONGLY_TYPED` or None (fp32).
+
+        Returns:
+            ``(config, tf32_flag, pinned)``: whether this TensorRT has a TF32 flag, and how many layers
+            were pinned to fp32 (None where no pinning was asked for).
+
+        Raises:
+            UserError: this TensorRT rejects the INT8 / FP16 flag its feature check found.
+        """
+        config = builder.create_builder_config()
+        _set_workspace(trt, config, self.workspace_bytes)
+        if self.opt_level is not None and hasattr(config, "builder_optimization_level"):
+            config.builder_optimization_level = int(self.opt_level)
+        tf32_flag = (try_set_flag if self.tf32 else try_clear_flag)(config, trt.BuilderFlag, "TF32")
+        pinned = None
+        if mode == BUILDER_FLAG and self.precision == "int8":
+            if not try_set_flag(config, trt.BuilderFlag, "INT8"):
+                raise UserError("this TensorRT rejected BuilderFlag.INT8 for the Q/DQ network")
+        elif mode == BUILDER_FLAG:
+            if not try_set_flag(config, trt.BuilderFlag, "FP16"):
+                raise UserError("this TensorRT rejected BuilderFlag.FP16; re-export with --precision fp16 so "
+                                "the strongly typed fp16 ONNX can be used")
+            if self.fp32_norms:
+                pinned = pin_fp32_layers(trt, network, config)
+        return config, tf32_flag, pinned
+
+
+def precision_mode(trt: Any, precision: str, manifest: dict) -> tuple[str | None, str | None]:
+    """How this ``tensorrt`` builds ``precision`` and which manifest files it parses.
+
+    Returns:
+        ``(mode, source)``: :data:`BUILDER_FLAG` / :data:`STRONGLY_TYPED` (None for fp32), and the
+        manifest key of the ONNX files parsed (None: ``onnx``).
+    """
+    if precision == "fp16":
+        have16 = all(isinstance(e.get("onnx_fp16"), str) for e in [manifest["dense"], *manifest["budgets"]])
+        mode = fp16_mode(trt, have16)
+        return mode, "onnx_fp16" if mode == STRONGLY_TYPED else None
+    if precision == "int8":
+        return int8_mode(trt), SOURCE_KEYS["int8"]
+    return None, None
+
+
+@dataclass
+class BuildPlan:
+    """A build checked before anything is written: the directory, its manifest, the config, the
+    profile, the engines to build, the timing cache, and how this TensorRT builds the precision."""
+
+    directory: Path
+    manifest: dict
+    config: BuildConfig
+    profile: Profile
+    jobs: list[Job]
+    cache_path: Path
+    trt: Any
+    mode: str | None
+
+
+def plan_build(directory: str | Path, config: BuildConfig) -> BuildPlan:
+    """Check everything a build needs, the directory's files before TensorRT and a GPU.
+
+    Raises:
+        UserError: a bad directory, manifest, profile or timing cache; a missing ONNX file; TensorRT
+            or a CUDA GPU missing; a precision this TensorRT cannot build.
+    """
+    d = existing_dir(directory)
+    manifest = load_manifest(d)
+    profile = config.profile(manifest)
+    plan_jobs(d, manifest, dense=config.dense, key="onnx_int8_qdq" if config.precision == "int8" else None)  # before TensorRT
+    cache_path = config.cache_path(d)
+    trt = import_tensorrt()
+    if cuda_device_count() == 0:
+        raise UserError("TensorRT engines need a CUDA GPU: no CUDA device is visible")
+    mode, source = precision_mode(trt, config.precision, manifest)
+    jobs = plan_jobs(d, manifest, dense=config.dense, key=source)
+    return BuildPlan(d, manifest, config, profile, jobs, cache_path, trt, mode)
+
+
 # --- building -------------------------------------------------------------------------------------
 def _load_timing_cache(config: Any, data: bytes, echo: Callable[[str], None]) -> Any:
     """A timing cache from ``data`` (empty: a fresh one) set on ``config``; a stale one is replaced."""
@@ -408,34 +572,79 @@ def _parse(trt: Any, builder: Any, logger: Any, path: Path, strongly_typed: bool
     return network, parser
 
 
-def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: int = DEFAULT_MIN_BATCH,
-                  opt_batch: int = DEFAULT_OPT_BATCH, max_batch: int = DEFAULT_MAX_BATCH,
-                  min_tokens: int | None = None, opt_tokens: int | None = None, max_tokens: int | None = None,
-                  workspace_gb: float | None = DEFAULT_WORKSPACE_GB, timing_cache: str | Path | None = None,
-                  dense: bool = True, opt_level: int | None = None, tf32: bool = False,
-                  fp32_norms: bool = True, progress: bool = True,
-                  echo: Callable[[str], None] = lambda s: None) -> dict:
+def _optimization_profile(builder: Any, network: Any, profile: Profile, job: Job) -> Any:
+    """The network's inputs' (min, opt, max) shapes as a TensorRT optimisation profile."""
+    trt_profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        if name not in profile.shapes:
+            raise UserError(f"{job.onnx}: input {name!r} is not in the manifest's inputs")
+        trt_profile.set_shape(name, *profile.shapes[name])
+    return trt_profile
+
+
+@dataclass
+class _BuildState:
+    """What the build loop carries from one engine to the next, and records in the manifest."""
+
+    cache_data: bytes
+    cache: Any = None
+    tf32_flag: Any = None  # whether this TensorRT has the TF32 flag at all
+    times: dict[str, float] = field(default_factory=dict)
+    pinned: dict[str, int] = field(default_factory=dict)
+    written: dict[str | int, Path] = field(default_factory=dict)  # temporary engine files
+
+
+def _build_one(plan: BuildPlan, builder: Any, logger: Any, job: Job, state: _BuildState,
+               echo: Callable[[str], None]) -> None:
+    """Parse, configure and build one engine into a temporary file; save the timing cache."""
+    t0 = time.perf_counter()
+    d, trt = plan.directory, plan.trt
+    network, _parser = _parse(trt, builder, logger, resolve(d, job.onnx), plan.mode == STRONGLY_TYPED)
+    config, state.tf32_flag, pinned = plan.config.create_builder_config(trt, builder, network, plan.mode)
+    if pinned is not None:
+        state.pinned[str(job.key)] = pinned
+    state.cache = _load_timing_cache(config, state.cache.serialize() if state.cache is not None else state.cache_data,
+                                     echo)
+    config.add_optimization_profile(_optimization_profile(builder, network, plan.profile, job))
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise UserError(f"{job.onnx}: TensorRT failed to build an engine (see the log above)")
+    tmp = d / f".{job.engine}.partial"
+    atomic_write(tmp, lambda p: _write_bytes(p, serialized))
+    state.written[job.key] = tmp
+    cache_bytes = config.get_timing_cache().serialize()
+    atomic_write(plan.cache_path, lambda p: _write_bytes(p, cache_bytes))
+    state.times[str(job.key)] = round(time.perf_counter() - t0, 2)
+    echo(f"built {job.engine} from {job.onnx} in {state.times[str(job.key)]:.1f}s")
+
+
+def _tensorrt_entry(plan: BuildPlan, state: _BuildState) -> dict:
+    """The manifest's top-level ``tensorrt`` entry of a finished build."""
+    cfg = plan.config
+    return {
+        "version": getattr(plan.trt, "__version__", None),
+        "precision": cfg.precision,
+        "fp16_mode": plan.mode if cfg.precision == "fp16" else None,
+        "int8_mode": plan.mode if cfg.precision == "int8" else None,
+        "profiles": [plan.profile.to_json()],
+        "workspace_bytes": cfg.workspace_bytes,
+        "builder_optimization_level": cfg.opt_level,
+        "tf32": bool(cfg.tf32 and state.tf32_flag),
+        "fp32_layers": state.pinned or None,
+        "timing_cache": _relative(plan.directory, plan.cache_path),
+        "build_seconds": state.times,
+    }
+
+
+def build_engines(directory: str | Path, config: BuildConfig | None = None, *, progress: bool = True,
+                  echo: Callable[[str], None] = lambda s: None, **options: Any) -> dict:
     """Build one TensorRT engine per budget (and the dense model) and record them in the manifest.
 
     Args:
         directory: an artifact directory (with ``manifest.json``).
-        precision: ``fp32``, ``fp16`` or ``int8`` (from the ``int8-qdq`` files; see the module docstring).
-        min_batch: smallest batch of the optimisation profile.
-        opt_batch: batch TensorRT tunes for.
-        max_batch: largest batch.
-        min_tokens: text: fewest tokens (default 1).
-        opt_tokens: text: tokens tuned for (default: manifest ``tokens``).
-        max_tokens: text: most tokens (default: manifest ``tokens``).
-        workspace_gb: builder workspace limit in GiB (None: TensorRT's default).
-        timing_cache: timing cache file shared by all builds, read if it exists and saved after every
-            engine (default: ``DIR/tensorrt.timing.cache``).
-        dense: also build ``dense.engine``.
-        opt_level: ``builder_optimization_level`` (0-5; None: TensorRT's default, 3), where the config
-            has it. Lower builds faster with possibly slower engines.
-        tf32: let fp32 layers use TF32 tensor cores (TensorRT's own default is on; off here, as in
-            Polygraphy, so an fp32 engine computes in fp32).
-        fp32_norms: builder-flag fp16 only: keep norms, softmax and reductions in fp32
-            (:func:`pin_fp32_layers`), as the strongly typed fp16 ONNX does.
+        config: how to build (:class:`BuildConfig`); or give its fields as keywords (``options``:
+            ``precision="fp16", max_batch=64, ...``), not both.
         progress: show a tqdm bar on stderr.
         echo: progress messages.
 
@@ -446,109 +655,32 @@ def build_engines(directory: str | Path, *, precision: str = "fp32", min_batch: 
         UserError: a bad directory / option, TensorRT or a GPU missing (checked before anything is
             written), or a failed parse / build (nothing of this run is left behind).
     """
-    d = Path(directory)
-    if not d.is_dir():
-        raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
-    if precision not in SOURCE_KEYS:
-        raise UserError(f"--precision {precision}: choose fp32, fp16 or int8")
-    if workspace_gb is not None and not workspace_gb > 0:
-        raise UserError(f"--workspace-gb must be positive, got {workspace_gb}")
-    if opt_level is not None and (isinstance(opt_level, bool) or opt_level not in range(6)):
-        raise UserError(f"--opt-level must be 0..5, got {opt_level}")
-    manifest = load_manifest(d)
-    profile = compute_profile(manifest, min_batch=min_batch, opt_batch=opt_batch, max_batch=max_batch,
-                              min_tokens=min_tokens, opt_tokens=opt_tokens, max_tokens=max_tokens)
-    plan_jobs(d, manifest, dense=dense, key="onnx_int8_qdq" if precision == "int8" else None)  # before TensorRT
-    cache_path = Path(timing_cache) if timing_cache is not None else d / TIMING_CACHE
-    if cache_path.exists() and not cache_path.is_file():
-        raise UserError(f"--timing-cache {cache_path}: not a file")
-
-    trt = import_tensorrt()
-    if cuda_device_count() == 0:
-        raise UserError("TensorRT engines need a CUDA GPU: no CUDA device is visible")
-    mode, source = None, None
-    if precision == "fp16":
-        have16 = all(isinstance(e.get("onnx_fp16"), str) for e in [manifest["dense"], *manifest["budgets"]])
-        mode = fp16_mode(trt, have16)
-        source = "onnx_fp16" if mode == STRONGLY_TYPED else None
-    elif precision == "int8":
-        mode, source = int8_mode(trt), SOURCE_KEYS["int8"]
-    jobs = plan_jobs(d, manifest, dense=dense, key=source)
-
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
+    if config is None:
+        existing_dir(directory)  # a missing directory is named before a bad option
+        config = BuildConfig(**options)
+    elif options:
+        raise TypeError(f"build_engines: give config or its fields as keywords, not both ({', '.join(options)})")
+    plan = plan_build(directory, config)
+    logger = plan.trt.Logger(plan.trt.Logger.WARNING)
+    builder = plan.trt.Builder(logger)
     if builder is None:
         raise UserError("TensorRT cannot create a builder (no usable CUDA GPU?)")
-    cache_data = cache_path.read_bytes() if cache_path.is_file() else b""
-    workspace = None if workspace_gb is None else int(workspace_gb * (1 << 30))
-    written: dict[str | int, Path] = {}
-    engines: dict[str | int, str] = {}
-    times: dict[str, float] = {}
-    pinned: dict[str, int] = {}
-    tf32_flag = None  # whether this TensorRT has the TF32 flag at all
-    cache = None
+    state = _BuildState(plan.cache_path.read_bytes() if plan.cache_path.is_file() else b"")
+    engines = {job.key: job.engine for job in plan.jobs}
     from tqdm import tqdm
 
     try:
-        bar = tqdm(jobs, desc="TensorRT engines", unit="engine", disable=not progress, file=sys.stderr)
+        bar = tqdm(plan.jobs, desc="TensorRT engines", unit="engine", disable=not progress, file=sys.stderr)
         for job in bar:
             bar.set_postfix_str(job.label)
-            t0 = time.perf_counter()
-            network, _parser = _parse(trt, builder, logger, resolve(d, job.onnx), mode == STRONGLY_TYPED)
-            config = builder.create_builder_config()
-            _set_workspace(trt, config, workspace)
-            if opt_level is not None and hasattr(config, "builder_optimization_level"):
-                config.builder_optimization_level = int(opt_level)
-            tf32_flag = (try_set_flag if tf32 else try_clear_flag)(config, trt.BuilderFlag, "TF32")
-            if mode == BUILDER_FLAG and precision == "int8":
-                if not try_set_flag(config, trt.BuilderFlag, "INT8"):
-                    raise UserError("this TensorRT rejected BuilderFlag.INT8 for the Q/DQ network")
-            elif mode == BUILDER_FLAG:
-                if not try_set_flag(config, trt.BuilderFlag, "FP16"):
-                    raise UserError("this TensorRT rejected BuilderFlag.FP16; re-export with --precision fp16 so "
-                                    "the strongly typed fp16 ONNX can be used")
-                if fp32_norms:
-                    pinned[str(job.key)] = pin_fp32_layers(trt, network, config)
-            cache = _load_timing_cache(config, cache.serialize() if cache is not None else cache_data, echo)
-            trt_profile = builder.create_optimization_profile()
-            for i in range(network.num_inputs):
-                name = network.get_input(i).name
-                if name not in profile.shapes:
-                    raise UserError(f"{job.onnx}: input {name!r} is not in the manifest's inputs")
-                trt_profile.set_shape(name, *profile.shapes[name])
-            config.add_optimization_profile(trt_profile)
-            plan = builder.build_serialized_network(network, config)
-            if plan is None:
-                raise UserError(f"{job.onnx}: TensorRT failed to build an engine (see the log above)")
-            tmp = d / f".{job.engine}.partial"
-            atomic_write(tmp, lambda p, plan=plan: _write_bytes(p, plan))
-            written[job.key] = tmp
-            engines[job.key] = job.engine
-            cache_bytes = config.get_timing_cache().serialize()
-            atomic_write(cache_path, lambda p, b=cache_bytes: _write_bytes(p, b))
-            times[str(job.key)] = round(time.perf_counter() - t0, 2)
-            echo(f"built {job.engine} from {job.onnx} in {times[str(job.key)]:.1f}s")
-            del network, config, plan
-        for key, tmp in written.items():
-            os.replace(tmp, d / engines[key])
-        written.clear()
+            _build_one(plan, builder, logger, job, state, echo)
+        for key, tmp in state.written.items():  # every engine built: only now replace the previous ones
+            os.replace(tmp, plan.directory / engines[key])
+        state.written.clear()
     finally:
-        for tmp in written.values():
+        for tmp in state.written.values():
             Path(tmp).unlink(missing_ok=True)
-    info = {
-        "version": getattr(trt, "__version__", None),
-        "precision": precision,
-        "fp16_mode": mode if precision == "fp16" else None,
-        "int8_mode": mode if precision == "int8" else None,
-        "profiles": [profile.to_json()],
-        "workspace_bytes": workspace,
-        "builder_optimization_level": opt_level,
-        "tf32": bool(tf32 and tf32_flag),
-        "fp32_layers": pinned or None,
-        "timing_cache": _relative(d, cache_path),
-        "build_seconds": times,
-    }
-    return record_engines(d, manifest, engines, info)
+    return record_engines(plan.directory, plan.manifest, engines, _tensorrt_entry(plan, state))
 
 
 def _write_bytes(path: str | Path, data: Any) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 from elastic_export.budgets import budget_tag
 from elastic_export.errors import UserError, first_line
+from elastic_export.fileio import existing_dir, umask
 from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
 from elastic_export.targets import triton_router as router
 
@@ -308,6 +309,149 @@ def _can_validate() -> bool:
         return False
 
 
+def _check_options(kind: str, instances: Any, max_batch: Any, queue_delay_us: Any) -> None:
+    """Refuse a bad ``--triton-kind``, instance count, ``--max-batch`` or queue delay."""
+    if kind not in KINDS:
+        raise UserError(f"--triton-kind {kind}: choose {', '.join(KINDS)}")
+    for opt, v in (("--triton-instances", instances), ("--max-batch", max_batch)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise UserError(f"{opt} must be a positive integer, got {v}")
+    if isinstance(queue_delay_us, bool) or not isinstance(queue_delay_us, int) or queue_delay_us < 0:
+        raise UserError(f"--triton-queue-delay-us must be a non-negative integer, got {queue_delay_us}")
+
+
+def _served_max_batch(manifest: dict, models: Sequence[ServedModel], kind: str, max_batch: int | None) -> int:
+    """``max_batch_size``: the one asked for, else 128, at most what the served engines' profile accepts.
+
+    Raises:
+        UserError: engines asked to run on the CPU, or a ``--max-batch`` above the engines' maximum.
+    """
+    engines = [m for m in models if m.platform == "tensorrt_plan"]
+    if engines and kind == "cpu":
+        raise UserError("--triton-kind cpu: TensorRT engines run on the GPU only; use --triton-platform onnxruntime")
+    limit = _engine_max_batch(manifest) if engines else None
+    if max_batch is None:
+        return min(DEFAULT_MAX_BATCH, limit) if limit else DEFAULT_MAX_BATCH
+    if limit is not None and max_batch > limit:
+        raise UserError(f"--max-batch {max_batch}: the engines accept at most batch {limit}")
+    return max_batch
+
+
+def _default_budget(models: Sequence[ServedModel], default_sparsity: float | None) -> float:
+    """The sparsity the router serves when a request names none (mapped as a request is; default: the densest)."""
+    sparsities = [m.sparsity for m in models]
+    try:
+        return router.choose_budget(default_sparsity if default_sparsity is not None else sparsities[0], sparsities,
+                                    sparsities[0])
+    except router.BudgetError as e:
+        raise UserError(f"--triton-default-sparsity: {e}") from None
+
+
+def _served_io(directory: Path, manifest: dict, models: Sequence[ServedModel]) -> tuple[list[dict], list[dict]]:
+    """The inputs and outputs to declare (:func:`_io`), none of them named as the router's own tensors."""
+    inputs, outputs = _io(directory, manifest, models)
+    for spec in inputs + outputs:
+        if spec["name"] in (SPARSITY_INPUT, SERVED_OUTPUT):
+            raise UserError(f"{MANIFEST}: the model has a tensor named {spec['name']!r}, which the router uses")
+    return inputs, outputs
+
+
+@dataclass(frozen=True)
+class RepositoryPlan:
+    """A repository checked before anything is written: the router's name, the budget models, the
+    router's default, the tensors declared and the serving options (see :func:`build_repository`)."""
+
+    name: str
+    models: list[ServedModel]
+    default: float
+    inputs: list[dict]
+    outputs: list[dict]
+    max_batch: int
+    kind: str
+    instances: int
+    queue_delay_us: int
+    precision: str
+
+    def configs(self) -> dict[str, str]:
+        """Every ``config.pbtxt`` text by model name (budget models, then the router), each parsed with
+        Triton's own schema where ``tritonclient`` is installed."""
+        configs = {m.name: model_config(m, self.inputs, self.outputs, max_batch=self.max_batch,
+                                        kind="KIND_GPU" if m.platform == "tensorrt_plan" else KINDS[self.kind],
+                                        instances=self.instances, queue_delay_us=self.queue_delay_us)
+                   for m in self.models}
+        configs[self.name] = router_config(self.name, self.models, self.default, self.inputs, self.outputs,
+                                           max_batch=self.max_batch, instances=self.instances,
+                                           queue_delay_us=self.queue_delay_us)
+        if _can_validate():
+            for model_name, text in configs.items():
+                try:
+                    validate_config(text)
+                except UserError as e:  # a bug here, not bad input: say which model
+                    raise UserError(f"{model_name}: {e}") from None
+        return configs
+
+    def entry(self) -> dict:
+        """The manifest's ``triton`` entry."""
+        return {
+            "dir": TRITON_DIR,
+            "router": self.name,
+            "default_sparsity": self.default,
+            "models": [{"name": m.name, "sparsity": m.sparsity, "platform": m.platform,
+                        "source": m.source, "file": f"{TRITON_DIR}/{m.name}/1/{m.filename}"} for m in self.models],
+            "max_batch_size": self.max_batch,
+            "instance_kind": self.kind,
+            "instances": self.instances,
+            "max_queue_delay_microseconds": self.queue_delay_us,
+            "precision": self.precision,
+        }
+
+
+def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[str, str]) -> dict[str, str]:
+    """Write the repository into ``staging``: model files (hard links or copies), the router's
+    ``model.py`` and every ``config.pbtxt``. Returns ``link`` or ``copy`` by budget model."""
+    placed = {}
+    for m in plan.models:
+        version = staging / m.name / "1"
+        version.mkdir(parents=True)
+        src = resolve(directory, m.source)
+        placed[m.name] = _place(src, version / m.filename)
+        for data in _data_files(src):  # external data: read by the name the model file records
+            _place(data, version / data.name)
+    (staging / plan.name / "1").mkdir(parents=True)
+    (staging / plan.name / "1" / "model.py").write_text(router_source())
+    for model_name, text in configs.items():
+        (staging / model_name / "config.pbtxt").write_text(text)
+    return placed
+
+
+def write_repository(directory: Path, plan: RepositoryPlan, configs: dict[str, str]) -> dict[str, str]:
+    """Write ``DIR/triton/`` next to it and move it into place (a previous one is replaced only then).
+
+    Returns:
+        ``link`` or ``copy`` by budget model (how its file was placed).
+    """
+    d = directory
+    staging = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.", suffix=".partial", dir=d))
+    old: Path | None = None
+    try:
+        placed = _stage(d, staging, plan, configs)
+        os.chmod(staging, 0o777 & ~umask())
+        target = d / TRITON_DIR
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.", suffix=".old", dir=d))
+            os.replace(target, old / TRITON_DIR)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old is not None and (old / TRITON_DIR).exists() and not (d / TRITON_DIR).exists():
+            os.replace(old / TRITON_DIR, d / TRITON_DIR)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return placed
+
+
 def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_batch: int | None = None,
                      instances: int = DEFAULT_INSTANCES, kind: str = "auto", default_sparsity: float | None = None,
                      queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, precision: str = "fp32", dense: bool = True,
@@ -336,99 +480,19 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     Raises:
         UserError: bad directory / options / files; nothing is changed then.
     """
-    d = Path(directory)
-    if not d.is_dir():
-        raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
+    d = existing_dir(directory)
     manifest = load_manifest(d)
-    if kind not in KINDS:
-        raise UserError(f"--triton-kind {kind}: choose {', '.join(KINDS)}")
-    for opt, v in (("--triton-instances", instances), ("--max-batch", max_batch)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise UserError(f"{opt} must be a positive integer, got {v}")
-    if isinstance(queue_delay_us, bool) or not isinstance(queue_delay_us, int) or queue_delay_us < 0:
-        raise UserError(f"--triton-queue-delay-us must be a non-negative integer, got {queue_delay_us}")
+    _check_options(kind, instances, max_batch, queue_delay_us)
     models = plan_models(d, manifest, name=name, precision=precision, dense=dense, platform=platform)
-    engines = [m for m in models if m.platform == "tensorrt_plan"]
-    if engines and kind == "cpu":
-        raise UserError("--triton-kind cpu: TensorRT engines run on the GPU only; use --triton-platform onnxruntime")
-    limit = _engine_max_batch(manifest) if engines else None
-    if max_batch is None:
-        max_batch = min(DEFAULT_MAX_BATCH, limit) if limit else DEFAULT_MAX_BATCH
-    elif limit is not None and max_batch > limit:
-        raise UserError(f"--max-batch {max_batch}: the engines accept at most batch {limit}")
-    sparsities = [m.sparsity for m in models]
-    try:
-        default = router.choose_budget(default_sparsity if default_sparsity is not None else sparsities[0], sparsities,
-                                sparsities[0])
-    except router.BudgetError as e:
-        raise UserError(f"--triton-default-sparsity: {e}") from None
+    max_batch = _served_max_batch(manifest, models, kind, max_batch)
+    default = _default_budget(models, default_sparsity)
     _check_replaceable(d, manifest)
-    inputs, outputs = _io(d, manifest, models)
-    for spec in inputs + outputs:
-        if spec["name"] in (SPARSITY_INPUT, SERVED_OUTPUT):
-            raise UserError(f"{MANIFEST}: the model has a tensor named {spec['name']!r}, which the router uses")
-
-    configs = {m.name: model_config(m, inputs, outputs, max_batch=max_batch,
-                                    kind="KIND_GPU" if m.platform == "tensorrt_plan" else KINDS[kind],
-                                    instances=instances, queue_delay_us=queue_delay_us) for m in models}
-    configs[name] = router_config(name, models, default, inputs, outputs, max_batch=max_batch,
-                                  instances=instances, queue_delay_us=queue_delay_us)
-    if _can_validate():
-        for model_name, text in configs.items():
-            try:
-                validate_config(text)
-            except UserError as e:  # a bug here, not bad input: say which model
-                raise UserError(f"{model_name}: {e}") from None
-
-    staging = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.", suffix=".partial", dir=d))
-    old: Path | None = None
-    try:
-        placed = {}
-        for m in models:
-            version = staging / m.name / "1"
-            version.mkdir(parents=True)
-            src = resolve(d, m.source)
-            placed[m.name] = _place(src, version / m.filename)
-            for data in _data_files(src):  # external data: read by the name the model file records
-                _place(data, version / data.name)
-        (staging / name / "1").mkdir(parents=True)
-        (staging / name / "1" / "model.py").write_text(router_source())
-        for model_name, text in configs.items():
-            (staging / model_name / "config.pbtxt").write_text(text)
-        os.chmod(staging, 0o777 & ~_umask())
-        target = d / TRITON_DIR
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.", suffix=".old", dir=d))
-            os.replace(target, old / TRITON_DIR)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if old is not None and (old / TRITON_DIR).exists() and not (d / TRITON_DIR).exists():
-            os.replace(old / TRITON_DIR, d / TRITON_DIR)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    inputs, outputs = _served_io(d, manifest, models)
+    plan = RepositoryPlan(name, models, default, inputs, outputs, max_batch, kind, instances, queue_delay_us, precision)
+    placed = write_repository(d, plan, plan.configs())
     links = sum(v == "link" for v in placed.values())
     echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models ({links} hard links, {len(models) - links} copies) "
          f"+ router {name!r}")
-    manifest["triton"] = {
-        "dir": TRITON_DIR,
-        "router": name,
-        "default_sparsity": default,
-        "models": [{"name": m.name, "sparsity": m.sparsity, "platform": m.platform,
-                    "source": m.source, "file": f"{TRITON_DIR}/{m.name}/1/{m.filename}"} for m in models],
-        "max_batch_size": max_batch,
-        "instance_kind": kind,
-        "instances": instances,
-        "max_queue_delay_microseconds": queue_delay_us,
-        "precision": precision,
-    }
+    manifest["triton"] = plan.entry()
     write_manifest(d, manifest)
     return manifest
-
-
-def _umask() -> int:
-    from elastic_export.fileio import umask
-
-    return umask()

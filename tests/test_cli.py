@@ -142,6 +142,26 @@ def _with_bert_and_an_existing_dir(root: Path) -> list[str]:
     return ["rank", "--model", "bert", "--seq-len", "16", "--calib-size", "4", "--out", "existing_dir"]
 
 
+def _exported_then_built_with_target(root: Path) -> tuple[list[str], dict]:
+    """A cheap export into ``out`` and a copy ``legacy`` built with ``build --target triton``; then the
+    same build with the ``build triton`` subcommand on ``out``."""
+    import shutil
+
+    save_tiny_bert(root / "bert")
+    export = run_cli(["--model", "bert", "--seq-len", "16", *CHEAP, "--no-quick-eval", "--no-report",
+                      "--no-elastic-graph", "--out", "out"], root)
+    shutil.copytree(root / "out", root / "legacy")
+    opts = ["--triton-kind", "cpu", "--triton-default-sparsity", "0.5", "--max-batch", "8"]
+    legacy = run_cli(["build", "--target", "triton", "legacy", *opts], root)
+    return ["build", "triton", "out", *opts], {"export": export, "legacy": legacy}
+
+
+def _build_helps(root: Path) -> tuple[list[str], dict]:
+    helps = {name: run_cli(["build", *args, "--help"], root)
+             for name, args in (("triton", ["triton"]), ("tensorrt", ["tensorrt"]), ("target", ["--target", "triton"]))}
+    return ["build", "--help"], helps
+
+
 def _args(*args: str) -> Callable[[Path], list[str]]:
     return lambda root: list(args)
 
@@ -174,6 +194,11 @@ CASES: dict[str, Callable[[Path], list[str] | tuple[list[str], dict]]] = {
                                                         "--no-pretrained", "--image-size", "8"),
     "test_inspect_vit_base": _args("inspect", "--model", "vit_base_patch16_224", "--no-pretrained"),
     "test_help": _args("--help"),
+    "test_build_triton_subcommand": _exported_then_built_with_target,
+    "test_build_help_lists_the_subcommands": _build_helps,
+    "test_build_triton_refuses_tensorrt_options": _args("build", "triton", ".", "--min-batch", "2"),
+    "test_build_tensorrt_refuses_triton_options": _args("build", "tensorrt", ".", "--triton-name", "x"),
+    "test_build_without_target_is_the_original_error": _args("build", "somewhere"),
 }
 SKIP_WITH_CUDA = {"test_device_cuda_without_cuda"}
 
@@ -337,4 +362,51 @@ def test_help(result):
         assert opt in out, opt
     for cmd in ("inspect", "rank", "export"):
         assert cmd in out, cmd
+    assert result.after == result.before
+
+
+# --- build: the subcommands and the original --target form ---------------------------------------
+def test_build_triton_subcommand(result):
+    export, legacy = result.extra["export"], result.extra["legacy"]
+    assert export.rc == 0 and legacy.rc == 0, export.describe() + legacy.describe()
+    assert result.rc == 0, result.describe()
+    assert "triton/elastic (router, python backend, default sparsity 0.5)" in result.stdout
+    assert result.stdout == legacy.stdout.replace("legacy", "out")  # same report as `build --target triton`
+    out, old = result.root / "out", result.root / "legacy"
+    repo = snapshot(out / "triton")
+    assert repo == snapshot(old / "triton") and "elastic/config.pbtxt" in repo  # byte-identical repositories
+    new, was = (json.loads((d / "manifest.json").read_text()) for d in (out, old))
+    assert new["triton"] == was["triton"] and new["triton"]["instance_kind"] == "cpu"
+    assert new["triton"]["max_batch_size"] == 8
+
+
+def test_build_help_lists_the_subcommands(result):
+    assert result.rc == 0 and "Traceback" not in result.stderr, result.describe()
+    assert "Usage: elastic-export build [OPTIONS] COMMAND [ARGS]..." in result.stdout
+    assert re.search(r"^\s+tensorrt\s", result.stdout, re.M) and re.search(r"^\s+triton\s", result.stdout, re.M)
+    assert "--target" in result.stdout  # the original form is documented as still working
+    triton, tensorrt, target = (result.extra[k] for k in ("triton", "tensorrt", "target"))
+    assert all(r.rc == 0 for r in (triton, tensorrt, target)), triton.describe() + tensorrt.describe()
+    assert "Usage: elastic-export build triton [OPTIONS] DIR" in triton.stdout
+    assert "--triton-kind" in triton.stdout and "--workspace-gb" not in triton.stdout and "--opt-batch" not in triton.stdout
+    assert "Usage: elastic-export build tensorrt [OPTIONS] DIR" in tensorrt.stdout
+    assert "--workspace-gb" in tensorrt.stdout and "--triton" not in tensorrt.stdout
+    assert "Usage: elastic-export build [OPTIONS] DIR" in target.stdout  # the original command, every option
+    assert "--target [tensorrt|triton]" in target.stdout and "--workspace-gb" in target.stdout
+    assert "--triton-kind" in target.stdout
+    assert result.after == result.before
+
+
+def test_build_triton_refuses_tensorrt_options(result):
+    assert_bad_input(result, "No such option '--min-batch'")
+
+
+def test_build_tensorrt_refuses_triton_options(result):
+    assert_bad_input(result, "No such option '--triton-name'")
+
+
+def test_build_without_target_is_the_original_error(result):
+    # a DIR that is not a subcommand name: the original command, and its error (click lists the choices)
+    assert result.rc == 2 and "Traceback" not in result.stderr, result.describe()
+    assert result.stderr.startswith("error: Missing option '--target'. Choose from:"), result.describe()
     assert result.after == result.before

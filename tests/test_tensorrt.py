@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -324,6 +325,116 @@ def test_build_engines_checks_input_before_tensorrt(tmp_path):
     assert _snapshot(d) == before
 
 
+# --- the build config (validated without TensorRT; applied to stand-in builder configs) -----------
+def test_build_config_defaults_match_the_cli():
+    c = T.BuildConfig()
+    assert (c.precision, c.min_batch, c.opt_batch, c.max_batch, c.workspace_gb) == ("fp32", 1, 32, 128, 4.0)
+    assert c.workspace_bytes == 4 << 30 and T.BuildConfig(workspace_gb=None).workspace_bytes is None
+    assert c.dense and c.fp32_norms and not c.tf32 and c.opt_level is None and c.timing_cache is None
+    with pytest.raises(AttributeError):
+        c.precision = "fp16"  # frozen: checked once, when made
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(precision="int4"), "--precision int4: choose fp32, fp16 or int8"),
+    (dict(workspace_gb=0), "--workspace-gb must be positive, got 0"),
+    (dict(workspace_gb=-1.5), "--workspace-gb must be positive"),
+    (dict(opt_level=6), "--opt-level must be 0..5, got 6"),
+    (dict(opt_level=-1), "--opt-level must be 0..5"),
+    (dict(opt_level=True), "--opt-level must be 0..5, got True"),
+])
+def test_build_config_refuses_bad_options(kw, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        T.BuildConfig(**kw)
+
+
+def test_build_config_profile_and_timing_cache(tmp_path):
+    m = _text_manifest()
+    p = T.BuildConfig(opt_batch=8, max_batch=16, max_tokens=32).profile(m)
+    assert p.shapes["input_ids"] == ((1, 1), (8, 32), (16, 32))
+    with pytest.raises(UserError, match="min <= opt <= max"):
+        T.BuildConfig(min_batch=8, opt_batch=4).profile(m)  # ranges need the manifest: checked here
+    assert T.BuildConfig().cache_path(tmp_path) == tmp_path / T.TIMING_CACHE
+    assert T.BuildConfig(timing_cache=tmp_path / "c.bin").cache_path(tmp_path) == tmp_path / "c.bin"
+    (tmp_path / "dir.cache").mkdir()
+    with pytest.raises(UserError, match="--timing-cache .*: not a file"):
+        T.BuildConfig(timing_cache=tmp_path / "dir.cache").cache_path(tmp_path)
+
+
+class _BuilderConfig(_Config):
+    """A stand-in IBuilderConfig: flags, workspace pool and optimisation level."""
+
+    def __init__(self, reject: bool = False) -> None:
+        super().__init__(reject)
+        self.pools: dict = {}
+        self.builder_optimization_level = 3
+
+    def clear_flag(self, flag) -> None:
+        self.flags = [f for f in self.flags if f != flag]
+
+    def set_memory_pool_limit(self, pool, size: int) -> None:
+        self.pools[pool] = size
+
+
+def _apply(trt, mode, reject=False, **kw):
+    cfg = _BuilderConfig(reject)
+    builder = SimpleNamespace(create_builder_config=lambda: cfg)
+    layers = [_Layer("norm", ["f32"], norm=True), _Layer("mm", ["f32"])]
+    out, tf32, pinned = T.BuildConfig(**kw).create_builder_config(trt, builder, _network(layers), mode)
+    assert out is cfg
+    return cfg, tf32, pinned
+
+
+def test_build_config_create_builder_config_feature_checks():
+    trt10 = SimpleNamespace(**{**vars(TRT10_LAYERS), "MemoryPoolType": SimpleNamespace(WORKSPACE="ws"),
+                               "BuilderFlag": SimpleNamespace(**{**vars(TRT10_LAYERS.BuilderFlag), "INT8": 4})})
+    cfg, tf32, pinned = _apply(trt10, None, workspace_gb=1, opt_level=1)  # fp32: TF32 off, nothing pinned
+    assert cfg.pools == {"ws": 1 << 30} and cfg.builder_optimization_level == 1 and cfg.flags == []
+    assert tf32 is True and pinned is None  # this TensorRT has a TF32 flag (cleared here)
+    no_tf32 = SimpleNamespace(**{**vars(trt10), "BuilderFlag": SimpleNamespace(FP16=0)})
+    assert _apply(no_tf32, None, tf32=True)[1] is False  # no such flag: the manifest will say tf32 false
+    cfg, tf32, pinned = _apply(trt10, None, tf32=True, workspace_gb=None)
+    assert cfg.flags == [1] and tf32 and cfg.pools == {} and cfg.builder_optimization_level == 3
+    cfg, _, pinned = _apply(trt10, T.BUILDER_FLAG, precision="fp16")  # TensorRT 10 fp16: flag + fp32 norms
+    assert cfg.flags == [0, 2] and pinned == 1
+    assert _apply(trt10, T.BUILDER_FLAG, precision="fp16", fp32_norms=False)[0].flags == [0]
+    assert _apply(trt10, T.BUILDER_FLAG, precision="int8")[0].flags == [4]
+    cfg, _, pinned = _apply(TRT11, T.STRONGLY_TYPED, precision="fp16")  # TensorRT 11: the types say it all
+    assert cfg.flags == [] and pinned is None
+    with pytest.raises(UserError, match="rejected BuilderFlag.INT8"):
+        _apply(trt10, T.BUILDER_FLAG, reject=True, precision="int8", tf32=True)
+    with pytest.raises(UserError, match="rejected BuilderFlag.FP16.*--precision fp16"):
+        _apply(trt10, T.BUILDER_FLAG, reject=True, precision="fp16", tf32=True)
+
+
+def test_precision_mode_picks_the_files():
+    m = _text_manifest()
+    assert T.precision_mode(TRT10, "fp32", m) == (None, None)
+    assert T.precision_mode(TRT10, "fp16", m) == (T.BUILDER_FLAG, None)  # the fp32 ONNX, built with the flag
+    with pytest.raises(UserError, match="--precision fp16"):
+        T.precision_mode(TRT11, "fp16", m)  # strongly typed needs the fp16 files
+    for entry in [m["dense"], *m["budgets"]]:
+        entry["onnx_fp16"] = "x.fp16.onnx"
+    assert T.precision_mode(TRT11, "fp16", m) == (T.STRONGLY_TYPED, "onnx_fp16")
+    assert T.precision_mode(TRT11, "int8", m) == (T.STRONGLY_TYPED, "onnx_int8_qdq")
+
+
+def test_build_engines_takes_a_config(tmp_path):
+    d = _fake_dir(tmp_path / "a")
+    before = _snapshot(d)
+    with pytest.raises(TypeError, match="not both"):
+        T.build_engines(d, T.BuildConfig(), precision="fp16")
+    with pytest.raises(UserError, match="no 'onnx_int8_qdq' file"):
+        T.build_engines(d, T.BuildConfig(precision="int8"))  # files checked before TensorRT, as with keywords
+    with pytest.raises(UserError, match="no such directory"):
+        T.build_engines(tmp_path / "nope", T.BuildConfig())
+    with pytest.raises(UserError, match="no such directory"):
+        T.build_engines(tmp_path / "nope", precision="int4")  # the directory is named before a bad option
+    with pytest.raises(TypeError):
+        T.build_engines(d, precision_typo="fp16")
+    assert _snapshot(d) == before
+
+
 # --- CLI without TensorRT -------------------------------------------------------------------------
 def _cli_without_tensorrt(*args: str) -> subprocess.CompletedProcess:
     code = ("import sys; sys.modules['tensorrt'] = None\n"
@@ -348,6 +459,23 @@ def test_cli_build_refuses_without_tensorrt(tmp_path):
     assert r.returncode == 2 and "tensorrt is not installed" in r.stderr, r.stderr
     r = _cli_without_tensorrt("build", "--target", "tensorrt", str(d), "--opt-level", "9")
     assert r.returncode == 2 and "--opt-level" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_build_tensorrt_subcommand_refuses_without_tensorrt(tmp_path):
+    """``build tensorrt DIR`` takes the TensorRT options only and refuses as ``build --target tensorrt`` does."""
+    d = _fake_dir(tmp_path / "a")
+    before = _snapshot(d)
+    args = ["--precision", "fp16", "--opt-level", "2", "--tf32", "--no-fp32-norms", "--workspace-gb", "2"]
+    sub = _cli_without_tensorrt("build", "tensorrt", str(d), *args)
+    target = _cli_without_tensorrt("build", "--target", "tensorrt", str(d), *args)
+    assert sub.returncode == 2 and (sub.stdout, sub.stderr) == (target.stdout, target.stderr), sub.stderr
+    lines = [x for x in sub.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "tensorrt is not installed" in lines[0] and "Traceback" not in sub.stderr
+    r = _cli_without_tensorrt("build", "tensorrt", str(d), "--triton-kind", "cpu")  # not a TensorRT option
+    assert r.returncode == 2 and "No such option '--triton-kind'" in r.stderr, r.stderr
+    r = _cli_without_tensorrt("build", "tensorrt", str(d), "--min-batch", "8", "--opt-batch", "4")
+    assert r.returncode == 2 and "min <= opt <= max" in r.stderr, r.stderr  # checked before TensorRT
+    assert _snapshot(d) == before and not (d / T.TIMING_CACHE).exists()
 
 
 def test_imports_and_refuses_without_torch(tmp_path):
