@@ -47,7 +47,6 @@ from elastic_export.latency_profile import PRECISION_ORDER, key
 from elastic_export.manifest import Manifest, as_manifest, resolve
 
 FORMAT = "elastic-export-bench/1"
-PROFILE = "latency_profile.json"
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 PLOTS = ("throughput", "latency", "speedup")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -170,37 +171,36 @@ def _run_main_job(**kw) -> None:
         click.echo(f"wrote {Path(opts.out) / 'report.html'}")
 
 
-def _print_budget_table(manifest: dict, out: Path) -> None:
+def _print_budget_table(manifest: Any, out: Path) -> None:
     from elastic_export import int8_qdq
+    from elastic_export.manifest import MANIFEST, as_manifest
 
+    manifest = as_manifest(manifest)
     rows = [("budget", "achieved", "GFLOPs", "params", "max err", "file")]
-    d = manifest["dense"]
-    rows.append(("dense", "0.0000", f"{d['gflops']:.3f}", f"{d['params'] / 1e6:.2f}M", "-", d["onnx"]))
-    for b in manifest["budgets"]:
-        err = "-" if b.get("max_abs_error") is None else f"{b['max_abs_error']:.1e}"
-        rows.append((f"{b['sparsity']:.2f}", f"{b['achieved_sparsity']:.4f}", f"{b['gflops']:.3f}",
-                     f"{b['params'] / 1e6:.2f}M", err, b["onnx"]))
+    d = manifest.dense
+    rows.append(("dense", "0.0000", f"{d.gflops:.3f}", f"{d.params / 1e6:.2f}M", "-", d.onnx))
+    for b in manifest.budgets:
+        err = "-" if b.max_abs_error is None else f"{b.max_abs_error:.1e}"
+        rows.append((f"{b.sparsity:.2f}", f"{b.achieved_sparsity:.4f}", f"{b.gflops:.3f}",
+                     f"{b.params / 1e6:.2f}M", err, b.onnx))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    e = manifest.get("elastic")
+    e = manifest.elastic
     if e:
-        err = "" if e.get("max_abs_error") is None else f", max err {e['max_abs_error']:.1e}"
-        dense = "" if e.get("dense_index") is None else f"; {e['dense_index']} = dense"
-        click.echo(f"elastic graph: {e['onnx']} (input {e['budget_input']} = index into the budgets above{dense}{err})")
-    if "fp16" in manifest.get("precisions", []):
-        errs = [x["fp16_max_rel_error"] for x in [d, *manifest["budgets"]] if x.get("fp16_max_rel_error") is not None]
-        worst = f", max relative error vs fp32 {max(errs):.1e}" if errs else ""
-        click.echo(f"fp16: {1 + len(manifest['budgets'])} files (*.fp16.onnx){worst}")
-    if "int8" in manifest.get("precisions", []):
-        cos = [x["int8_min_cosine"] for x in [d, *manifest["budgets"]] if x.get("int8_min_cosine") is not None]
-        worst = f", min embedding cosine vs fp32 {min(cos):.4f}" if cos else ""
-        click.echo(f"int8: {1 + len(manifest['budgets'])} files (*.int8.onnx){worst}")
-    if int8_qdq.PRECISION in manifest.get("precisions", []):
-        cos = [x[int8_qdq.COSINE_KEY] for x in [d, *manifest["budgets"]] if x.get(int8_qdq.COSINE_KEY) is not None]
-        worst = f", min embedding cosine vs fp32 on held-out calibration samples {min(cos):.4f}" if cos else ""
-        click.echo(f"{int8_qdq.PRECISION}: {1 + len(manifest['budgets'])} files (*.{int8_qdq.PRECISION}.onnx){worst}")
-    click.echo(f"wrote {out / 'manifest.json'}")
+        err = "" if e.max_abs_error is None else f", max err {e.max_abs_error:.1e}"
+        dense = "" if e.dense_index is None else f"; {e.dense_index} = dense"
+        click.echo(f"elastic graph: {e.onnx} (input {e.budget_input} = index into the budgets above{dense}{err})")
+    files = [d, *manifest.budgets]
+    for prec, field, worst_of, what in (("fp16", "fp16_max_rel_error", max, "max relative error vs fp32 {:.1e}"),
+                                        ("int8", "int8_min_cosine", min, "min embedding cosine vs fp32 {:.4f}"),
+                                        (int8_qdq.PRECISION, int8_qdq.COSINE_KEY, min,
+                                         "min embedding cosine vs fp32 on held-out calibration samples {:.4f}")):
+        if prec in (manifest.precisions or []):
+            errs = [getattr(x, field) for x in files if getattr(x, field) is not None]
+            worst = ", " + what.format(worst_of(errs)) if errs else ""
+            click.echo(f"{prec}: {len(files)} files (*.{prec}.onnx){worst}")
+    click.echo(f"wrote {out / MANIFEST}")
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -500,9 +500,9 @@ def _build_tensorrt(directory: str, no_dense: bool, **options) -> None:
     from elastic_export.targets.tensorrt import build_engines
 
     manifest = build_engines(directory, dense=not no_dense, echo=_echo, **options)
-    for entry in [manifest["dense"], *manifest["budgets"]]:
-        if entry.get("engine"):
-            click.echo(entry["engine"])
+    for entry in [manifest.dense, *manifest.budgets]:
+        if entry.engine:
+            click.echo(entry.engine)
     click.echo(f"wrote {Path(directory) / 'manifest.json'}")
 
 
@@ -516,7 +516,7 @@ def _build_triton(directory: str, precision: str, max_batch: int | None, no_dens
                                 kind=triton_kind, default_sparsity=triton_default_sparsity,
                                 queue_delay_us=triton_queue_delay_us, precision=precision, dense=not no_dense,
                                 platform=triton_platform, echo=_echo)
-    t = manifest["triton"]
+    t = manifest.triton
     for m in t["models"]:
         click.echo(f"{t['dir']}/{m['name']} ({m['platform']}, sparsity {m['sparsity']:g})")
     click.echo(f"{t['dir']}/{t['router']} (router, python backend, default sparsity {t['default_sparsity']:g})")

@@ -38,9 +38,10 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from elastic_export.errors import UserError
+from elastic_export.manifest import LATENCY_PROFILE
 from elastic_export.precision import PRECISIONS
 
-PROFILE = "latency_profile.json"
+PROFILE = LATENCY_PROFILE  # the file name, defined in elastic_export.manifest
 STATS = ("p50_ms", "p90_ms", "p99_ms")
 PRECISION_ORDER = PRECISIONS  # best first, where no quality figure says otherwise
 Pair = tuple[float, str]  # (sparsity, precision)

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-import onnx
-
 from elastic_export.errors import UserError
 from elastic_export.precision import FILE_KEYS, PRECISIONS
 
@@ -30,17 +28,17 @@ BUDGET_INPUT = "budget_index"
 FILE_FIELDS = ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized", "engine")
 """The fields of ``dense`` and of a budget that name a file in the directory."""
 
-_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.FLOAT16: "float16",
-           onnx.TensorProto.INT32: "int32"}
-
-
 def io_specs(values) -> list[dict[str, Any]]:
     """name / dtype / shape (symbolic dims as strings) of ONNX graph inputs or outputs."""
+    import onnx
+
+    dtypes = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.FLOAT16: "float16",
+               onnx.TensorProto.INT32: "int32"}
     out = []
     for v in values:
         t = v.type.tensor_type
         dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else None) for d in t.shape.dim]
-        out.append({"name": v.name, "dtype": _DTYPES.get(t.elem_type, str(t.elem_type)), "shape": dims})
+        out.append({"name": v.name, "dtype": dtypes.get(t.elem_type, str(t.elem_type)), "shape": dims})
     return out
 
 

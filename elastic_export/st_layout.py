@@ -34,7 +34,7 @@ from elastic_export import onnx_io
 from elastic_export.budgets import budget_tag, parse_budgets
 from elastic_export.errors import UserError
 from elastic_export.fileio import OutputLock, check_creatable, umask
-from elastic_export.manifest import load_manifest, resolve
+from elastic_export.manifest import Budget, Manifest, as_manifest, resolve
 from elastic_export.runtime import PRECISION_KEYS  # precision -> manifest key of its file
 
 LAYOUT = "sentence-transformers"  # the main job's --layout value, and its folder in the artifact directory
@@ -48,7 +48,7 @@ _MEAN_POOLING = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": Tr
                  "pooling_mode_mean_sqrt_len_tokens": False}
 
 
-def source_dir(manifest: dict, model: str | None = None) -> Path:
+def source_dir(manifest: Manifest | dict, model: str | None = None) -> Path:
     """The model directory the artifacts were made from (``model`` overrides the manifest's source).
 
     Raises:
@@ -56,7 +56,7 @@ def source_dir(manifest: dict, model: str | None = None) -> Path:
     """
     from elastic_export.evaluation import DEFAULT_MODEL, _has_tokenizer_files
 
-    source = model if model is not None else manifest["model"].get("source")
+    source = model if model is not None else as_manifest(manifest).model.source
     if source in (None, DEFAULT_MODEL):
         from elastic_export.loader import default_model_path  # imports torch: only for the embedded default
 
@@ -108,7 +108,7 @@ def st_modules(source: Path, outputs: Sequence[str]) -> list[dict]:
     return modules
 
 
-def select(manifest: dict, budgets: str | None, precisions: str | None) -> list[tuple[dict, str]]:
+def select(manifest: Manifest, budgets: str | None, precisions: str | None) -> list[tuple[Budget, str]]:
     """The (budget entry, precision) pairs to write, in manifest order.
 
     Args:
@@ -118,16 +118,16 @@ def select(manifest: dict, budgets: str | None, precisions: str | None) -> list[
     Raises:
         UserError: an unknown precision, a sparsity the manifest lacks, a budget without that precision's file.
     """
-    entries = manifest["budgets"]
+    entries = manifest.budgets
     if budgets is not None:
-        by_key = {round(b["sparsity"], 6): b for b in entries}
+        by_key = {round(b.sparsity, 6): b for b in entries}
         wanted = [round(s, 6) for s in parse_budgets(budgets)]
         missing = [s for s in wanted if s not in by_key]
         if missing:
-            have = ", ".join(f"{b['sparsity']:g}" for b in entries) or "none"
+            have = ", ".join(f"{b.sparsity:g}" for b in entries) or "none"
             raise UserError(f"--budgets: sparsity {missing[0]:g} is not one of the artifact's budgets ({have})")
         entries = [by_key[s] for s in dict.fromkeys(wanted)]
-    names = [p.strip() for p in precisions.split(",")] if precisions is not None else manifest.get("precisions", ["fp32"])
+    names = [p.strip() for p in precisions.split(",")] if precisions is not None else (manifest.precisions or ["fp32"])
     bad = [p for p in names if p not in PRECISION_KEYS]
     if bad or not names:
         raise UserError(f"--precision {precisions}: {'unknown precision ' + repr(bad[0]) if bad else 'none given'}; "
@@ -136,8 +136,8 @@ def select(manifest: dict, budgets: str | None, precisions: str | None) -> list[
         raise UserError("the artifact directory has no budgets")
     pairs = [(b, p) for b in entries for p in dict.fromkeys(names)]
     for b, p in pairs:
-        if not b.get(PRECISION_KEYS[p]):
-            raise UserError(f"budget {b['sparsity']:g} has no {p} file; run the main job with --precision {p}")
+        if not b.file(p):
+            raise UserError(f"budget {b.sparsity:g} has no {p} file; run the main job with --precision {p}")
     return pairs
 
 
@@ -181,45 +181,45 @@ def _sha256(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def write_folder(artifacts: Path, manifest: dict, source: Path, modules: list[dict], entry: dict, precision: str,
+def write_folder(artifacts: Path, manifest: Manifest, source: Path, modules: list[dict], entry: Budget, precision: str,
                  dest: Path) -> Path:
     """Write one (budget, precision) folder at ``dest`` (which must not exist)."""
-    rel = entry[PRECISION_KEYS[precision]]
+    rel = entry.file(precision)
     onnx_file = resolve(artifacts, rel)
     if not onnx_file.is_file():
-        raise UserError(f"{artifacts / rel}: missing (named by the manifest for budget {entry['sparsity']:g})")
+        raise UserError(f"{artifacts / rel}: missing (named by the manifest for budget {entry.sparsity:g})")
     dest.mkdir(parents=True)
     _copy_source(source, modules, dest)
     model_file, *data = onnx_io.files(onnx_file)
     _link_or_copy(model_file, dest / ONNX_FILE)
     for f in data:  # external data: the model names it by its own file name, resolved beside the model
         _link_or_copy(f, (dest / ONNX_FILE).parent / f.name)
-    info = {"artifact_dir": str(artifacts.resolve()), "model": manifest["model"].get("source"),
-            "fingerprint": manifest["model"].get("fingerprint"), "sparsity": entry["sparsity"],
-            "achieved_sparsity": entry.get("achieved_sparsity"), "gflops": entry.get("gflops"), "precision": precision,
+    info = {"artifact_dir": str(artifacts.resolve()), "model": manifest.model.source,
+            "fingerprint": manifest.model.fingerprint, "sparsity": entry.sparsity,
+            "achieved_sparsity": entry.achieved_sparsity, "gflops": entry.gflops, "precision": precision,
             "onnx": rel, "sha256": _sha256(dest / ONNX_FILE)}
     (dest / PROVENANCE).write_text(json.dumps(info, indent=2) + "\n")
     return dest
 
 
-def check_text(manifest: dict, where: str) -> None:
+def check_text(manifest: Manifest | dict, where: str) -> None:
     """Refuse artifacts of a model that is not a text encoder."""
-    modality = manifest["model"].get("modality")
+    modality = as_manifest(manifest).model.modality
     if modality != "text":
         raise UserError(f"{where}: the model is not a text encoder (modality {modality!r}); the sentence-transformers "
                         "layout is for text encoders")
 
 
 def write_layout(artifacts: Path, dest: Path, budgets: str | None = None, precisions: str | None = None,
-                 model: str | None = None, manifest: dict | None = None) -> list[Path]:
+                 model: str | None = None, manifest: Manifest | dict | None = None) -> list[Path]:
     """Write every selected (budget, precision) folder under ``dest`` (created; no lock, no temp dir)."""
-    manifest = manifest if manifest is not None else load_manifest(artifacts)
+    manifest = as_manifest(manifest) if manifest is not None else Manifest.load(artifacts)
     check_text(manifest, str(artifacts))
     source = source_dir(manifest, model)
-    modules = st_modules(source, [o["name"] for o in manifest["outputs"]])
+    modules = st_modules(source, [o.name for o in manifest.outputs])
     pairs = select(manifest, budgets, precisions)
     dest.mkdir(parents=True, exist_ok=True)
-    return [write_folder(artifacts, manifest, source, modules, b, p, dest / folder_name(b["sparsity"], p))
+    return [write_folder(artifacts, manifest, source, modules, b, p, dest / folder_name(b.sparsity, p))
             for b, p in pairs]
 
 
@@ -250,11 +250,11 @@ def export_st(artifacts: str | Path, out: str | Path, budgets: str | None = None
         UserError: bad input (one line); nothing is written then.
     """
     artifacts, out = Path(artifacts), Path(out)
-    manifest = load_manifest(artifacts)
+    manifest = Manifest.load(artifacts)
     check_text(manifest, str(artifacts))
     check_out(out)
     select(manifest, budgets, precisions)  # fail before anything is written
-    st_modules(source_dir(manifest, model), [o["name"] for o in manifest["outputs"]])
+    st_modules(source_dir(manifest, model), [o.name for o in manifest.outputs])
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     with OutputLock(out):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastic_export.errors import UserError
-from elastic_export.manifest import MANIFEST
+from elastic_export.manifest import MANIFEST, Manifest, as_manifest
 
 DEFAULT_MIN_BATCH, DEFAULT_OPT_BATCH, DEFAULT_MAX_BATCH = 1, 32, 128
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
@@ -50,7 +50,7 @@ def _check_range(what: str, lo: int, mid: int, hi: int) -> None:
         raise UserError(f"{what}: need min <= opt <= max, got {lo} / {mid} / {hi}")
 
 
-def compute_profile(manifest: dict, *, min_batch: int = DEFAULT_MIN_BATCH, opt_batch: int = DEFAULT_OPT_BATCH,
+def compute_profile(manifest: Manifest | dict, *, min_batch: int = DEFAULT_MIN_BATCH, opt_batch: int = DEFAULT_OPT_BATCH,
                     max_batch: int = DEFAULT_MAX_BATCH, min_tokens: int | None = None,
                     opt_tokens: int | None = None, max_tokens: int | None = None) -> Profile:
     """The optimisation profile for the manifest's inputs.
@@ -73,13 +73,14 @@ def compute_profile(manifest: dict, *, min_batch: int = DEFAULT_MIN_BATCH, opt_b
         UserError: an inconsistent range or an input dim that cannot be resolved.
     """
     _check_range("batch", min_batch, opt_batch, max_batch)
-    tokens = manifest.get("tokens") if isinstance(manifest.get("tokens"), int) and manifest["tokens"] > 0 else None
+    manifest = as_manifest(manifest)
+    tokens = manifest.tokens if isinstance(manifest.tokens, int) and manifest.tokens > 0 else None
     shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
-    for spec in manifest["inputs"]:
-        name, dims = spec["name"], list(spec.get("shape") or [])
+    for spec in manifest.inputs:
+        name, dims = spec.name, list(spec.shape or [])
         if not dims:
             raise UserError(f"{MANIFEST}: input {name!r} has no shape")
-        text = name in TEXT_INPUTS or (len(dims) == 2 and spec.get("dtype") in ("int64", "int32"))
+        text = name in TEXT_INPUTS or (len(dims) == 2 and spec.dtype in ("int64", "int32"))
         lo, mid, hi = [min_batch], [opt_batch], [max_batch]
         for axis, d in enumerate(dims[1:], start=1):
             if isinstance(d, int) and d > 0:
@@ -93,7 +94,7 @@ def compute_profile(manifest: dict, *, min_batch: int = DEFAULT_MIN_BATCH, opt_b
                 _check_range("tokens", mn, op, mx)
                 lo.append(mn), mid.append(op), hi.append(mx)
             elif len(dims) == 4 and axis in (2, 3):
-                size = (manifest.get("preprocess") or {}).get("input_size")
+                size = (manifest.preprocess or {}).get("input_size")
                 if not (isinstance(size, list) and len(size) == 3 and all(isinstance(v, int) for v in size)):
                     raise UserError(f"{MANIFEST}: input {name!r} has a symbolic image size and no preprocess.input_size")
                 v = int(size[axis - 1])

@@ -58,7 +58,7 @@ import numpy as np
 
 from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import atomic_write, existing_dir
-from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
+from elastic_export.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
 from elastic_export.targets.profiles import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MIN_BATCH,
@@ -324,7 +324,7 @@ SOURCE_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8_qdq"}  # 
 REEXPORT = {"onnx_fp16": "fp16", "onnx_int8_qdq": "int8-qdq"}  # the --precision that writes those files
 
 
-def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool = False, dense: bool = True,
+def plan_jobs(directory: Path, manifest: Manifest | dict, use_fp16_onnx: bool = False, dense: bool = True,
               key: str | None = None) -> list[Job]:
     """The engines to build, with their ONNX sources checked to exist.
 
@@ -339,8 +339,9 @@ def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool = False, dens
         UserError: a listed ONNX file is missing (or a twin is not listed).
     """
     key = key or ("onnx_fp16" if use_fp16_onnx else "onnx")
-    entries: list[tuple[str | int, str, dict]] = [("dense", "dense", manifest["dense"])] if dense else []
-    entries += [(i, f"{b.get('sparsity', i)}", b) for i, b in enumerate(manifest["budgets"])]
+    manifest = as_manifest(manifest)
+    entries: list[tuple[str | int, str, Any]] = [("dense", "dense", manifest.dense)] if dense else []
+    entries += [(i, f"{b.sparsity}", b) for i, b in enumerate(manifest.budgets)]
     jobs = []
     for k, label, entry in entries:
         rel = entry.get(key)
@@ -350,17 +351,18 @@ def plan_jobs(directory: Path, manifest: dict, use_fp16_onnx: bool = False, dens
         path = resolve(directory, rel)
         if path is None or not path.is_file():
             raise UserError(f"{directory}: {rel} is listed in the manifest but missing")
-        eng = DENSE_ENGINE if k == "dense" else engine_name(entry["onnx"] if isinstance(entry.get("onnx"), str) else rel)
+        eng = DENSE_ENGINE if k == "dense" else engine_name(entry.onnx if isinstance(entry.onnx, str) else rel)
         jobs.append(Job(k, label, rel, eng))
     return jobs
 
 
-def record_engines(directory: str | Path, manifest: dict, engines: Mapping[str | int, str], info: dict) -> dict:
+def record_engines(directory: str | Path, manifest: Manifest | dict, engines: Mapping[str | int, str],
+                   info: dict) -> Manifest:
     """Put built engines into the manifest and write it atomically.
 
     Args:
         directory: the artifact directory.
-        manifest: the loaded manifest (updated in place and returned).
+        manifest: the loaded manifest (a :class:`Manifest` is updated in place; returned typed).
         engines: ``dense`` or budget index -> engine file (relative to the directory; must exist).
         info: the top-level ``tensorrt`` entry (version, precision, profiles, ...).
 
@@ -372,16 +374,17 @@ def record_engines(directory: str | Path, manifest: dict, engines: Mapping[str |
         UserError: an engine file is missing or outside the directory.
     """
     d = Path(directory)
+    manifest = as_manifest(manifest)
     for key, rel in engines.items():
         path = resolve(d, rel)
         if path is None or not path.is_file():
             raise UserError(f"{d}: engine {rel} was not written")
-        if key != "dense" and not (isinstance(key, int) and 0 <= key < len(manifest["budgets"])):
+        if key != "dense" and not (isinstance(key, int) and 0 <= key < len(manifest.budgets)):
             raise UserError(f"engine {rel}: no budget {key!r} in the manifest")
-    manifest["dense"]["engine"] = engines.get("dense")
-    for i, b in enumerate(manifest["budgets"]):
-        b["engine"] = engines.get(i)
-    manifest["tensorrt"] = info
+    manifest.dense.engine = engines.get("dense")
+    for i, b in enumerate(manifest.budgets):
+        b.engine = engines.get(i)
+    manifest.tensorrt = info
     write_manifest(d, manifest)
     return manifest
 
@@ -489,15 +492,16 @@ class BuildConfig:
         return config, tf32_flag, pinned
 
 
-def precision_mode(trt: Any, precision: str, manifest: dict) -> tuple[str | None, str | None]:
+def precision_mode(trt: Any, precision: str, manifest: Manifest | dict) -> tuple[str | None, str | None]:
     """How this ``tensorrt`` builds ``precision`` and which manifest files it parses.
 
     Returns:
         ``(mode, source)``: :data:`BUILDER_FLAG` / :data:`STRONGLY_TYPED` (None for fp32), and the
         manifest key of the ONNX files parsed (None: ``onnx``).
     """
+    manifest = as_manifest(manifest)
     if precision == "fp16":
-        have16 = all(isinstance(e.get("onnx_fp16"), str) for e in [manifest["dense"], *manifest["budgets"]])
+        have16 = all(isinstance(e.onnx_fp16, str) for e in [manifest.dense, *manifest.budgets])
         mode = fp16_mode(trt, have16)
         return mode, "onnx_fp16" if mode == STRONGLY_TYPED else None
     if precision == "int8":
@@ -511,7 +515,7 @@ class BuildPlan:
     profile, the engines to build, the timing cache, and how this TensorRT builds the precision."""
 
     directory: Path
-    manifest: dict
+    manifest: Manifest
     config: BuildConfig
     profile: Profile
     jobs: list[Job]
@@ -528,7 +532,7 @@ def plan_build(directory: str | Path, config: BuildConfig) -> BuildPlan:
             or a CUDA GPU missing; a precision this TensorRT cannot build.
     """
     d = existing_dir(directory)
-    manifest = load_manifest(d)
+    manifest = Manifest.load(d)
     profile = config.profile(manifest)
     plan_jobs(d, manifest, dense=config.dense, key="onnx_int8_qdq" if config.precision == "int8" else None)  # before TensorRT
     cache_path = config.cache_path(d)
@@ -638,7 +642,7 @@ def _tensorrt_entry(plan: BuildPlan, state: _BuildState) -> dict:
 
 
 def build_engines(directory: str | Path, config: BuildConfig | None = None, *, progress: bool = True,
-                  echo: Callable[[str], None] = lambda s: None, **options: Any) -> dict:
+                  echo: Callable[[str], None] = lambda s: None, **options: Any) -> Manifest:
     """Build one TensorRT engine per budget (and the dense model) and record them in the manifest.
 
     Args:

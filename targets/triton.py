@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 from elastic_export.budgets import budget_tag
 from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import existing_dir, umask
-from elastic_export.manifest import MANIFEST, load_manifest, resolve, write_manifest
+from elastic_export.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
 from elastic_export.targets import triton_router as router
 
 TRITON_DIR = "triton"
@@ -166,7 +166,7 @@ def _check_name(name: str) -> None:
         raise UserError(f"--triton-name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
 
 
-def plan_models(directory: Path, manifest: dict, *, name: str = DEFAULT_NAME, precision: str = "fp32",
+def plan_models(directory: Path, manifest: Manifest, *, name: str = DEFAULT_NAME, precision: str = "fp32",
                 dense: bool = True, platform: str = "auto") -> list[ServedModel]:
     """The budget models to serve, sources checked to exist, densest first.
 
@@ -187,21 +187,21 @@ def plan_models(directory: Path, manifest: dict, *, name: str = DEFAULT_NAME, pr
         raise UserError(f"--precision {precision}: choose fp32 or fp16")
     if platform not in PLATFORMS:
         raise UserError(f"--triton-platform {platform}: choose {', '.join(PLATFORMS)}")
-    entries = ([(0.0, manifest["dense"])] if dense else []) + [(float(b.get("sparsity", -1)), b)
-                                                                for b in manifest["budgets"]]
+    manifest = as_manifest(manifest)
+    entries = ([(0.0, manifest.dense)] if dense else []) + [(float(b.sparsity), b) for b in manifest.budgets]
     if not entries:
         raise UserError(f"{directory}: the manifest lists no budgets to serve")
     models = []
     for sparsity, entry in entries:
-        label = "dense model" if entry is manifest["dense"] else f"budget {sparsity:g}"
-        engine = entry.get("engine") if platform != "onnxruntime" else None
+        label = "dense model" if entry is manifest.dense else f"budget {sparsity:g}"
+        engine = entry.engine if platform != "onnxruntime" else None
         if platform == "tensorrt" and not engine:
             raise UserError(f"--triton-platform tensorrt: the {label} has no engine; run "
                             f"`elastic-export build --target tensorrt {directory}` first")
         if engine:
             kind, rel = "tensorrt_plan", engine
         else:
-            rel = entry.get("onnx_fp16") if precision == "fp16" else entry.get("onnx")
+            rel = entry.file(precision)
             kind = "onnxruntime_onnx"
             if not rel:
                 raise UserError(f"--precision {precision}: the {label} has no "
@@ -218,11 +218,11 @@ def plan_models(directory: Path, manifest: dict, *, name: str = DEFAULT_NAME, pr
     return sorted(models, key=lambda m: m.sparsity)
 
 
-def _io(directory: Path, manifest: dict, models: Sequence[ServedModel]) -> tuple[list[dict], list[dict]]:
+def _io(directory: Path, manifest: Manifest, models: Sequence[ServedModel]) -> tuple[list[dict], list[dict]]:
     """Inputs and outputs to declare: the manifest's, or the fp16 ONNX's own (its float types may differ)."""
     fp16 = [m for m in models if m.platform == "onnxruntime_onnx" and m.source.endswith(".fp16.onnx")]
     if not fp16:
-        return manifest["inputs"], manifest["outputs"]
+        return [v.to_dict() for v in manifest.inputs], [v.to_dict() for v in manifest.outputs]
     import onnx
 
     from elastic_export.manifest import io_specs
@@ -231,10 +231,10 @@ def _io(directory: Path, manifest: dict, models: Sequence[ServedModel]) -> tuple
     return io_specs(g.input), io_specs(g.output)
 
 
-def _engine_max_batch(manifest: dict) -> int | None:
+def _engine_max_batch(manifest: Manifest) -> int | None:
     """The largest batch every engine's profile accepts (from the manifest's ``tensorrt`` entry)."""
     try:
-        profile = manifest["tensorrt"]["profiles"][0]
+        profile = manifest.tensorrt["profiles"][0]
         return min(int(v["max"][0]) for v in profile.values())
     except (KeyError, IndexError, TypeError, ValueError, AttributeError):
         return None
@@ -268,14 +268,14 @@ def _place(src: Path, dst: Path) -> str:
         return "copy"
 
 
-def _check_replaceable(directory: Path, manifest: dict) -> None:
+def _check_replaceable(directory: Path, manifest: Manifest) -> None:
     """Refuse to replace a ``triton/`` this tool did not write (not recorded in the manifest, not empty)."""
     target = directory / TRITON_DIR
     if not target.exists() and not target.is_symlink():
         return
     if not target.is_dir() or target.is_symlink():
         raise UserError(f"{target}: exists and is not a directory; move it away first")
-    ours = isinstance(manifest.get("triton"), dict) and manifest["triton"].get("dir") == TRITON_DIR
+    ours = isinstance(manifest.triton, dict) and manifest.triton.get("dir") == TRITON_DIR
     ours = ours or any(p.read_text(errors="replace").startswith(ROUTER_HEADER) for p in target.glob("*/1/model.py"))
     if not ours and any(target.iterdir()):
         raise UserError(f"{target}: exists and was not written by elastic-export; move it away first")
@@ -320,7 +320,7 @@ def _check_options(kind: str, instances: Any, max_batch: Any, queue_delay_us: An
         raise UserError(f"--triton-queue-delay-us must be a non-negative integer, got {queue_delay_us}")
 
 
-def _served_max_batch(manifest: dict, models: Sequence[ServedModel], kind: str, max_batch: int | None) -> int:
+def _served_max_batch(manifest: Manifest, models: Sequence[ServedModel], kind: str, max_batch: int | None) -> int:
     """``max_batch_size``: the one asked for, else 128, at most what the served engines' profile accepts.
 
     Raises:
@@ -347,7 +347,7 @@ def _default_budget(models: Sequence[ServedModel], default_sparsity: float | Non
         raise UserError(f"--triton-default-sparsity: {e}") from None
 
 
-def _served_io(directory: Path, manifest: dict, models: Sequence[ServedModel]) -> tuple[list[dict], list[dict]]:
+def _served_io(directory: Path, manifest: Manifest, models: Sequence[ServedModel]) -> tuple[list[dict], list[dict]]:
     """The inputs and outputs to declare (:func:`_io`), none of them named as the router's own tensors."""
     inputs, outputs = _io(directory, manifest, models)
     for spec in inputs + outputs:
@@ -455,7 +455,7 @@ def write_repository(directory: Path, plan: RepositoryPlan, configs: dict[str, s
 def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_batch: int | None = None,
                      instances: int = DEFAULT_INSTANCES, kind: str = "auto", default_sparsity: float | None = None,
                      queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, precision: str = "fp32", dense: bool = True,
-                     platform: str = "auto", echo: Callable[[str], None] = lambda s: None) -> dict:
+                     platform: str = "auto", echo: Callable[[str], None] = lambda s: None) -> Manifest:
     """Write ``DIR/triton/`` (one model per budget + the router) and record it in the manifest.
 
     Args:
@@ -481,7 +481,7 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
         UserError: bad directory / options / files; nothing is changed then.
     """
     d = existing_dir(directory)
-    manifest = load_manifest(d)
+    manifest = Manifest.load(d)
     _check_options(kind, instances, max_batch, queue_delay_us)
     models = plan_models(d, manifest, name=name, precision=precision, dense=dense, platform=platform)
     max_batch = _served_max_batch(manifest, models, kind, max_batch)
@@ -493,6 +493,6 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     links = sum(v == "link" for v in placed.values())
     echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models ({links} hard links, {len(models) - links} copies) "
          f"+ router {name!r}")
-    manifest["triton"] = plan.entry()
+    manifest.triton = plan.entry()
     write_manifest(d, manifest)
     return manifest

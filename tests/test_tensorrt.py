@@ -486,7 +486,7 @@ sys.modules['torch'] = None  # importing torch now raises ImportError
 sys.modules['tensorrt'] = None
 import elastic_export.targets.tensorrt as T
 from elastic_export.errors import UserError
-p = T.compute_profile(T.load_manifest({str(d)!r}), max_batch=4, opt_batch=2)
+p = T.compute_profile(T.Manifest.load({str(d)!r}), max_batch=4, opt_batch=2)
 assert p.shapes['input_ids'][2] == (4, 64), p
 assert T._torch_present() is False
 why = T.tensorrt_unavailable()
