@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from elastic_export.backends import DEFAULT_BACKEND, backend_names, get_backend
 from elastic_export.errors import UserError
 from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.latency_profile import PRECISION_ORDER, key
@@ -47,7 +48,6 @@ from elastic_export.manifest import load_manifest, resolve
 
 FORMAT = "elastic-export-bench/1"
 PROFILE = "latency_profile.json"
-BACKENDS = ("onnxruntime", "tensorrt")
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 PLOTS = ("throughput", "latency", "speedup")
 
@@ -57,7 +57,8 @@ class BenchConfig:
     """What to measure and how.
 
     Args:
-        backend: ``onnxruntime`` (the ONNX files) or ``tensorrt`` (the manifest's engines).
+        backend: a registered backend (:mod:`elastic_export.backends`): ``onnxruntime`` (the ONNX
+            files) or ``tensorrt`` (the manifest's engines).
         provider: onnxruntime execution provider: ``cpu``, ``cuda`` or ``tensorrt``.
         batches: batch sizes.
         seq_len: text: tokens per input (None: the manifest's token count N, the one its GFLOPs use).
@@ -68,7 +69,7 @@ class BenchConfig:
             list of ``fp32``, ``fp16``, ``int8`` (their twins; onnxruntime backend).
     """
 
-    backend: str = "onnxruntime"
+    backend: str = DEFAULT_BACKEND
     provider: str = "cpu"
     batches: tuple[int, ...] = (1, 32)
     seq_len: int | None = None
@@ -86,8 +87,8 @@ class BenchConfig:
 
     def check(self) -> None:
         """Refuse bad values with a one-line :class:`UserError`."""
-        if self.backend not in BACKENDS:
-            raise UserError(f"--backend {self.backend}: choose one of {', '.join(BACKENDS)}")
+        if self.backend not in backend_names():
+            raise UserError(f"--backend {self.backend}: choose one of {', '.join(backend_names())}")
         if self.provider not in PROVIDERS:
             raise UserError(f"--provider {self.provider}: choose one of {', '.join(PROVIDERS)}")
         if not self.batches or any(b < 1 for b in self.batches):
@@ -102,8 +103,7 @@ class BenchConfig:
         bad = [p for p in asked if p not in PRECISION_ORDER]
         if bad or (self.precision != "all" and not any(asked)):
             raise UserError(f"--precision {self.precision}: choose all or a comma list of {', '.join(PRECISION_ORDER)}")
-        if self.backend == "tensorrt" and any(p != "fp32" for p in asked):
-            raise UserError(f"--precision {self.precision} applies to --backend onnxruntime; TensorRT engines carry their own")
+        get_backend(self.backend).check_precisions(asked, self.precision, cli=True)
 
 
 def parse_batches(text: str) -> tuple[int, ...]:
@@ -164,28 +164,14 @@ def latency_stats(samples: list[float], batch: int) -> dict[str, float]:
 
 # --- the runtime --------------------------------------------------------------------------------
 def preflight(config: BenchConfig) -> None:
-    """Refuse (one line) an onnxruntime provider this build lacks, or a TensorRT backend that
-    cannot run here, before anything is loaded or measured.
+    """Refuse (one line) a backend that cannot run here (e.g. an onnxruntime provider this build
+    lacks, or no TensorRT), before anything is loaded or measured.
 
     Args:
         config: backend and provider.
     """
     config.check()
-    if config.backend == "tensorrt":
-        try:
-            from elastic_export.targets.tensorrt import INSTALL_HINT, tensorrt_unavailable
-        except ImportError as e:
-            raise UserError(f"--backend tensorrt: elastic_export.targets.tensorrt cannot be imported ({e})")
-        why = tensorrt_unavailable()
-        if why:
-            raise UserError(f"--backend tensorrt: {why}; {INSTALL_HINT}")
-        return
-    from elastic_export.targets.onnxruntime import SessionConfig, check_provider
-
-    try:
-        check_provider(SessionConfig(provider=config.provider, threads=config.threads))
-    except UserError as e:
-        raise UserError(f"--provider {config.provider}: {e}")
+    get_backend(config.backend).check_available(config, cli=True)
 
 
 def open_runtime(directory: Path, config: BenchConfig):
@@ -199,22 +185,10 @@ def open_runtime(directory: Path, config: BenchConfig):
         The :class:`elastic_export.runtime.ElasticRuntime`.
     """
     from elastic_export.runtime import ElasticRuntime
-    from elastic_export.targets.onnxruntime import SessionConfig
 
     preflight(config)
-    if config.backend == "tensorrt":
-        return ElasticRuntime.from_dir(directory, backend="tensorrt")
-    profile = None
-    if config.provider == "tensorrt":  # one TensorRT-EP engine per model covering every measured batch
-        from elastic_export.runtime import tensorrt_ep_profile
-
-        tokens = config.seq_len
-        profile = tensorrt_ep_profile(load_manifest(directory), min_batch=min(config.batches),
-                                      opt_batch=max(config.batches), max_batch=max(config.batches),
-                                      opt_tokens=tokens, max_tokens=tokens)
-    return ElasticRuntime.from_dir(directory, backend="onnxruntime", precisions=config.precisions() or "all",
-                                   config=SessionConfig(provider=config.provider, threads=config.threads,
-                                                        opt_level="all", trt_profile=profile))
+    options = get_backend(config.backend).bench_options(directory, config)
+    return ElasticRuntime.from_dir(directory, backend=config.backend, **options)
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -307,7 +281,7 @@ def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], 
     manifest = load_manifest(directory)
     have = manifest.get("precisions") or ["fp32"]
     missing = [p for p in config.precisions() or [] if p not in have]
-    if missing and config.backend == "onnxruntime":
+    if missing and get_backend(config.backend).supports_precisions:
         raise UserError(f"--precision {config.precision}: {directory} has no {missing[0]} files (exported with "
                         f"{', '.join(have)}); export with --precision {','.join(have + missing)}")
     echo(f"loading {1 + len(manifest['budgets'])} models ({config.backend}, {config.provider})")
@@ -361,9 +335,11 @@ def latency_profile(result: dict, quality: dict | None = None) -> dict:
 
     tables: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     rows: dict[str, dict[int, dict[float, dict]]] = {}
+    name = result.get("backend")
+    one_precision = name in backend_names() and not get_backend(name).supports_precisions  # labelled fp32
     for r in result["rows"]:
         prec = r.get("precision", result.get("settings", {}).get("precision", "fp32"))
-        prec = "fp32" if result.get("backend") == "tensorrt" or prec not in PRECISION_ORDER else prec
+        prec = "fp32" if one_precision or prec not in PRECISION_ORDER else prec
         stats = {k: float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "throughput")}
         tables.setdefault(prec, {}).setdefault(str(r["batch"]), {})[str(float(r["sparsity"]))] = stats
         rows.setdefault(prec, {}).setdefault(int(r["batch"]), {})[key(r["sparsity"])] = stats

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from elastic_export import methods
+from elastic_export.backends import DEFAULT_BACKEND, backend_help
 from elastic_export.budgets import parse_budgets
 from elastic_export.errors import UserError
 from elastic_export.rank_options import ElasticConfig
@@ -389,8 +390,7 @@ def verify_cmd(directory, batch, seq_len, seed, model, tower, use_torch, atol, r
 
 @cli.command("bench")
 @click.argument("directory", metavar="DIR")
-@click.option("--backend", default="onnxruntime", show_default=True,
-              help="onnxruntime (the ONNX files) or tensorrt (the manifest's engines; see `build --target tensorrt`).")
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help=f"{backend_help()}.")
 @click.option("--provider", default="cpu", show_default=True, help="onnxruntime execution provider: cpu, cuda or tensorrt.")
 @click.option("--batches", default="1,32", show_default=True, help="Batch sizes, comma-separated.")
 @click.option("--seq-len", type=int, default=None, help="Text: tokens per input [default: the manifest's token count].")

@@ -37,9 +37,8 @@ import numpy as np
 from elastic_export.errors import UserError
 from elastic_export.evaluation import by_precision, quality_figure
 from elastic_export.fileio import atomic_write, check_creatable
-from elastic_export.manifest import MANIFEST, load_manifest, resolve
+from elastic_export.manifest import LATENCY_PROFILE, MANIFEST, REPORT, Manifest, resolve
 
-REPORT = "report.html"
 BENCH_FORMAT = "elastic-export-bench/1"
 QUALITY_METRICS = ("fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10", "knn@1", "knn@10")
 _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -100,7 +99,7 @@ def find_results(directory: Path) -> Found:
     """
     found = Found()
     for path in sorted(directory.glob("*.json")):
-        if path.name in (MANIFEST, "latency_profile.json") or not path.is_file():
+        if path.name in (MANIFEST, LATENCY_PROFILE) or not path.is_file():
             continue
         try:
             data = json.loads(path.read_text())
@@ -114,7 +113,7 @@ def find_results(directory: Path) -> Found:
     return found
 
 
-def add_quick_eval(found: Found, manifest: dict) -> None:
+def add_quick_eval(found: Found, manifest: Manifest) -> None:
     """Where the directory has no eval (bench) result, show the manifest's quick eval as one."""
     from elastic_export.quick_eval import as_bench_result, as_eval_result
 
@@ -129,7 +128,7 @@ def _totals(heads: list[np.ndarray], neurons: list[np.ndarray]) -> tuple[list[in
     return [len(h) for h in heads], [len(n) for n in neurons]
 
 
-def _plans_for(ranking, manifest: dict):
+def _plans_for(ranking, manifest: Manifest):
     """Per-budget kept heads / neurons per block for another ranking file, with the manifest's
     budgets and alignment (the inventory is rebuilt from the ranking's metadata)."""
     from elastic_export.inventory import Inventory, LayerInventory
@@ -144,12 +143,12 @@ def _plans_for(ranking, manifest: dict):
                              kv_index=tuple(int(x) for x in u.get("kv_index", ())))
               for i, u in enumerate(units)]
     inv = Inventory(layers, int(ranking.meta["tokens"]), 0, 0, 0)
-    align = manifest.get("align") if isinstance(manifest.get("align"), int) else 1
-    plans = make_plans(ranking, inv, [float(b["sparsity"]) for b in manifest["budgets"]], align=align)
+    align = manifest.align if isinstance(manifest.align, int) else 1
+    plans = make_plans(ranking, inv, [float(s) for s in manifest.sparsities], align=align)
     return [p.heads_per_layer for p in plans], [p.neurons_per_layer for p in plans]
 
 
-def find_rankings(directory: Path, manifest: dict) -> tuple[list[RankingInfo], list[str]]:
+def find_rankings(directory: Path, manifest: Manifest) -> tuple[list[RankingInfo], list[str]]:
     """The directory's ranking (kept counts from the manifest) and every other ranking file in it.
 
     Args:
@@ -162,7 +161,7 @@ def find_rankings(directory: Path, manifest: dict) -> tuple[list[RankingInfo], l
     from elastic_export.ranking import load_ranking
 
     out, notes = [], []
-    main_path = resolve(directory, manifest["ranking"].get("file"))
+    main_path = resolve(directory, manifest.ranking.file)
     main_totals, main_meta = None, {}
     if main_path is not None and main_path.is_file():
         try:
@@ -170,14 +169,14 @@ def find_rankings(directory: Path, manifest: dict) -> tuple[list[RankingInfo], l
             ht, nt = _totals(rk.heads, rk.neurons)
             main_totals, main_meta = (ht, nt), rk.meta
             out.append(RankingInfo(
-                label=str(rk.meta.get("method") or manifest["ranking"].get("method")), file=main_path.name,
-                meta=rk.meta, heads=[list(b["heads_per_layer"]) for b in manifest["budgets"]],
-                neurons=[list(b["neurons_per_layer"]) for b in manifest["budgets"]], head_totals=ht,
-                neuron_totals=nt, seconds=manifest["ranking"].get("seconds"), main=True))
+                label=str(rk.meta.get("method") or manifest.ranking.method), file=main_path.name,
+                meta=rk.meta, heads=[list(b.heads_per_layer) for b in manifest.budgets],
+                neurons=[list(b.neurons_per_layer) for b in manifest.budgets], head_totals=ht,
+                neuron_totals=nt, seconds=manifest.ranking.seconds, main=True))
         except UserError as e:
             notes.append(f"{main_path.name}: {e}")
     elif main_path is not None:
-        notes.append(f"the manifest's ranking file {manifest['ranking'].get('file')} is missing")
+        notes.append(f"the manifest's ranking file {manifest.ranking.file} is missing")
     for path in sorted(directory.glob("*.safetensors")):
         if main_path is not None and path.resolve() == main_path.resolve():
             continue
@@ -311,33 +310,33 @@ def _gflops(v: Any) -> str:
     return _num(v, ".3f" if not isinstance(v, (int, float)) or abs(v) >= 0.1 else ".3g")
 
 
-def _files(entry: dict) -> str:
+def _files(entry: Any) -> str:
     names = [entry.get(k) for k in ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized")]
     return " ".join(f"<code>{_e(n)}</code>" for n in names if n) or "-"
 
 
-def section_budgets(manifest: dict) -> str:
+def section_budgets(manifest: Manifest) -> str:
     """The budget table (dense first), the elastic graph and the precisions."""
-    d = manifest["dense"]
+    d = manifest.dense
     head = ["budget", "achieved", "GFLOPs", "params", "max abs err", "files", "engine"]
-    rows = [["dense", _num(0.0, ".4f"), _gflops(d.get("gflops")), _num((d.get("params") or 0) / 1e6, ".2f") + "M",
-             "-", _files(d), f"<code>{_e(d['engine'])}</code>" if d.get("engine") else "-"]]
-    for b in manifest["budgets"]:
-        rows.append([_num(b.get("sparsity"), ".2f"), _num(b.get("achieved_sparsity"), ".4f"),
-                     _gflops(b.get("gflops")), _num((b.get("params") or 0) / 1e6, ".2f") + "M",
-                     _num(b.get("max_abs_error"), ".1e"), _files(b),
-                     f"<code>{_e(b['engine'])}</code>" if b.get("engine") else "-"])
+    rows = [["dense", _num(0.0, ".4f"), _gflops(d.gflops), _num((d.params or 0) / 1e6, ".2f") + "M",
+             "-", _files(d), f"<code>{_e(d.engine)}</code>" if d.engine else "-"]]
+    for b in manifest.budgets:
+        rows.append([_num(b.sparsity, ".2f"), _num(b.achieved_sparsity, ".4f"),
+                     _gflops(b.gflops), _num((b.params or 0) / 1e6, ".2f") + "M",
+                     _num(b.max_abs_error, ".1e"), _files(b),
+                     f"<code>{_e(b.engine)}</code>" if b.engine else "-"])
     out = [_table(head, rows, left=(0, 5, 6))]
-    e = manifest.get("elastic")
-    if isinstance(e, dict) and e.get("onnx"):
-        out.append(f'<p class="meta">Elastic graph: <code>{_e(e["onnx"])}</code>, input <code>{_e(e.get("budget_input"))}'
+    e = manifest.elastic
+    if e is not None and e.onnx:
+        out.append(f'<p class="meta">Elastic graph: <code>{_e(e.onnx)}</code>, input <code>{_e(e.budget_input)}'
                    f'</code> = index into the budgets above'
-                   + (f', {_e(e["dense_index"])} = dense' if e.get("dense_index") is not None else "")
-                   + f', max abs err {_num(e.get("max_abs_error"), ".1e")}.</p>')
+                   + (f', {_e(e.dense_index)} = dense' if e.dense_index is not None else "")
+                   + f', max abs err {_num(e.max_abs_error, ".1e")}.</p>')
     else:
         out.append(_absent("No elastic graph in this directory."))
-    if manifest.get("tensorrt"):
-        t = manifest["tensorrt"]
+    if manifest.tensorrt:
+        t = manifest.tensorrt
         out.append(f'<p class="meta">TensorRT {_e(t.get("version"))}, precision {_e(t.get("precision"))}.</p>')
     return "\n".join(out)
 
@@ -381,14 +380,14 @@ def section_quality(found: Found) -> str:
     return "\n".join(out)
 
 
-def section_sparsity(manifest: dict, rankings: list[RankingInfo], notes: list[str]) -> str:
+def section_sparsity(manifest: Manifest, rankings: list[RankingInfo], notes: list[str]) -> str:
     """Where sparsity goes: kept fractions per block and budget, rankings side by side."""
-    if not manifest["budgets"]:
+    if not manifest.budgets:
         return _absent("No budgets in the manifest.")
     if not rankings:
         return _absent("No readable ranking file, so the per-block unit counts are unknown"
                        + (f" ({'; '.join(notes)})." if notes else "."))
-    sparsities = [float(b["sparsity"]) for b in manifest["budgets"]]
+    sparsities = [float(s) for s in manifest.sparsities]
     out = [_png(sparsity_figure(rankings, sparsities), "kept fraction per block and budget")]
     main = rankings[0]
     init = (main.meta.get("hyperparameters") or {}).get("init") if main.main else None
@@ -522,11 +521,11 @@ def _dl(items: list[tuple[str, Any]]) -> str:
     return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{show(v)}</dd>" for k, v in items) + "</dl>"
 
 
-def section_provenance(manifest: dict, rankings: list[RankingInfo], notes: list[str]) -> str:
+def section_provenance(manifest: Manifest, rankings: list[RankingInfo], notes: list[str]) -> str:
     """Method, calibration data, hyperparameters and time taken of every ranking."""
     if not rankings:
-        r = manifest["ranking"]
-        return _absent(f"No readable ranking file (manifest: method {r.get('method')}, file {r.get('file')}).")
+        r = manifest.ranking
+        return _absent(f"No readable ranking file (manifest: method {r.method}, file {r.file}).")
     out = []
     for r in rankings:
         calib = r.meta.get("calibration") or {}
@@ -565,18 +564,17 @@ def render_report(directory: str | Path, name: str | None = None) -> str:
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory")
-    manifest = load_manifest(directory)
+    manifest = Manifest.load(directory)
     found = find_results(directory)
     add_quick_eval(found, manifest)
     rankings, notes = find_rankings(directory, manifest)
-    model = manifest["model"]
-    d = manifest["dense"]
-    title = f"elastic-export report: {model.get('source')}"
-    summary = (f"{_e(model.get('architecture'))}, {_e(model.get('modality') or '-')}, N = {_e(manifest.get('tokens'))} "
-               f"tokens; dense {_gflops(d.get('gflops'))} GFLOPs ({_gflops(manifest.get('prunable_gflops'))} "
-               f"prunable), {_num((d.get('params') or 0) / 1e6, '.2f')}M params; {len(manifest['budgets'])} budgets; "
-               f"precisions {_e(', '.join(manifest.get('precisions') or ['fp32']))}; align "
-               f"{_e(manifest.get('align', 1))}; ranking {_e(manifest['ranking'].get('method'))}; "
+    model, d = manifest.model, manifest.dense
+    title = f"elastic-export report: {model.source}"
+    summary = (f"{_e(model.architecture)}, {_e(model.modality or '-')}, N = {_e(manifest.tokens)} "
+               f"tokens; dense {_gflops(d.gflops)} GFLOPs ({_gflops(manifest.prunable_gflops)} "
+               f"prunable), {_num((d.params or 0) / 1e6, '.2f')}M params; {len(manifest.budgets)} budgets; "
+               f"precisions {_e(', '.join(manifest.precisions or ['fp32']))}; align "
+               f"{_e(manifest.get('align', 1))}; ranking {_e(manifest.ranking.method)}; "
                f"{_e(manifest.get('tool', ''))}")
     sections = [
         ("budgets", "Budgets", lambda: section_budgets(manifest)),

@@ -40,11 +40,13 @@ DESIGN.md §4::
 * **Threads.** One lock guards the budget state (current pair, policy state); ``run`` takes it
   only to read which pair to use, so runs at different pairs proceed concurrently
   (onnxruntime's ``InferenceSession.run`` is thread-safe).
-* **Backends.** ``onnxruntime`` (sessions from :mod:`elastic_export.targets.onnxruntime`,
+* **Backends** come from the registry in :mod:`elastic_export.backends` (``backend=NAME``; this
+  module names none): ``onnxruntime`` (sessions from :mod:`elastic_export.targets.ort_backend`,
   ``providers`` / ``config`` choose the provider) or ``tensorrt`` (the engines listed as each
-  budget's ``engine`` in the manifest, run by :mod:`elastic_export.targets.tensorrt`, which must be
-  importable and provide ``load_engine(path) -> object with run(feeds) -> list | dict``; the
-  engines carry their own precision and are listed under the label ``fp32``).
+  budget's ``engine`` in the manifest, :mod:`elastic_export.targets.trt_backend`, run by
+  :mod:`elastic_export.targets.tensorrt`; the engines carry their own precision and are listed
+  under the label ``fp32``). :meth:`ElasticRuntime.close` frees what the backend holds (engine
+  device buffers).
 
 Imports neither torch nor anything that does (checked by a test): it runs on an edge box with
 numpy, onnx and onnxruntime only.
@@ -55,12 +57,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from elastic_export.backends import DEFAULT_BACKEND, Backend, Budget, get_backend, manifest_sparsity
 from elastic_export.errors import UserError
 from elastic_export.latency_profile import (  # noqa: F401 - re-exported: the runtime's public names
     PRECISION_ORDER,
@@ -75,7 +77,7 @@ from elastic_export.latency_profile import (  # noqa: F401 - re-exported: the ru
     measure_profile,
     save_profile,
 )
-from elastic_export.manifest import MANIFEST, elastic_indices, load_manifest, resolve
+from elastic_export.manifest import load_manifest
 from elastic_export.policies import (  # noqa: F401 - re-exported
     FixedPolicy,
     LatencyTargetPolicy,
@@ -85,26 +87,12 @@ from elastic_export.policies import (  # noqa: F401 - re-exported
     quality_order,
 )
 from elastic_export.precision import FILE_KEYS
-from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, make_session, shared_initializers
-from elastic_export.targets.profiles import Profile, compute_profile
+from elastic_export.targets.onnxruntime import SessionConfig  # noqa: F401 - re-exported: from_dir's config
+from elastic_export.targets.ort_backend import tensorrt_ep_profile  # noqa: F401 - re-exported
 
 MODES = ("per-budget", "elastic")
-BACKENDS = ("onnxruntime", "tensorrt")
 PRECISION_KEYS = FILE_KEYS  # precision -> manifest key
 _key, _fmt = key, fmt  # the names this module used before the split
-
-
-@dataclass
-class _Budget:
-    sparsity: float
-    file: str  # relative to the directory
-    run: Callable[[dict[str, np.ndarray]], Any]
-    shared: tuple[str, ...] = ()  # initializers its session takes from the pool shared across files
-    precision: str = "fp32"
-
-    @property
-    def pair(self) -> Pair:
-        return self.sparsity, self.precision
 
 
 class ElasticRuntime:
@@ -113,12 +101,14 @@ class ElasticRuntime:
     Build with :meth:`from_dir`.
     """
 
-    def __init__(self, directory: Path, manifest: dict, budgets: list[_Budget], backend: str, provider: str,
-                 mode: str, input_names: list[str], output_names: list[str], precision: str = "fp32") -> None:
+    def __init__(self, directory: Path, manifest: dict, budgets: list[Budget], backend: str, provider: str,
+                 mode: str, input_names: list[str], output_names: list[str], precision: str = "fp32",
+                 impl: Backend | None = None) -> None:
         self.directory, self.manifest = directory, manifest
         self.backend, self.provider, self.mode = backend, provider, mode
+        self._impl = impl  # the backend instance that loaded the budgets (close() frees what it holds)
         self.input_names, self.output_names = input_names, output_names
-        self._budgets: dict[Pair, _Budget] = {b.pair: b for b in budgets}
+        self._budgets: dict[Pair, Budget] = {b.pair: b for b in budgets}
         self.pairs: list[Pair] = sorted(self._budgets, key=lambda p: (p[0], PRECISION_ORDER.index(p[1])))
         self.sparsities: list[float] = sorted({s for s, _ in self.pairs})
         self.precisions: list[str] = [p for p in PRECISION_KEYS if any(q == p for _, q in self.pairs)]
@@ -129,19 +119,21 @@ class ElasticRuntime:
 
     # construction ---------------------------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str | Path, backend: str = "onnxruntime", providers: Sequence[str] | str | None = None,
-                 config: SessionConfig | None = None, mode: str = "per-budget", precision: str | None = None,
+    def from_dir(cls, path: str | Path, backend: str = DEFAULT_BACKEND, providers: Sequence[str] | str | None = None,
+                 config: Any = None, mode: str = "per-budget", precision: str | None = None,
                  precisions: Sequence[str] | str | None = None,
                  sparsities: Sequence[float] | None = None) -> "ElasticRuntime":
         """Load the budgets of an artifact directory once, at one or more precisions.
 
         Args:
             path: the artifact directory (with ``manifest.json``).
-            backend: ``onnxruntime`` or ``tensorrt``.
+            backend: a registered backend (:func:`elastic_export.backends.backend_names`):
+                ``onnxruntime`` or ``tensorrt``.
             providers: onnxruntime provider, short (``cpu``, ``cuda``, ``tensorrt``) or full
                 (``CUDAExecutionProvider``) name, or a list whose first entry is used; overrides
                 ``config.provider``.
-            config: session options (:class:`SessionConfig`; default CPU, onnxruntime's threads).
+            config: the backend's options; onnxruntime: session options (:class:`SessionConfig`;
+                default CPU, onnxruntime's threads).
             mode: ``per-budget`` (dense.onnx + every budget's file) or ``elastic`` (elastic.onnx only).
             precision: the current precision after loading (default: the first loaded one). Alone
                 (no ``precisions``) it is the one precision loaded, as before: ``fp32`` (the
@@ -161,111 +153,20 @@ class ElasticRuntime:
         directory = Path(path)
         if not directory.is_dir():
             raise UserError(f"{directory}: no such artifact directory")
-        if backend not in BACKENDS:
-            raise UserError(f"backend {backend!r}: unknown; choose from {', '.join(BACKENDS)}")
+        impl = get_backend(backend)
         if mode not in MODES:
             raise UserError(f"mode {mode!r}: unknown; choose from {', '.join(MODES)}")
         manifest = load_manifest(directory)
         wanted = _precisions(manifest, mode, precision, precisions)
-        if wanted != ["fp32"] and backend == "tensorrt":
-            raise UserError(f"precision {', '.join(wanted)} applies to the onnxruntime backend; "
-                            f"TensorRT engines carry their own")
+        impl.check_precisions(wanted, ", ".join(wanted))
         inputs = [v["name"] for v in manifest["inputs"]]
         outputs = [v["name"] for v in manifest["outputs"]]
         keep = _sparsity_filter(directory, manifest, sparsities)
-        if backend == "tensorrt":
-            budgets, provider = cls._tensorrt_budgets(directory, manifest, mode, keep), "tensorrt"
-        else:
-            config = _config(providers, config)
-            if config.provider == "tensorrt" and config.trt_profile is None:
-                config = replace(config, trt_profile=tensorrt_ep_profile(manifest, elastic=mode == "elastic"))
-            provider = config.provider
-            load = cls._elastic_budgets if mode == "elastic" else cls._ort_budgets
-            budgets = load(directory, manifest, config, outputs, wanted, keep)
+        budgets, provider = impl.load_budgets(directory, manifest, mode, keep, wanted, config, providers)
         if not budgets:
             raise UserError(f"{directory}: none of sparsities {_fmt(sparsities or [])} is served in mode {mode!r}")
         return cls(directory, manifest, budgets, backend, provider, mode, inputs, outputs,
-                   precision=precision or wanted[0])
-
-    @staticmethod
-    def _ort_budgets(directory: Path, manifest: dict, config: SessionConfig, outputs: list[str],
-                     precisions: list[str], keep: Callable[[float], bool]) -> list[_Budget]:
-        entries = []  # (sparsity, precision, file)
-        for prec in precisions:
-            k = PRECISION_KEYS[prec]
-            for s, rel in [(0.0, manifest["dense"].get(k))] + [(b.get("sparsity"), b.get(k)) for b in manifest["budgets"]]:
-                s = _sparsity(directory, s)
-                if not keep(s):
-                    continue
-                if rel is None:
-                    raise UserError(f"{directory / MANIFEST}: budget {s:g} lists no {k} file"
-                                    + (f" (precision {prec!r}); export with --precision {prec}" if prec != "fp32" else ""))
-                entries.append((s, prec, rel))
-        paths = [resolve(directory, rel) for _, _, rel in entries]
-        shared: list[dict] = [{} for _ in paths]
-        if config.share_weights and config.provider == "cpu" and all(p is not None and p.is_file() for p in paths):
-            shared = shared_initializers(paths)  # weights identical across the files (any precision): held once
-        out = []
-        for (s, prec, rel), path, init in zip(entries, paths, shared):
-            sess = make_session(path, config, initializers=init)
-            out.append(_Budget(s, rel, _ort_call(sess, config, None, outputs), tuple(sorted(init)), prec))
-        return out
-
-    @staticmethod
-    def _elastic_budgets(directory: Path, manifest: dict, config: SessionConfig, outputs: list[str],
-                         precisions: list[str], keep: Callable[[float], bool]) -> list[_Budget]:
-        e = manifest.get("elastic")
-        if not e or not e.get("onnx"):
-            raise UserError(f"{directory / MANIFEST}: no elastic graph (built with --no-elastic-graph?); "
-                            f"use mode='per-budget'")
-        indices = [(_sparsity(directory, s), i) for s, i in elastic_indices(e, [b.get("sparsity") for b in manifest["budgets"]])]
-        name = e.get("budget_input", "budget_index")
-        out = []
-        for prec in precisions:
-            k = PRECISION_KEYS[prec]
-            if not e.get(k):
-                raise UserError(f"{directory / MANIFEST}: the elastic graph has no {k} file; export with --precision {prec}")
-            sess = make_session(resolve(directory, e[k]), config)
-            if name not in [i.name for i in sess.get_inputs()]:
-                raise UserError(f"{directory / e[k]}: has no input {name!r}")
-            for s, i in indices:
-                if keep(s):
-                    call = _ort_call(sess, config, (name, np.array([i], dtype=np.int64)), outputs)
-                    out.append(_Budget(s, e[k], call, (), prec))
-        return out
-
-    @staticmethod
-    def _tensorrt_budgets(directory: Path, manifest: dict, mode: str, keep: Callable[[float], bool]) -> list[_Budget]:
-        if mode != "per-budget":
-            raise UserError("backend 'tensorrt' runs one engine per budget; use mode='per-budget'")
-        try:
-            import importlib
-
-            trt = importlib.import_module("elastic_export.targets.tensorrt")
-        except ImportError as e:
-            raise UserError(f"backend 'tensorrt' needs elastic_export.targets.tensorrt and TensorRT ({e}); "
-                            f"use backend='onnxruntime'")
-        load = getattr(trt, "load_engine", None)
-        if load is None:
-            raise UserError("elastic_export.targets.tensorrt has no load_engine(path); cannot run engines")
-        why = getattr(trt, "tensorrt_unavailable", lambda: None)()
-        if why:
-            raise UserError(f"backend 'tensorrt': {why}; use backend='onnxruntime'")
-        entries = [(0.0, manifest["dense"].get("engine"))] + [(b.get("sparsity"), b.get("engine"))
-                                                               for b in manifest["budgets"]]
-        if all(rel is None for _, rel in entries[1:]):
-            raise UserError(f"{directory}: the manifest lists no TensorRT engines; "
-                            f"run `elastic-export build --target tensorrt {directory}` first")
-        out = []
-        for s, rel in entries:
-            if rel is None:
-                if s == 0.0:
-                    continue  # the dense model has no engine: offer the budgets only
-                raise UserError(f"{directory / MANIFEST}: budget {s} lists no engine")
-            if keep(_sparsity(directory, s)):
-                engine = load(resolve(directory, rel))
-                out.append(_Budget(_sparsity(directory, s), rel, _serialized(engine.run)))
-        return out
+                   precision=precision or wanted[0], impl=impl)
 
     # budget state ----------------------------------------------------------------------------
     @property
@@ -403,6 +304,12 @@ class ElasticRuntime:
         the current one)."""
         return self._budgets[self._resolve(sparsity, precision)].file
 
+    def close(self) -> None:
+        """Free what the backend holds beyond Python objects (TensorRT engines' device buffers); the
+        runtime must not run afterwards."""
+        if self._impl is not None:
+            self._impl.close()
+
     # memory ----------------------------------------------------------------------------------
     def shared_weights(self, precision: str | None = None) -> dict[float, tuple[str, ...]]:
         """Per sparsity (at ``precision``, default the current one), the initializers its session
@@ -475,82 +382,12 @@ def _sparsity_filter(directory: Path, manifest: dict, sparsities: Sequence[float
     does not list."""
     if sparsities is None:
         return lambda s: True
-    listed = [0.0] + [_sparsity(directory, b.get("sparsity")) for b in manifest["budgets"]]
+    listed = [0.0] + [manifest_sparsity(directory, b.get("sparsity")) for b in manifest["budgets"]]
     wanted = {_key(s) for s in sparsities}
     bad = sorted(wanted - set(listed))
     if bad or not wanted:
         raise UserError(f"sparsities {_fmt(bad) or '(none)'}: not listed budgets; listed: {_fmt(listed)}")
     return lambda s: s in wanted
-
-
-def tensorrt_ep_profile(manifest: dict, elastic: bool = False, **ranges: int | None) -> Profile | None:
-    """The shape range for onnxruntime's TensorRT EP, from the manifest (see
-    :func:`elastic_export.targets.profiles.compute_profile`; default batch 1..128 tuned for 32, text
-    1..N tokens tuned for N).
-
-    Args:
-        manifest: the loaded manifest.
-        elastic: add the elastic graph's fixed ``budget_index`` input (shape ``[1]``).
-        ranges: ``min_batch`` / ``opt_batch`` / ``max_batch`` / ``min_tokens`` / ``opt_tokens`` /
-            ``max_tokens`` overrides.
-
-    Returns:
-        The profile, or None where the manifest cannot give one (the EP then picks its own ranges).
-    """
-    try:
-        profile = compute_profile(manifest, **{k: v for k, v in ranges.items() if v is not None})
-    except UserError:
-        return None
-    if elastic:
-        profile = profile.with_input((manifest.get("elastic") or {}).get("budget_input", "budget_index"), (1,))
-    return profile
-
-
-def _config(providers: Sequence[str] | str | None, config: SessionConfig | None) -> SessionConfig:
-    config = config or SessionConfig()
-    if providers:
-        first = providers if isinstance(providers, str) else providers[0]
-        if isinstance(first, tuple):
-            first = first[0]
-        short = {v: k for k, v in PROVIDERS.items()}.get(first, first)
-        config = replace(config, provider=short)
-    return config
-
-
-def _ort_call(sess, config: SessionConfig, extra: tuple[str, np.ndarray] | None,
-              outputs: list[str]) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
-    """A thread-safe call of one session (a fresh IOBinding per call on GPU providers)."""
-    have = [o.name for o in sess.get_outputs()]
-    names = [o for o in outputs if o in have] if all(o in have for o in outputs) else have
-    if not config.on_device:
-        if extra is None:
-            return lambda feeds: sess.run(names, feeds)
-        key, value = extra
-        return lambda feeds: sess.run(names, {**feeds, key: value})
-
-    def call(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        runner = Runner(sess, config, names)
-        return runner.run(feeds if extra is None else {**feeds, extra[0]: extra[1]})
-
-    return call
-
-
-def _serialized(call: Callable[[dict[str, np.ndarray]], Any]) -> Callable[[dict[str, np.ndarray]], Any]:
-    """``call`` behind its own lock: an engine runner owns one set of device buffers, so calls on
-    the same budget take turns (calls on different budgets still run concurrently)."""
-    lock = threading.Lock()
-
-    def run(feeds: dict[str, np.ndarray]) -> Any:
-        with lock:
-            return call(feeds)
-
-    return run
-
-
-def _sparsity(directory: Path, s: Any) -> float:
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= float(s) < 1.0:
-        raise UserError(f"{directory / MANIFEST}: budget sparsity {s!r} is not a number in [0, 1)")
-    return _key(s)
 
 
 def _batch(feeds: Mapping[str, np.ndarray], names: list[str]) -> int:

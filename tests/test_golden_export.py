@@ -1,0 +1,89 @@
+"""The main job's artifacts stay the same through refactors (issue 15: behaviour, manifest format and
+artifact bytes unchanged).
+
+``tests/golden/minilm_magnitude.json`` was recorded from the default model (the embedded
+all-MiniLM-L6-v2) with ``--budgets 0.3,0.6 --method magnitude --precision fp32,fp16,int8,int8-qdq
+--no-quick-eval`` before the refactor. The test re-runs that job through the CLI and compares:
+
+* the manifest, key by key (only the ranking's wall time is left out, and measured errors are
+  compared to 1e-6 since they are computed by onnxruntime);
+* the sha256 of every ONNX file and the ranking file, when torch, onnx, onnxruntime and
+  onnx-graphsurgeon are the versions the golden file was recorded with (another exporter version
+  may write other bytes for the same model; the manifest comparison still runs then).
+
+Re-record after an intended change: ``ELASTIC_EXPORT_UPDATE_GOLDEN=1 python -m pytest
+tests/test_golden_export.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden" / "minilm_magnitude.json"
+ARGS = ["--budgets", "0.3,0.6", "--method", "magnitude", "--precision", "fp32,fp16,int8,int8-qdq", "--no-quick-eval"]
+PACKAGES = ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon")
+MEASURED = ("max_abs_error", "fp16_max_rel_error", "int8_min_cosine", "int8_qdq_min_cosine")
+
+
+def _normalised(manifest: dict) -> dict:
+    """The manifest less what changes from run to run (the ranking's wall time)."""
+    manifest = json.loads(json.dumps(manifest))
+    manifest["ranking"].pop("seconds", None)
+    return manifest
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.iterdir()) if p.suffix in (".onnx", ".data", ".safetensors")}
+
+
+def _compare(got, want, where: str = "manifest") -> None:
+    """Equal, key by key and in the same key order; measured errors to 1e-6."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), f"{where}: keys (in order) {list(got)} != {list(want)}"
+        for k in want:
+            if k in MEASURED and want[k] is not None:
+                assert got[k] == pytest.approx(want[k], abs=1e-6), f"{where}.{k}"
+            else:
+                _compare(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            _compare(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("golden") / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "elastic_export", *ARGS, "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+def test_main_job_matches_the_golden_export(exported: Path):
+    record = {"args": ARGS, "versions": {p: version(p) for p in PACKAGES},
+              "manifest": _normalised(json.loads((exported / "manifest.json").read_text())),
+              "sha256": _hashes(exported)}
+    if os.environ.get("ELASTIC_EXPORT_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(record, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["args"] == ARGS
+    _compare(record["manifest"], golden["manifest"])
+    assert sorted(record["sha256"]) == sorted(golden["sha256"]), "the set of artifact files changed"
+    if record["versions"] != golden["versions"]:
+        pytest.skip(f"manifest equal; bytes not compared: recorded with {golden['versions']}, "
+                    f"running {record['versions']} (another exporter may write other bytes)")
+    changed = [f for f, h in golden["sha256"].items() if record["sha256"][f] != h]
+    assert not changed, f"artifact bytes changed: {changed}"
