@@ -129,10 +129,10 @@ def load_artifact(directory: str | Path, precisions: list[str] | None = None) ->
 
 
 def _session(path: Path):
-    import onnxruntime as ort
+    from elastic_export.targets.onnxruntime import cpu_session
 
     try:
-        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return cpu_session(path)
     except Exception as e:  # onnxruntime raises its own exception types
         raise UserError(f"{path}: onnxruntime cannot load it ({first_line(e)})")
 
@@ -442,63 +442,16 @@ def evaluate(
     Raises:
         UserError: missing directory or manifest, bad pairs file, data of the wrong modality, ...
     """
-    if not dirs:
-        raise UserError("eval: give at least one artifact directory")
-    if max_pairs is not None and max_pairs < 2:
-        raise UserError(f"--max-pairs must be at least 2, got {max_pairs}")
-    if max_length < 1:
-        raise UserError(f"--max-length must be positive, got {max_length}")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {batch_size}")
-    if split is not None and not 0 < split < 1:
-        raise UserError(f"--split must be a fraction between 0 and 1, got {split}")
-    if precisions is not None and (not precisions or [p for p in precisions if p not in PRECISION_KEYS]):
-        raise UserError(f"--precision {','.join(precisions)}: choose all or a comma list of {', '.join(PRECISION_KEYS)}")
+    _check_settings(dirs, max_pairs, max_length, batch_size, split, precisions)
     arts = [load_artifact(d, precisions) for d in dirs]
-    text_arts = [a for a in arts if a.modality == "text"]
-    image_arts = [a for a in arts if a.modality == "image"]
-    if pairs is not None and image_arts:
-        raise UserError(f"--pairs: {image_arts[0].given} is an image model; text pairs need a text model")
-    if images is not None and text_arts:
-        raise UserError(f"--images: {text_arts[0].given} is a text model; an image folder needs an image model")
-
+    modalities = _check_modalities(arts, pairs, images)
     datasets: dict[str, Any] = {}
-    pair_list: list[dict] | None = None
-    if text_arts:
-        if pairs is None:
-            from elastic_export.retrieval_data import heldout_pairs
-
-            n = max_pairs or DEFAULT_PAIRS
-            pair_list = heldout_pairs(n)
-            source = f"elastic_export.retrieval_data.heldout_pairs(n={n}, seed=0) (standard-library docstrings)"
-        elif isinstance(pairs, (str, Path)):
-            pair_list, source = load_pairs(pairs, max_pairs), str(pairs)
-        else:
-            pair_list, source = list(pairs)[: max_pairs or None], "<given list>"
-            for i, p in enumerate(pair_list):
-                if not isinstance(p, dict) or not all(isinstance(p.get(k), str) and p[k].strip()
-                                                      for k in ("query", "doc")):
-                    raise UserError(f"eval: pair {i} needs non-empty string fields 'query' and 'doc'")
-            if len(pair_list) < 2:
-                raise UserError("eval: needs at least 2 query/doc pairs")
-        datasets["pairs"] = {"source": source, "count": len(pair_list),
-                             "fidelity_inputs": "every query and document of the pairs"}
-    folder = None
-    if images is not None:
-        if not Path(images).is_dir():
-            raise UserError(f"--images {images}: no such directory")
-        folder = Path(images)
-        datasets["images"] = {"source": str(images), "protocol": "leave-one-out" if split is None else
-                              f"per-class split, {split:g} held out as queries (seed 0)"}
-    elif image_arts:
-        datasets["images"] = {"source": f"{SYNTHETIC_IMAGES} synthetic colour fields (seed {SYNTHETIC_SEED})",
-                              "protocol": None, "fidelity_inputs": "synthetic images; no k-NN without --images"}
-
-    labels = _labels(arts)
+    pair_list = _text_data(pairs, max_pairs, datasets) if "text" in modalities else None
+    folder = _image_data(images, split, "image" in modalities, datasets)
     results = []
     token_cache: dict[tuple, TextBatches] = {}
     image_cache: dict[tuple, tuple] = {}
-    for art, label in zip(arts, labels):
+    for art, label in zip(arts, _labels(arts)):
         t0 = time.time()
         echo(f"evaluating {art.given} ({art.method}, {art.modality}, {len(art.models)} models)")
         if art.modality == "text":
@@ -511,6 +464,72 @@ def evaluate(
     settings = {"provider": "CPUExecutionProvider", "batch_size": batch_size, "max_length": max_length,
                 "knn": "leave-one-out" if split is None else {"split": split, "seed": 0}}
     return {"datasets": datasets, "settings": settings, "results": results}
+
+
+def _check_settings(dirs: list, max_pairs: int | None, max_length: int, batch_size: int, split: float | None,
+                    precisions: list[str] | None) -> None:
+    """Refuse settings :func:`evaluate` cannot use (one-line :class:`UserError`)."""
+    if not dirs:
+        raise UserError("eval: give at least one artifact directory")
+    if max_pairs is not None and max_pairs < 2:
+        raise UserError(f"--max-pairs must be at least 2, got {max_pairs}")
+    if max_length < 1:
+        raise UserError(f"--max-length must be positive, got {max_length}")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be positive, got {batch_size}")
+    if split is not None and not 0 < split < 1:
+        raise UserError(f"--split must be a fraction between 0 and 1, got {split}")
+    if precisions is not None and (not precisions or [p for p in precisions if p not in PRECISION_KEYS]):
+        raise UserError(f"--precision {','.join(precisions)}: choose all or a comma list of {', '.join(PRECISION_KEYS)}")
+
+
+def _check_modalities(arts: list[Artifact], pairs: Any, images: Any) -> set[str]:
+    """Refuse text pairs for an image model and an image folder for a text model; the modalities present."""
+    text_arts = [a for a in arts if a.modality == "text"]
+    image_arts = [a for a in arts if a.modality == "image"]
+    if pairs is not None and image_arts:
+        raise UserError(f"--pairs: {image_arts[0].given} is an image model; text pairs need a text model")
+    if images is not None and text_arts:
+        raise UserError(f"--images: {text_arts[0].given} is a text model; an image folder needs an image model")
+    return {a.modality for a in arts}
+
+
+def _text_data(pairs: str | Path | list[dict] | None, max_pairs: int | None, datasets: dict) -> list[dict]:
+    """The query / document pairs (``pairs``, or the default held-out set); adds ``datasets["pairs"]``."""
+    if pairs is None:
+        from elastic_export.retrieval_data import heldout_pairs
+
+        n = max_pairs or DEFAULT_PAIRS
+        pair_list = heldout_pairs(n)
+        source = f"elastic_export.retrieval_data.heldout_pairs(n={n}, seed=0) (standard-library docstrings)"
+    elif isinstance(pairs, (str, Path)):
+        pair_list, source = load_pairs(pairs, max_pairs), str(pairs)
+    else:
+        pair_list, source = list(pairs)[: max_pairs or None], "<given list>"
+        for i, p in enumerate(pair_list):
+            if not isinstance(p, dict) or not all(isinstance(p.get(k), str) and p[k].strip()
+                                                  for k in ("query", "doc")):
+                raise UserError(f"eval: pair {i} needs non-empty string fields 'query' and 'doc'")
+        if len(pair_list) < 2:
+            raise UserError("eval: needs at least 2 query/doc pairs")
+    datasets["pairs"] = {"source": source, "count": len(pair_list),
+                         "fidelity_inputs": "every query and document of the pairs"}
+    return pair_list
+
+
+def _image_data(images: str | Path | None, split: float | None, any_image: bool, datasets: dict) -> Path | None:
+    """The labelled image folder (None: none given); adds ``datasets["images"]`` where there are
+    image directories (``any_image``) or a folder."""
+    if images is not None:
+        if not Path(images).is_dir():
+            raise UserError(f"--images {images}: no such directory")
+        datasets["images"] = {"source": str(images), "protocol": "leave-one-out" if split is None else
+                              f"per-class split, {split:g} held out as queries (seed 0)"}
+        return Path(images)
+    if any_image:
+        datasets["images"] = {"source": f"{SYNTHETIC_IMAGES} synthetic colour fields (seed {SYNTHETIC_SEED})",
+                              "protocol": None, "fidelity_inputs": "synthetic images; no k-NN without --images"}
+    return None
 
 
 def _eval_text(art: Artifact, pairs: list[dict], tok_dir: str | None, max_length: int, batch_size: int,

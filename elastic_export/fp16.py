@@ -235,6 +235,11 @@ def relative_error(want: Sequence[np.ndarray], got: Sequence[np.ndarray], valid:
     return worst
 
 
+def session_error(ref, sess, feeds: dict[str, np.ndarray]) -> float:
+    """:func:`relative_error` of the onnxruntime session ``sess`` against ``ref`` on ``feeds`` (at real tokens)."""
+    return relative_error(ref.run(None, feeds), sess.run(None, feeds), feeds.get("attention_mask"))
+
+
 def check_precision(precision: str) -> str:
     """Refuse an unknown ``--precision`` (one-line :class:`UserError`)."""
     if precision not in PRECISIONS:
@@ -262,17 +267,16 @@ def add_fp16(model: onnx.ModelProto, directory: str | Path, fp32_name: str,
     Raises:
         RuntimeError: the fp16 model differs from the fp32 one by more than ``rtol``.
     """
-    import onnxruntime as ort
+    from elastic_export.compare import twin_scores
 
     directory = Path(directory)
     name = fp16_name(fp32_name)
     write_fp16(model, directory / name, onnx_io.external_like(directory / fp32_name))
     if feeds is None:
         return name, None
-    sessions = [ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name)]
     err = 0.0
-    for f in [feeds] if isinstance(feeds, dict) else feeds:
-        err = max(err, relative_error(sessions[0].run(None, f), sessions[1].run(None, f), f.get("attention_mask")))
+    for e in twin_scores(directory, fp32_name, name, [feeds] if isinstance(feeds, dict) else feeds, session_error):
+        err = max(err, e)
         if not err <= rtol:
             raise RuntimeError(f"{name}: fp16 outputs differ from {fp32_name} by {err:.2e} (relative), above {rtol:g}")
     return name, err

@@ -149,7 +149,7 @@ def add_int8(directory: str | Path, fp32_name: str, feeds: dict[str, np.ndarray]
     Raises:
         RuntimeError: the min cosine is below ``bound`` (names the file).
     """
-    import onnxruntime as ort
+    from elastic_export.compare import twin_scores
 
     directory = Path(directory)
     name = int8_name(fp32_name)
@@ -157,8 +157,7 @@ def add_int8(directory: str | Path, fp32_name: str, feeds: dict[str, np.ndarray]
         directory / fp32_name, dst, INT8_SETTINGS["per_channel"], INT8_SETTINGS["reduce_range"]))
     if feeds is None:
         return name, None
-    sessions = [ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name)]
-    cos = session_min_cosine(sessions[0], sessions[1], feeds)
+    cos = min(twin_scores(directory, fp32_name, name, [feeds], session_min_cosine))
     if not cos >= bound:
         raise RuntimeError(f"{name}: int8 embedding cosine vs {fp32_name} is {cos:.4f}, below {bound:g}")
     return name, cos

@@ -187,12 +187,18 @@ def quantize_qdq(src: str | Path, dst: str | Path, batches: list[dict[str, np.nd
         raise UserError(f"{Path(src).name}: {PRECISION} quantization failed ({first_line(e)})") from e
 
 
-def batches_min_cosine(ref, sess, batches: Sequence[dict[str, np.ndarray]]) -> float:
-    """Smallest embedding cosine between two onnxruntime sessions over every row of ``batches``."""
+def batch_min_cosine(ref, sess, batch: dict[str, np.ndarray]) -> float:
+    """Smallest embedding cosine between two onnxruntime sessions on the rows of one calibration
+    ``batch`` (the entries the models take as inputs)."""
     from elastic_export.int8 import session_min_cosine
 
     names = {i.name for i in ref.get_inputs()}
-    return min(session_min_cosine(ref, sess, {k: v for k, v in b.items() if k in names}) for b in batches)
+    return session_min_cosine(ref, sess, {k: v for k, v in batch.items() if k in names})
+
+
+def batches_min_cosine(ref, sess, batches: Sequence[dict[str, np.ndarray]]) -> float:
+    """Smallest embedding cosine between two onnxruntime sessions over every row of ``batches``."""
+    return min(batch_min_cosine(ref, sess, b) for b in batches)
 
 
 def add_qdq(directory: str | Path, fp32_name: str, data: QdqData, check: bool = True,
@@ -206,15 +212,14 @@ def add_qdq(directory: str | Path, fp32_name: str, data: QdqData, check: bool = 
     Raises:
         RuntimeError: the min cosine is below ``bound`` (names the file).
     """
-    import onnxruntime as ort
+    from elastic_export.compare import twin_scores
 
     directory = Path(directory)
     name = qdq_name(fp32_name)
     onnx_io.write_via_scratch(directory, name, lambda dst: quantize_qdq(directory / fp32_name, dst, data.calib))
     if not check:
         return name, None
-    ref, sess = (ort.InferenceSession(str(directory / f), providers=["CPUExecutionProvider"]) for f in (fp32_name, name))
-    cos = batches_min_cosine(ref, sess, data.heldout)
+    cos = min(twin_scores(directory, fp32_name, name, data.heldout, batch_min_cosine))
     if not cos >= bound:
         raise RuntimeError(f"{name}: {PRECISION} embedding cosine vs {fp32_name} on held-out calibration samples is "
                            f"{cos:.4f}, below {bound:g}")

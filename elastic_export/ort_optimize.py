@@ -183,17 +183,16 @@ def sample_feeds(model: onnx.ModelProto, batch: int = 3, seq_len: int = 16, seed
 
 
 def _run(path: str | Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import onnxruntime as ort
+    from elastic_export.targets.onnxruntime import cpu_session
 
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)  # every file takes the same feeds (_keep_interface)
+    return cpu_session(path).run(None, feeds)  # every file takes the same feeds (_keep_interface)
 
 
 def _max_error(src: str | Path, dst: str | Path, feeds: dict[str, np.ndarray]) -> float:
-    a, b = _run(src, feeds), _run(dst, feeds)
-    if len(a) != len(b):
-        return float("inf")
-    return max(float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()) for x, y in zip(a, b))
+    """:func:`elastic_export.compare.max_abs_error` of ``dst`` against ``src`` (inf where outputs differ in number)."""
+    from elastic_export.compare import max_abs_error
+
+    return max_abs_error(_run(src, feeds), _run(dst, feeds))
 
 
 def _transformers(src: Path, dst: Path, modality: str, num_heads: int,
@@ -232,11 +231,37 @@ def _keep_interface(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
 def _ort_extended(src: Path, dst: Path) -> onnx.ModelProto:
     import onnxruntime as ort
 
+    from elastic_export.targets.onnxruntime import cpu_session
+
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(dst)
-    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    cpu_session(src, options=so)
     return onnx.load(str(dst), load_external_data=False)
+
+
+def _optimize_with(method: str, src: Path, dst: Path, modality: str, heads: int,
+                   hidden: int) -> tuple[str | None, onnx.ModelProto]:
+    """Write ``src`` optimised by ``method`` (``transformers`` or ``ort``) to ``dst``: (model type, the result)."""
+    if method == "transformers":
+        return _transformers(src, dst, modality, heads, hidden)
+    return None, _ort_extended(src, dst)
+
+
+def _open_source(src: str | Path, dst: str | Path | None, method: str) -> tuple[Path, Path, onnx.ModelProto]:
+    """(source, destination, the source's graph without its weights), refusing what cannot be optimised."""
+    if method not in METHODS:
+        raise UserError(f"optimize method {method!r}: choose from {', '.join(METHODS)}")
+    src = Path(src)
+    dst = Path(dst) if dst is not None else src.with_name(optimized_name(src.name))
+    if dst.resolve() == src.resolve():
+        raise UserError(f"{src}: the optimised model must not overwrite its source")
+    if len(onnx_io.files(src)) > 1:
+        raise UserError(EXTERNAL_REFUSAL.format(src=src.name))
+    try:
+        return src, dst, onnx.load(str(src), load_external_data=False)
+    except Exception as e:  # protobuf / IO errors
+        raise UserError(f"{src}: not a readable ONNX file ({first_line(e)})")
 
 
 def optimize_onnx(src: str | Path, dst: str | Path | None = None, *, method: str = "auto",
@@ -267,18 +292,7 @@ def optimize_onnx(src: str | Path, dst: str | Path | None = None, *, method: str
     """
     from elastic_export.fileio import atomic_write
 
-    if method not in METHODS:
-        raise UserError(f"optimize method {method!r}: choose from {', '.join(METHODS)}")
-    src = Path(src)
-    dst = Path(dst) if dst is not None else src.with_name(optimized_name(src.name))
-    if dst.resolve() == src.resolve():
-        raise UserError(f"{src}: the optimised model must not overwrite its source")
-    if len(onnx_io.files(src)) > 1:
-        raise UserError(EXTERNAL_REFUSAL.format(src=src.name))
-    try:
-        model = onnx.load(str(src), load_external_data=False)
-    except Exception as e:  # protobuf / IO errors
-        raise UserError(f"{src}: not a readable ONNX file ({first_line(e)})")
+    src, dst, model = _open_source(src, dst, method)
     modality = _modality(model)
     heads, hidden = (0, 0) if detect_heads else uniform_heads(model)
     if feeds is None and verify:
@@ -290,12 +304,8 @@ def optimize_onnx(src: str | Path, dst: str | Path | None = None, *, method: str
 
     def write(tmp: str) -> None:
         for m in order:
-            model_type: str | None = None
             try:
-                if m == "transformers":
-                    model_type, out = _transformers(src, Path(tmp), modality, heads, hidden)
-                else:
-                    out = _ort_extended(src, Path(tmp))
+                model_type, out = _optimize_with(m, src, Path(tmp), modality, heads, hidden)
             except Exception as e:  # the optimizer raises many types on patterns it does not know
                 notes.append(f"{m}: failed ({type(e).__name__}: {first_line(e)})")
                 continue

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from elastic_export import __version__, int8_qdq, onnx_io, preprocess, st_layout
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import Calibration, load_calibration
+from elastic_export.compare import ATOL, compare_outputs
 from elastic_export.encoder import Encoder
 from elastic_export.errors import UserError, first_line
 from elastic_export.export import export_dense
@@ -39,6 +40,7 @@ from elastic_export.ranking import Ranking, load_ranking, make_meta, save_rankin
 from elastic_export.reference import hard_mask, ranked_keep
 from elastic_export.scoring import METHODS, NEEDS_DATA
 from elastic_export.soft_ranking import ElasticConfig
+from elastic_export.targets.onnxruntime import cpu_session
 
 RANKING_FILE = "ranking.safetensors"
 ELASTIC_FILE = "elastic.onnx"
@@ -190,10 +192,17 @@ def masked_outputs(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, feeds: 
         return [t.numpy() for t in encoder.export_module()(*feeds.values())]
 
 
-def max_error(path: Path, feeds: dict, want: list[np.ndarray]) -> float:
-    """Max abs difference between the ONNX file (onnxruntime) and reference outputs ``want``."""
-    got = _ort_run(path, feeds)
-    return max(float(np.abs(a - b).max()) for a, b in zip(got, want))
+def check_outputs(got: list[np.ndarray], want: list[np.ndarray], what: str) -> float:
+    """The max abs error of ``got`` against ``want`` (:func:`elastic_export.compare.compare_outputs`;
+    the float32 difference, as the manifest has always recorded it).
+
+    Raises:
+        RuntimeError: ``"{what} by {error}"`` above :data:`elastic_export.compare.ATOL`.
+    """
+    result = compare_outputs(got, want, ATOL, dtype=np.float32)
+    if not result.ok:
+        raise RuntimeError(f"{what} by {result.max_abs:.2e}" if result.max_abs is not None else f"{what}: {result.problem}")
+    return result.max_abs
 
 
 def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Path, feeds: dict | None,
@@ -244,10 +253,7 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
 
 def _ort_run(path: Path, feeds: dict) -> list[np.ndarray]:
     """The outputs of the ONNX file ``path`` (onnxruntime CPU) on torch ``feeds``."""
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+    return cpu_session(path).run(None, {k: v.numpy() for k, v in feeds.items()})
 
 
 def _check_elastic(directory: Path, feeds: dict, wants: list[list[np.ndarray]], labels: list[str]) -> float:
@@ -256,17 +262,12 @@ def _check_elastic(directory: Path, feeds: dict, wants: list[list[np.ndarray]], 
     Raises:
         RuntimeError: an index differs by more than 1e-4.
     """
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(directory / ELASTIC_FILE), providers=["CPUExecutionProvider"])
+    sess = cpu_session(directory / ELASTIC_FILE)
     np_feeds = {k: v.numpy() for k, v in feeds.items()}
     worst = 0.0
     for b, (want, label) in enumerate(zip(wants, labels)):
         got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
-        err = max(float(np.abs(a - w).max()) for a, w in zip(got, want))
-        if err > 1e-4:
-            raise RuntimeError(f"elastic graph, {label}: differs from the reference by {err:.2e}")
-        worst = max(worst, err)
+        worst = max(worst, check_outputs(got, want, f"elastic graph, {label}: differs from the reference"))
     return worst
 
 
@@ -343,9 +344,46 @@ def claim_out(lock: OutputLock, out: Path, overwrite: bool, echo: Callable[[str]
 
 
 def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
+    """The stages of the main job, ``--out``'s lock taken: load, rank, then (in a temporary
+    directory moved into place only when complete) export, slice, check, write the manifest, report."""
     out = Path(opts.out)
     check_device(opts.device)
     precisions = parse_precisions(opts.precision)
+    encoder, inventory = _load(opts, echo)
+    calib = qdq = None  # int8-qdq: calibrated on the ranking's calibration data, less a held-out part
+    if int8_qdq.PRECISION in precisions:
+        calib = load_calib(encoder, opts)
+        qdq = int8_qdq.split_heldout(calib.batches, calib.description)
+    ranking, rank_seconds = _rank(encoder, inventory, opts, calib, echo)
+    plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
+    tmp = _make_tmp(lock, out, opts, echo)
+    try:
+        os.chmod(tmp, 0o777 & ~umask())
+        dense = _export(encoder, ranking, tmp, opts, echo)
+        feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
+        twins = _Twins(precisions, qdq, {k: v.numpy() for k, v in feeds.items()} if opts.verify else None, opts.verify)
+        twins.add(tmp, "dense.onnx", dense)
+        names = _slice(dense, plans, tmp, opts, echo)
+        # the hard-masked torch outputs of every budget, once: the per-budget files and the
+        # elastic graph are both checked against them
+        refs = [masked_outputs(encoder, plan, ranking, feeds) for plan in plans] if opts.verify else None
+        errors = _check_budgets(plans, names, tmp, feeds, refs, twins, disable=not (opts.verify or len(precisions) > 1))
+        elastic = None
+        if opts.elastic_graph:
+            elastic = write_elastic(dense, plans, tmp, feeds if opts.verify else None, refs, echo,
+                                    precision="fp16" if "fp16" in precisions else "fp32")
+        manifest = _manifest(encoder, inventory, dense, tmp, opts, precisions, twins,
+                             list(zip(plans, names, errors)), elastic, ranking, rank_seconds)
+        manifest = _finish(tmp, out, manifest, encoder, opts, echo)
+        commit_out(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventory]:
+    """Load the model and count its units, refusing now what would fail after the (long) ranking."""
     echo(f"loading {opts.model or 'all-MiniLM-L6-v2 (embedded default)'}")
     encoder = load_encoder(opts.model, pretrained=opts.pretrained, seq_len=opts.seq_len,
                            image_size=opts.image_size, trust_remote_code=opts.trust_remote_code, tower=opts.tower)
@@ -357,120 +395,154 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
     if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
         raise UserError(EXTERNAL_REFUSAL.format(src="dense.onnx"))
     check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
-    calib = qdq = None  # int8-qdq: calibrated on the ranking's calibration data, less a held-out part
-    if int8_qdq.PRECISION in precisions:
-        calib = load_calib(encoder, opts)
-        qdq = int8_qdq.split_heldout(calib.batches, calib.description)
-    rank_seconds = None  # time taken to rank (None: reused)
+    return encoder, inventory
+
+
+def _rank(encoder: Encoder, inventory: Inventory, opts: Options, calib: Calibration | None,
+          echo: Callable[[str], None]) -> tuple[Ranking, float | None]:
+    """The ranking (``--ranking``'s, checked against the model, or a new one) and the seconds taken
+    to rank (None: reused)."""
     if opts.ranking:
         ranking = load_ranking(opts.ranking)
         ranking.check_matches(inventory, encoder.fingerprint(), f"--ranking {opts.ranking}")
         echo(f"reusing ranking {opts.ranking} (method {ranking.meta.get('method')!r})")
-    else:
-        if opts.checkpoint is None:
-            opts.checkpoint = str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
-        t_rank = time.time()
-        ranking = rank_encoder(encoder, inventory, opts, echo, calib)
-        rank_seconds = round(time.time() - t_rank, 1)
-    plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
+        return ranking, None
+    if opts.checkpoint is None:
+        out = Path(opts.out)
+        opts.checkpoint = str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
+    t_rank = time.time()
+    ranking = rank_encoder(encoder, inventory, opts, echo, calib)
+    return ranking, round(time.time() - t_rank, 1)
 
+
+def _make_tmp(lock: OutputLock, out: Path, opts: Options, echo: Callable[[str], None]) -> Path:
+    """Create ``out``'s parent, hold its lock and make the temporary directory next to it."""
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     claim_out(lock, out, opts.overwrite, echo)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-    try:
-        os.chmod(tmp, 0o777 & ~umask())
-        save_ranking(ranking, tmp / RANKING_FILE)
-        t0 = time.time()
-        dense = export_dense(encoder, ranking, tmp / "dense.onnx", opts.external_data)
-        echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
-        feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
-        fp16: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (fp16 file, relative error)
-        int8: dict[str, tuple[str | None, float | None]] = {}  # fp32 file -> (int8 file, min embedding cosine)
-        int8q: dict[str, tuple[str | None, float | None]] = {}  # the same for int8-qdq (held-out calibration data)
-        np_feeds = {k: v.numpy() for k, v in feeds.items()} if opts.verify else None
-        if "fp16" in precisions:
-            fp16["dense.onnx"] = add_fp16(dense, tmp, "dense.onnx", np_feeds)
-        if "int8" in precisions:
-            int8["dense.onnx"] = add_int8(tmp, "dense.onnx", np_feeds)
-        if qdq is not None:
-            int8q["dense.onnx"] = int8_qdq.add_qdq(tmp, "dense.onnx", qdq, check=opts.verify)
-        t0 = time.time()
-        names = []
-        slicer = BudgetSlicer(dense, external=onnx_io.external_like(tmp / "dense.onnx"))
-        for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
-            names.append(f"budget_{budget_tag(plan.sparsity)}.onnx")
-            # with --verify, onnxruntime loads and checks every file below, so the passes skip
-            # onnx.checker (they still check the graph in memory after each pass)
-            slicer.save(plan.heads_per_layer, plan.neurons_per_layer, tmp / names[-1], full_check=not opts.verify)
-        del slicer
-        echo(f"sliced {len(plans)} budgets from the dense ONNX in {time.time() - t0:.1f}s")
-        # the hard-masked torch outputs of every budget, once: the per-budget files and the
-        # elastic graph are both checked against them
-        refs = [masked_outputs(encoder, plan, ranking, feeds) for plan in plans] if opts.verify else None
-        rows = []
-        for i, (plan, name) in enumerate(zip(tqdm(plans, desc="verifying budgets", unit="budget", leave=False,
-                                                  disable=not (opts.verify or len(precisions) > 1)), names)):
-            err = max_error(tmp / name, feeds, refs[i]) if refs is not None else None
-            if err is not None and err > 1e-4:
-                raise RuntimeError(f"budget {plan.sparsity}: ONNX differs from the masked model by {err:.2e}")
-            if "fp16" in precisions:
-                fp16[name] = add_fp16(onnx.load(str(tmp / name)), tmp, name, np_feeds)
-            if "int8" in precisions:
-                int8[name] = add_int8(tmp, name, np_feeds)
-            if qdq is not None:
-                int8q[name] = int8_qdq.add_qdq(tmp, name, qdq, check=opts.verify)
-            rows.append((plan, name, err))
-        elastic = None
-        if opts.elastic_graph:
-            elastic = write_elastic(dense, plans, tmp, feeds if opts.verify else None, refs, echo,
-                                    precision="fp16" if "fp16" in precisions else "fp32")
-        manifest = {
-            "format": FORMAT,
-            "tool": f"elastic-export {__version__}",
-            "model": {"source": encoder.source, "architecture": encoder.architecture,
-                      "fingerprint": encoder.fingerprint(), "modality": encoder.modality,
-                      **({"tower": encoder.tower} if encoder.tower else {})},
-            "inputs": io_specs(dense.graph.input),
-            "outputs": io_specs(onnx.shape_inference.infer_shapes(onnx_io.weightless(dense)).graph.output),
-            "tokens": inventory.tokens,
-            "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
-            "prunable_gflops": inventory.prunable_flops / 1e9,
-            "align": opts.align,
-            "precisions": list(precisions),
-            "dense": {"onnx": "dense.onnx", **_twins("dense.onnx", fp16, int8, int8q),
-                      "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
-            "budgets": [
-                {
-                    "sparsity": p.sparsity,
-                    "achieved_sparsity": round(p.achieved_sparsity, 6),
-                    "gflops": p.gflops,
-                    "params": p.params,
-                    "onnx": name,
-                    "engine": None,
-                    "heads_per_layer": p.heads_per_layer,
-                    "neurons_per_layer": p.neurons_per_layer,
-                    "max_abs_error": err,
-                    **_twins(name, fp16, int8, int8q),
-                }
-                for p, name, err in rows
-            ],
-            "elastic": elastic,
-            **({int8_qdq.MANIFEST_ENTRY: int8_qdq.manifest_entry(qdq)} if qdq is not None else {}),
-            "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method"), "seconds": rank_seconds},
-        }
-        if opts.layout == st_layout.LAYOUT:
-            manifest["sentence_transformers"] = write_st_layout(tmp, out, manifest, echo)
-        write_manifest(tmp, manifest)
-        if opts.ort_optimize:
-            optimize_artifacts(tmp, update_manifest=True, echo=echo)
-            manifest = load_manifest(tmp)
-        if opts.quick_eval:
-            manifest = quick_eval_or_warn(tmp, manifest, encoder, opts, echo)
-        if opts.report:
-            write_report_or_warn(tmp, out, echo)
-        commit_out(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+
+
+def _export(encoder: Encoder, ranking: Ranking, tmp: Path, opts: Options, echo: Callable[[str], None]) -> onnx.ModelProto:
+    """Save the ranking and export the dense rank-permuted ONNX (``dense.onnx``)."""
+    save_ranking(ranking, tmp / RANKING_FILE)
+    t0 = time.time()
+    dense = export_dense(encoder, ranking, tmp / "dense.onnx", opts.external_data)
+    echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
+    return dense
+
+
+def _slice(dense: onnx.ModelProto, plans: list[BudgetPlan], tmp: Path, opts: Options,
+           echo: Callable[[str], None]) -> list[str]:
+    """Write one ONNX file per budget; their names, in plan order."""
+    t0 = time.time()
+    names = []
+    slicer = BudgetSlicer(dense, external=onnx_io.external_like(tmp / "dense.onnx"))
+    for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
+        names.append(f"budget_{budget_tag(plan.sparsity)}.onnx")
+        # with --verify, onnxruntime loads and checks every file below, so the passes skip
+        # onnx.checker (they still check the graph in memory after each pass)
+        slicer.save(plan.heads_per_layer, plan.neurons_per_layer, tmp / names[-1], full_check=not opts.verify)
+    del slicer
+    echo(f"sliced {len(plans)} budgets from the dense ONNX in {time.time() - t0:.1f}s")
+    return names
+
+
+@dataclass
+class _Twins:
+    """The lower-precision twins of the fp32 files written so far: fp32 file -> (twin file, the
+    twin's check: fp16 relative error, int8 / int8-qdq min embedding cosine; None unchecked)."""
+
+    precisions: tuple[str, ...]
+    qdq: int8_qdq.QdqData | None
+    feeds: dict[str, np.ndarray] | None  # the fp16 / int8 checks' inputs (None: no checks)
+    check: bool  # check the int8-qdq twins (on the held-out calibration data)
+    fp16: dict[str, tuple[str | None, float | None]] = field(default_factory=dict)
+    int8: dict[str, tuple[str | None, float | None]] = field(default_factory=dict)
+    int8q: dict[str, tuple[str | None, float | None]] = field(default_factory=dict)
+
+    def add(self, directory: Path, name: str, model: onnx.ModelProto | None = None) -> None:
+        """Write (and check) the twins of ``directory/name`` (``model``: that file, already loaded)."""
+        if "fp16" in self.precisions:
+            self.fp16[name] = add_fp16(model if model is not None else onnx.load(str(directory / name)),
+                                       directory, name, self.feeds)
+        if "int8" in self.precisions:
+            self.int8[name] = add_int8(directory, name, self.feeds)
+        if self.qdq is not None:
+            self.int8q[name] = int8_qdq.add_qdq(directory, name, self.qdq, check=self.check)
+
+    def fields(self, name: str) -> dict:
+        """The manifest fields of the twins of ``name``."""
+        return _twins(name, self.fp16, self.int8, self.int8q)
+
+
+def _check_budgets(plans: list[BudgetPlan], names: list[str], tmp: Path, feeds: dict,
+                   refs: list[list[np.ndarray]] | None, twins: _Twins, disable: bool) -> list[float | None]:
+    """Check every budget file against its hard-masked torch outputs (``refs``; None: unchecked) and
+    write its twins; the max abs errors, in plan order."""
+    errors = []
+    for i, (plan, name) in enumerate(zip(tqdm(plans, desc="verifying budgets", unit="budget", leave=False,
+                                              disable=disable), names)):
+        err = None
+        if refs is not None:
+            err = check_outputs(_ort_run(tmp / name, feeds), refs[i],
+                                f"budget {plan.sparsity}: ONNX differs from the masked model")
+        twins.add(tmp, name)
+        errors.append(err)
+    return errors
+
+
+def _manifest(encoder: Encoder, inventory: Inventory, dense: onnx.ModelProto, tmp: Path, opts: Options,
+              precisions: tuple[str, ...], twins: _Twins, rows: list[tuple[BudgetPlan, str, float | None]],
+              elastic: dict | None, ranking: Ranking, rank_seconds: float | None) -> dict:
+    """The manifest of the artifact set in ``tmp`` (``rows``: each budget's plan, file and max abs error)."""
+    return {
+        "format": FORMAT,
+        "tool": f"elastic-export {__version__}",
+        "model": {"source": encoder.source, "architecture": encoder.architecture,
+                  "fingerprint": encoder.fingerprint(), "modality": encoder.modality,
+                  **({"tower": encoder.tower} if encoder.tower else {})},
+        "inputs": io_specs(dense.graph.input),
+        "outputs": io_specs(onnx.shape_inference.infer_shapes(onnx_io.weightless(dense)).graph.output),
+        "tokens": inventory.tokens,
+        "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
+        "prunable_gflops": inventory.prunable_flops / 1e9,
+        "align": opts.align,
+        "precisions": list(precisions),
+        "dense": {"onnx": "dense.onnx", **twins.fields("dense.onnx"),
+                  "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
+        "budgets": [
+            {
+                "sparsity": p.sparsity,
+                "achieved_sparsity": round(p.achieved_sparsity, 6),
+                "gflops": p.gflops,
+                "params": p.params,
+                "onnx": name,
+                "engine": None,
+                "heads_per_layer": p.heads_per_layer,
+                "neurons_per_layer": p.neurons_per_layer,
+                "max_abs_error": err,
+                **twins.fields(name),
+            }
+            for p, name, err in rows
+        ],
+        "elastic": elastic,
+        **({int8_qdq.MANIFEST_ENTRY: int8_qdq.manifest_entry(twins.qdq)} if twins.qdq is not None else {}),
+        "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method"), "seconds": rank_seconds},
+    }
+
+
+def _finish(tmp: Path, out: Path, manifest: dict, encoder: Encoder, opts: Options, echo: Callable[[str], None]) -> dict:
+    """Write the manifest and what is derived from the artifacts (sentence-transformers layout,
+    onnxruntime-optimised copies, quick eval, report); the final manifest."""
+    if opts.layout == st_layout.LAYOUT:
+        manifest["sentence_transformers"] = write_st_layout(tmp, out, manifest, echo)
+    write_manifest(tmp, manifest)
+    if opts.ort_optimize:
+        optimize_artifacts(tmp, update_manifest=True, echo=echo)
+        manifest = load_manifest(tmp)
+    if opts.quick_eval:
+        manifest = quick_eval_or_warn(tmp, manifest, encoder, opts, echo)
+    if opts.report:
+        write_report_or_warn(tmp, out, echo)
     return manifest

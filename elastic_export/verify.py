@@ -36,8 +36,6 @@ model stops at once (:class:`UserError`); a missing or corrupt artifact is a row
 
 from __future__ import annotations
 
-import math
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -46,16 +44,16 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from elastic_export import onnx_io
+from elastic_export.compare import ATOL, compare_outputs, max_abs_error
+from elastic_export.compare import fmt_error as _fmt
 from elastic_export.errors import UserError, first_line
-from elastic_export.fp16 import FP16_RTOL, relative_error
+from elastic_export.fp16 import FP16_RTOL
 from elastic_export.int8 import INT8_MIN_COSINE, embedding, min_cosine
 from elastic_export.int8_qdq import FILE_KEY as QDQ_KEY
 from elastic_export.int8_qdq import PRECISION as QDQ
 from elastic_export.int8_qdq import QDQ_MIN_COSINE
 from elastic_export.manifest import MANIFEST, elastic_indices, load_manifest, resolve
 
-ATOL = 1e-4  # DESIGN.md invariant 2: fp32 max abs error on the final output
 OK, MISMATCH, MISSING, CORRUPT, SKIPPED = "ok", "MISMATCH", "missing", "corrupt", "skipped"
 
 
@@ -130,10 +128,6 @@ class Report:
             return f"{self.directory}: {c.detail}{more}"
         what = "is corrupt" if c.status == CORRUPT else f"differs from {c.reference}"
         return f"{self.directory}: {c.artifact} ({c.kind}) {what}: {c.detail}{more}"
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else ("inf" if not math.isfinite(x) else f"{x:.1e}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -270,18 +264,15 @@ class _Failed(Exception):
 
 
 def _session(model: onnx.ModelProto | Path):
+    """A CPU session of a file or a model in memory (:func:`elastic_export.targets.onnxruntime.cpu_session`,
+    which takes a model over 2 GiB through a scratch file), logging errors only."""
     import onnxruntime as ort
+
+    from elastic_export.targets.onnxruntime import cpu_session
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    if isinstance(model, onnx.ModelProto) and onnx_io.weight_bytes(model) >= onnx_io.INLINE_LIMIT:
-        scratch = tempfile.TemporaryDirectory(prefix="elastic-verify-")  # over 2 GiB: through a file
-        onnx_io.save(model, Path(scratch.name) / "model.onnx", external=True)
-        sess = ort.InferenceSession(str(Path(scratch.name) / "model.onnx"), opts, providers=["CPUExecutionProvider"])
-        sess._scratch = scratch  # removed with the session
-        return sess
-    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+    return cpu_session(model, options=opts)
 
 
 def _load(path: Path | None, rel: str) -> Path:
@@ -320,23 +311,13 @@ def _run(sess, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndar
 
 def _compare(check: Check, want: list[np.ndarray], got: list[np.ndarray], atol: float | None,
              rtol: float | None, valid: np.ndarray | None = None) -> Check:
-    """Fill ``check`` with the errors of ``got`` against ``want`` and the verdict (the relative
-    error, which ``rtol`` bounds, at real tokens only where ``valid`` is the attention mask)."""
-    shapes = [(np.shape(a), np.shape(b)) for a, b in zip(want, got) if np.shape(a) != np.shape(b)]
-    if shapes:
-        check.status, check.detail = MISMATCH, f"output shape {shapes[0][1]}, expected {shapes[0][0]}"
-        return check
-    diffs = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) for a, b in zip(want, got)]
-    check.max_abs = max((float(d.max(initial=0.0)) if np.all(np.isfinite(d)) else math.inf) for d in diffs)
-    check.rel = relative_error(want, got, valid)
-    if atol is not None:
-        check.tol = f"abs {atol:.0e}"
-        if not check.max_abs <= atol:
-            check.status, check.detail = MISMATCH, f"max abs error {_fmt(check.max_abs)} > {atol:g}"
-    else:
-        check.tol = f"rel {rtol:.0e}"
-        if not check.rel <= rtol:
-            check.status, check.detail = MISMATCH, f"relative error {_fmt(check.rel)} > {rtol:g}"
+    """Fill ``check`` with the errors of ``got`` against ``want`` and the verdict
+    (:func:`elastic_export.compare.compare_outputs`: the relative error, which ``rtol`` bounds, at
+    real tokens only where ``valid`` is the attention mask)."""
+    result = compare_outputs(got, want, atol, rtol, valid)
+    check.max_abs, check.rel, check.tol = result.max_abs, result.rel, result.tol or check.tol
+    if not result.ok:
+        check.status, check.detail = MISMATCH, result.problem
     return check
 
 
@@ -474,22 +455,10 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
     if not d.is_dir():
         raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
     manifest = load_manifest(d)
-    mpath = d / MANIFEST
-    budgets = _check_budgets(manifest, mpath)
+    budgets = _check_budgets(manifest, d / MANIFEST)
     outputs = [o["name"] for o in manifest["outputs"]]
     report = Report(d)
-
-    dense_rel = manifest["dense"].get("onnx")
-    if not isinstance(dense_rel, str):
-        raise UserError(f"{mpath}: 'dense' has no 'onnx' file")
-    try:
-        dense_path = _load(resolve(d, dense_rel), dense_rel)
-        dense = onnx.load(str(dense_path))
-        dense_sess = _session(dense_path)
-    except _Failed as e:
-        raise UserError(f"{d}: the dense model {dense_rel} is {e.status}: {e.reason}")
-    except Exception as e:  # onnx / onnxruntime load errors
-        raise UserError(f"{d}: the dense model {dense_rel} does not load ({_first_line(e)})")
+    dense_rel, dense, dense_sess = _open_dense(d, manifest)
     feeds = sample_inputs(manifest, dense, batch=batch, seq_len=seq_len, seed=seed)
     report.inputs = {k: tuple(v.shape) for k, v in feeds.items()}
     try:
@@ -498,7 +467,44 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
         raise UserError(f"{d}: the dense model {dense_rel} does not run ({e.reason})")
     report.checks.append(Check("dense", dense_rel, "fp32", "(reference)", detail=""))
     echo(f"reference: {dense_rel}, inputs {report.inputs}")
+    refs = _masked_references(d, dense, budgets, feeds, outputs)
+    _check_files(report, manifest, dense_rel, budgets, dense_out, refs, feeds, outputs, atol, rtol_fp16)
+    echo(f"checked {len(budgets)} budgets")
+    elastic = manifest.get("elastic")
+    if elastic:
+        _check_elastic(report, d, elastic, budgets, [*refs, dense_out], feeds, outputs, atol, rtol_fp16)
+    dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
+    _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
+    if use_torch:
+        _check_torch(report, d, manifest, (model, tower), feeds, budgets, dense_out, refs, outputs, atol, seq_len)
+    return report
 
+
+def _open_dense(d: Path, manifest: dict) -> tuple[str, onnx.ModelProto, Any]:
+    """The manifest's dense file: (its name, the model, an onnxruntime session of it).
+
+    Raises:
+        UserError: it is not listed, missing, corrupt or does not load: nothing can be checked.
+    """
+    dense_rel = manifest["dense"].get("onnx")
+    if not isinstance(dense_rel, str):
+        raise UserError(f"{d / MANIFEST}: 'dense' has no 'onnx' file")
+    try:
+        dense_path = _load(resolve(d, dense_rel), dense_rel)
+        return dense_rel, onnx.load(str(dense_path)), _session(dense_path)
+    except _Failed as e:
+        raise UserError(f"{d}: the dense model {dense_rel} is {e.status}: {e.reason}")
+    except Exception as e:  # onnx / onnxruntime load errors
+        raise UserError(f"{d}: the dense model {dense_rel} does not load ({_first_line(e)})")
+
+
+def _masked_references(d: Path, dense: onnx.ModelProto, budgets: list[dict], feeds: dict[str, np.ndarray],
+                       outputs: list[str]) -> list[list[np.ndarray]]:
+    """Each budget's reference outputs: its masked dense model's (:func:`masked_dense`).
+
+    Raises:
+        UserError: one of them does not run.
+    """
     refs: list[list[np.ndarray]] = []
     for b in budgets:
         sess = _session(masked_dense(dense, b["heads_per_layer"], b["neurons_per_layer"]))
@@ -506,6 +512,15 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
             refs.append(_run(sess, feeds, outputs))
         except _Failed as e:
             raise UserError(f"{d}: the masked dense model of budget {b['sparsity']} does not run ({e.reason})")
+    return refs
+
+
+def _check_files(report: Report, manifest: dict, dense_rel: str, budgets: list[dict], dense_out: list, refs: list,
+                 feeds: dict, outputs: list[str], atol: float, rtol_fp16: float) -> None:
+    """One row per per-budget file and twin: fp32 and fp16 against the (masked) dense model, int8 and
+    int8-qdq against their own fp32 file."""
+    d = report.directory
+    mask = feeds.get("attention_mask")
 
     def onnx_check(label: str, rel: Any, kind: str, want: list[np.ndarray], ref: str) -> None:
         check = Check(label, str(rel), kind, ref)
@@ -514,7 +529,7 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
             if not isinstance(rel, str):
                 raise _Failed(CORRUPT, f"manifest entry {rel!r} is not a file name")
             got = _run(_open(d, rel), feeds, outputs)
-            return _compare(check, want, got, atol if kind == "fp32" else None, rtol_fp16, feeds.get("attention_mask"))
+            return _compare(check, want, got, atol if kind == "fp32" else None, rtol_fp16, mask)
 
         report.checks.append(_guard(check, go))
 
@@ -530,16 +545,6 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
         for key, kind, bound in (("onnx_int8", "int8", INT8_MIN_COSINE), (QDQ_KEY, QDQ, QDQ_MIN_COSINE)):
             if entry.get(key) is not None:
                 report.checks.append(_check_int8(d, label, entry["onnx"], entry[key], feeds, outputs, bound, kind))
-    echo(f"checked {len(budgets)} budgets")
-
-    elastic = manifest.get("elastic")
-    if elastic:
-        _check_elastic(report, d, elastic, budgets, [*refs, dense_out], feeds, outputs, atol, rtol_fp16)
-    dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
-    _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
-    if use_torch:
-        _check_torch(report, d, manifest, (model, tower), feeds, budgets, dense_out, refs, outputs, atol, seq_len)
-    return report
 
 
 def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, outputs: list[str],
@@ -554,7 +559,7 @@ def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, 
         want = _run(_open(d, fp32_rel), feeds, outputs)
         got = _run(_open(d, int8_rel), feeds, outputs)
         mask = feeds.get("attention_mask")
-        check.max_abs = max(float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) for a, b in zip(want, got))
+        check.max_abs = max_abs_error(want, got)
         cos = min_cosine(embedding(outputs, want, mask), embedding(outputs, got, mask))
         check.detail = f"min cosine {cos:.4f}"
         if not cos >= bound:

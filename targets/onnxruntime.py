@@ -6,6 +6,9 @@
 * :func:`make_session` builds an ``onnxruntime.InferenceSession`` from a file and a config; a
   provider this onnxruntime build lacks is refused with a one-line :class:`UserError` that names
   the ones it has (checked with ``onnxruntime.get_available_providers()``).
+* :func:`cpu_session` is the plain CPU session every in-package check runs on (the main job's
+  output checks, ``verify``, ``eval``, the fp16 / int8 twins, the onnxruntime optimiser): the one
+  other place a session is made.
 * :class:`Runner` runs a session. On a GPU provider it binds the inputs on the device once
   (:meth:`Runner.bind`) and keeps the outputs there, so :meth:`Runner.run_bound` times the
   inference only, not the host/device copies; on CPU it is a plain ``session.run``.
@@ -21,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from elastic_export.errors import UserError
+from elastic_export.errors import UserError, first_line
 from elastic_export.targets.profiles import Profile
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
@@ -185,9 +188,46 @@ def make_session(path: str | Path, config: SessionConfig | None = None, initiali
     try:
         sess = ort.InferenceSession(str(path), options, providers=config.providers())
     except Exception as e:  # onnxruntime raises its own exception types
-        line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise UserError(f"{path}: onnxruntime cannot load it ({line})")
+        raise UserError(f"{path}: onnxruntime cannot load it ({first_line(e)[:300]})")
     sess.shared_initializers = dict(initializers or {})  # onnxruntime needs them alive as long as the session
+    return sess
+
+
+def cpu_session(model: Any, threads: int | None = None, options: Any = None):
+    """A plain onnxruntime CPU session (``CPUExecutionProvider``, onnxruntime's default options).
+
+    Args:
+        model: an ONNX file (``str`` / ``Path``), its serialized bytes, or an ``onnx.ModelProto``. A
+            model whose weights are over :data:`elastic_export.onnx_io.INLINE_LIMIT` cannot be
+            serialized in one protobuf: it goes through a scratch file with external data, removed
+            with the session.
+        threads: intra-op threads (None: onnxruntime's default, or what ``options`` says).
+        options: an ``onnxruntime.SessionOptions`` (None: the defaults).
+
+    Returns:
+        The session. onnxruntime's own exceptions pass through: each caller words its failure.
+    """
+    import onnxruntime as ort
+
+    if threads is not None:
+        options = options or ort.SessionOptions()
+        options.intra_op_num_threads = threads
+    scratch = None
+    if hasattr(model, "SerializeToString"):  # an onnx.ModelProto (onnx itself is imported only here)
+        from elastic_export import onnx_io
+
+        if onnx_io.weight_bytes(model) >= onnx_io.INLINE_LIMIT:
+            import tempfile
+
+            scratch = tempfile.TemporaryDirectory(prefix="elastic-verify-")  # over 2 GiB: through a file
+            onnx_io.save(model, Path(scratch.name) / "model.onnx", external=True)
+            model = Path(scratch.name) / "model.onnx"
+        else:
+            model = model.SerializeToString()
+    sess = ort.InferenceSession(model if isinstance(model, bytes) else str(model), options,
+                                providers=[PROVIDERS["cpu"]])
+    if scratch is not None:
+        sess._scratch = scratch  # removed with the session
     return sess
 
 
@@ -220,9 +260,6 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
         One dict per path, in order: initializer name -> the shared ``OrtValue`` for that file's
         tensor; only tensors that at least two files hold identically (name, type, shape, bytes).
     """
-    import hashlib
-
-    import onnx
     import onnxruntime as ort
     from onnx import numpy_helper
 
@@ -233,34 +270,49 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
     for path in paths:
         keys: dict[str, tuple] = {}
         per_file.append(keys)
-        try:
-            model = onnx.load(str(path), load_external_data=False)
-        except Exception:  # not ONNX: shares nothing; make_session reports it
+        candidates = _share_candidates(path, min_bytes)
+        if candidates is None:  # not ONNX: shares nothing; make_session reports it
             continue
-        packed = {i for n in model.graph.node if n.op_type in PREPACKED_OPS for i in n.input}
-        for t in model.graph.initializer:
-            if t.name in packed or t.data_location == onnx.TensorProto.EXTERNAL:
-                continue
-            try:
-                size = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-            except Exception:  # a type numpy has no dtype for: leave it
-                continue
-            if size < max(min_bytes, 1):
-                continue
-            raw = t.raw_data  # a copy per access: read once
-            if not raw:
-                continue
-            key = (t.name, t.data_type, tuple(t.dims), hashlib.sha1(raw, usedforsecurity=False).digest())
-            keys[t.name] = key
+        for key, tensor, size in candidates:
+            keys[key[0]] = key
             count[key] = count.get(key, 0) + 1
             if count[key] == 2:  # a second file has it: keep one copy, from this file
-                values[key] = ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(t))
+                values[key] = ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(tensor))
             if len(per_file) == 1:
                 first_total += size
-        del model
+        del candidates
         if len(per_file) == 1 and first_total < min_total:
             return [{} for _ in paths]
     return [{name: values[key] for name, key in keys.items() if key in values} for keys in per_file]
+
+
+def _share_candidates(path: str | Path, min_bytes: int) -> list[tuple[tuple, Any, int]] | None:
+    """The initializers of one ONNX file that :func:`shared_initializers` may share: (key: name, type,
+    shape, digest of the bytes; the tensor; its size in bytes) each; None when the file is not ONNX."""
+    import hashlib
+
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not ONNX
+        return None
+    packed = {i for n in model.graph.node if n.op_type in PREPACKED_OPS for i in n.input}
+    out = []
+    for t in model.graph.initializer:
+        if t.name in packed or t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        try:
+            size = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except Exception:  # a type numpy has no dtype for: leave it
+            continue
+        if size < max(min_bytes, 1):
+            continue
+        raw = t.raw_data  # a copy per access: read once
+        if not raw:
+            continue
+        out.append(((t.name, t.data_type, tuple(t.dims), hashlib.sha1(raw, usedforsecurity=False).digest()), t, size))
+    return out
 
 
 class Runner:

@@ -47,3 +47,93 @@ def test_empty_message_through_the_pass_check(monkeypatch):
     graph = helper.make_graph([], "g", [], [])
     with pytest.raises(RuntimeError, match=r"produced an invalid graph: ValidationError$"):
         verify(helper.make_model(graph), "cleanup")
+
+
+def _one_line(excinfo, ending: str) -> None:
+    """The error is one line, ends with ``ending`` (the type name standing in for the empty message)."""
+    msg = str(excinfo.value)
+    assert "\n" not in msg and msg.endswith(ending), msg
+
+
+def test_empty_message_through_the_hf_loader(tmp_path, monkeypatch):
+    """A model directory whose config reader raises ``OSError()``."""
+    import transformers
+
+    from elastic_export.loader import load_encoder
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", _raise_silent_os)
+    with pytest.raises(UserError) as e:
+        load_encoder(str(tmp_path))
+    _one_line(e, "not a loadable Hugging Face model directory (OSError)")
+
+
+def test_empty_message_through_the_timm_loader(monkeypatch):
+    """A timm name whose constructor raises ``OSError()``."""
+    import timm
+
+    from elastic_export.loader import load_encoder
+
+    monkeypatch.setattr(timm, "create_model", _raise_silent_os)
+    with pytest.raises(UserError) as e:
+        load_encoder("vit_tiny_patch16_224", pretrained=False)
+    _one_line(e, "could not build timm model 'vit_tiny_patch16_224': OSError")
+
+
+def _raise_silent_os(*args, **kwargs):
+    raise OSError()
+
+
+def test_empty_message_through_the_fp16_check(monkeypatch):
+    """An fp16 model that onnx.checker refuses with an empty message."""
+    import onnx
+    from onnx import helper
+
+    from elastic_export import onnx_io
+    from elastic_export.fp16 import check_fp16_model
+
+    monkeypatch.setattr(onnx_io, "check", lambda *a, **k: (_ for _ in ()).throw(onnx.checker.ValidationError("")))
+    with pytest.raises(RuntimeError) as e:
+        check_fp16_model(helper.make_model(helper.make_graph([], "g", [], [])))
+    _one_line(e, "invalid after fp16 conversion: ValidationError")
+
+
+def test_empty_message_through_the_quantizer(tmp_path, monkeypatch):
+    """The int8 quantizer raising ``ValueError()``."""
+    import onnxruntime.quantization
+
+    from elastic_export.int8 import quantize
+
+    monkeypatch.setattr(onnxruntime.quantization, "quantize_dynamic", lambda *a, **k: (_ for _ in ()).throw(ValueError()))
+    with pytest.raises(UserError) as e:
+        quantize(tmp_path / "m.onnx", tmp_path / "m.int8.onnx")
+    _one_line(e, "int8 quantization failed (ValueError)")
+
+
+@pytest.mark.parametrize("opener", ["make_session", "eval"])
+def test_empty_message_through_a_session_load(tmp_path, monkeypatch, opener):
+    """onnxruntime failing to load a file with an empty message (targets.onnxruntime, eval)."""
+    import onnxruntime
+
+    from elastic_export.evaluation import _session
+    from elastic_export.targets.onnxruntime import make_session
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"x")
+    monkeypatch.setattr(onnxruntime, "InferenceSession", _raise_silent)
+    with pytest.raises(UserError) as e:
+        (make_session if opener == "make_session" else _session)(path)
+    _one_line(e, "onnxruntime cannot load it (_Silent)")
+
+
+def test_empty_message_through_the_optimiser_source(tmp_path, monkeypatch):
+    """An optimiser source that onnx cannot read, with an empty message."""
+    import onnx
+
+    from elastic_export.ort_optimize import optimize_onnx
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"x")
+    monkeypatch.setattr(onnx, "load", _raise_silent)
+    with pytest.raises(UserError) as e:
+        optimize_onnx(path)
+    _one_line(e, "not a readable ONNX file (_Silent)")
