@@ -47,14 +47,21 @@ def _run(cmd: list[str]) -> None:
 def measure(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
     """(bench JSON, eval JSON) of a fresh main job in ``work/artifacts``."""
     out = work / "artifacts"
-    job = [_cli(), "--budgets", args.budgets, "--precision", args.precisions, "--method", args.method,
-           "--out", str(out), "--overwrite", "--no-report"]
-    _run(job + (["--model", args.model] if args.model else []) + args.extra)
-    batches = ",".join(map(str, BATCHES))
+    if args.keep_artifacts and (out / "manifest.json").is_file():
+        print(f"reusing the artifacts in {out} (--keep-artifacts)", file=sys.stderr)
+    else:
+        _main_job(args, out)
+    batches = ",".join(map(str, args.batches))
     _run([_cli(), "bench", str(out), "--batches", batches, "--threads", str(args.threads), "--precision", "all",
           "--repeats", str(args.repeats), "--out", str(work / "bench.json"), "--no-plot"])
     _run([_cli(), "eval", str(out), "--precision", "all", "--out", str(work / "eval.json")])
     return json.loads((work / "bench.json").read_text()), json.loads((work / "eval.json").read_text())
+
+
+def _main_job(args: argparse.Namespace, out: Path) -> None:
+    job = [_cli(), "--budgets", args.budgets, "--precision", args.precisions, "--method", args.method,
+           "--out", str(out), "--overwrite", "--no-report"]
+    _run(job + (["--model", args.model] if args.model else []) + args.extra)
 
 
 def join(bench: dict, evaluation: dict) -> list[dict]:
@@ -75,10 +82,10 @@ def quality(row: dict) -> float:
     return row["recall@10"] if row.get("recall@10") is not None else row["fidelity"]
 
 
-def mark_frontiers(rows: list[dict]) -> dict[str, list[list]]:
+def mark_frontiers(rows: list[dict], batches: tuple[int, ...] = BATCHES) -> dict[str, list[list]]:
     """Per batch, the frontier pairs of quality vs p90 latency (fastest first); marks rows too."""
     out = {}
-    for batch in map(str, BATCHES):
+    for batch in map(str, batches):
         have = [r for r in rows if batch in r["speed"]]
         idx = pareto_frontier([(r["speed"][batch]["p90_ms"], quality(r)) for r in have])
         out[batch] = [[have[i]["sparsity"], have[i]["precision"]] for i in idx]
@@ -94,20 +101,23 @@ def check_target(rows: list[dict]) -> dict:
     if dense is None or pick is None:
         return {"measured": False, "why": "the 60 % int8 pair or dense fp32 is missing"}
     b = str(TARGET["batch"])
+    if b not in pick["speed"] or b not in dense["speed"]:
+        return {"measured": False, "why": f"batch {b} was not measured"}
     speedup = pick["speed"][b]["throughput"] / dense["speed"][b]["throughput"]
     kept = quality(pick) / quality(dense)
     return {"measured": True, "speedup": round(speedup, 3), "quality_kept": round(kept, 4),
             "speedup_met": speedup >= TARGET["speedup"], "quality_met": kept >= TARGET["recall_kept"], "target": TARGET}
 
 
-def plot(rows: list[dict], frontiers: dict, path: Path, title: str) -> None:
+def plot(rows: list[dict], frontiers: dict, path: Path, title: str, batches: tuple[int, ...] = BATCHES) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(BATCHES), figsize=(5 * len(BATCHES), 4), sharey=True)
-    for ax, batch in zip(axes, map(str, BATCHES)):
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, batch in zip(axes, map(str, batches)):
         for prec in sorted({r["precision"] for r in rows}):
             pts = sorted((r["speed"][batch]["p90_ms"], quality(r), r["sparsity"]) for r in rows
                          if r["precision"] == prec and batch in r["speed"])
@@ -127,25 +137,29 @@ def plot(rows: list[dict], frontiers: dict, path: Path, title: str) -> None:
 
 
 def markdown(res: dict) -> str:
+    batches = res.get("batches", BATCHES)
     metric = "recall@10" if res["rows"] and res["rows"][0].get("recall@10") is not None else "fidelity"
     lines = [f"# Budget x precision frontier: {res['name']}", "", f"Machine: {res['machine']}; onnxruntime CPU EP, "
              f"{res['threads']} threads, sequence {res['seq_len']}; quality: {metric} on the held-out set.", "",
-             "| sparsity | precision | GFLOPs | fidelity | recall@10 | p90 ms b1 | inputs/s b8 | inputs/s b32 | frontier |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| sparsity | precision | GFLOPs | fidelity | recall@10 | "
+             + " | ".join(f"p90 ms b{b} | inputs/s b{b}" for b in batches) + " | frontier |",
+             "|---|---|---|---|---|" + "---|---|" * len(batches) + "---|"]
     for r in res["rows"]:
         sp = r["speed"]
         rec = "" if r.get("recall@10") is None else f"{r['recall@10']:.3f}"
+        speed = " | ".join(f"{sp[str(b)]['p90_ms']:.1f} | {sp[str(b)]['throughput']:.1f}" for b in batches)
         lines.append(f"| {r['sparsity']:.2f} | {r['precision']} | {r['gflops']:.3f} | {r['fidelity']:.4f} | {rec} | "
-                     f"{sp['1']['p90_ms']:.1f} | {sp['8']['throughput']:.1f} | {sp['32']['throughput']:.1f} | "
-                     f"{','.join(map(str, r.get('frontier_batches', [])))} |")
+                     f"{speed} | {','.join(map(str, r.get('frontier_batches', [])))} |")
     t = res["target"]
     if t.get("measured"):
         lines += ["", f"Target (60 % int8 at batch 8 vs dense fp32): throughput x{t['speedup']:.2f} "
                       f"({'met' if t['speedup_met'] else 'not met'}, target x4), {metric} kept {t['quality_kept']:.2%} "
                       f"({'met' if t['quality_met'] else 'not met'}, target 95 %)."]
+    data = ("`elastic-export eval`'s default 1,000 stdlib-docstring pairs (not the calibration data)" if metric == "recall@10"
+            else "`elastic-export eval`'s synthetic images (no --images folder); fidelity is the embedding cosine to "
+                 "the dense fp32 model")
     lines += ["", "Frontier column: the batch sizes at which the pair is on the Pareto frontier of quality against "
-                  "p90 latency. Held-out set: `elastic-export eval`'s default 1,000 stdlib-docstring pairs "
-                  "(not the calibration data)."]
+                  f"p90 latency. Held-out set: {data}." + (f" {res['note']}" if res.get("note") else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -160,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--work", default="/tmp/elastic-frontier")
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--note", default="", help="a sentence for the results page (e.g. how the weights were made)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes to time (comma list)")
+    ap.add_argument("--keep-artifacts", action="store_true",
+                    help="reuse WORK/NAME/artifacts when it holds a manifest (skip the main job; bench and eval rerun)")
     ap.add_argument("--reuse", action="store_true", help="recompute the tables from WORK's bench.json / eval.json")
     ap.add_argument("extra", nargs="*", help="extra main-job options (after --)")
     args = ap.parse_args(argv)
+    args.batches = tuple(int(b) for b in args.batches.split(","))
     work, results = Path(args.work) / args.name, Path(args.results)
     work.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
@@ -172,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         bench, evaluation = measure(args, work)
     rows = join(bench, evaluation)
     res = {"name": args.name, "machine": machine(), "threads": args.threads, "seq_len": bench["settings"]["seq_len"],
-           "load_average": bench["machine"].get("load_average"), "rows": rows}
-    res["frontier"] = mark_frontiers(rows)
+           "load_average": bench["machine"].get("load_average"), "batches": list(args.batches), "note": args.note, "rows": rows}
+    res["frontier"] = mark_frontiers(rows, args.batches)
     res["target"] = check_target(rows)
     stem = results / f"precision_frontier_{args.name}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(res))
-    plot(rows, res["frontier"], stem.with_suffix(".png"), f"{args.name}: quality vs p90 latency per precision")
+    plot(rows, res["frontier"], stem.with_suffix(".png"), f"{args.name}: quality vs p90 latency per precision",
+         args.batches)
     print(markdown(res))
     return 0
 

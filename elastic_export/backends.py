@@ -101,6 +101,19 @@ class Backend(ABC):
             providers: ``from_dir``'s ``providers``, or None.
         """
 
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run here (one line), or None when it can; default: it can."""
+        return None
+
+    def run_file(self, path: Path, feeds: Feeds, outputs: list[str]) -> list[Any]:
+        """Run one file of its own kind (the manifest field it was registered with, ``artifact=``) once:
+        ``outputs`` in order. ``verify`` checks those files through this.
+
+        Raises:
+            UserError: the file does not load or lacks an output.
+        """
+        raise NotImplementedError(f"backend {self.name!r} runs no files of its own")
+
     def bench_options(self, directory: Path, bench: Any) -> dict[str, Any]:
         """``ElasticRuntime.from_dir`` keyword arguments for ``bench`` (a :class:`elastic_export.bench.BenchConfig`)."""
         return {"precisions": bench.precisions() or "all"} if self.supports_precisions else {}
@@ -117,11 +130,15 @@ class BackendEntry:
         name: its ``backend=`` / ``--backend`` name.
         target: ``"package.module:Class"`` (imported on first use), or the class / a factory itself.
         help: what it runs, for the command line's help (``the ONNX files``).
+        artifact: the manifest field (in ``dense`` and per budget) naming files this backend builds
+            and runs itself (``engine``); None: it runs the ONNX files. ``verify`` checks each such
+            file with :meth:`Backend.run_file`.
     """
 
     name: str
     target: str | Callable[[], Backend]
     help: str = ""
+    artifact: str | None = None
 
     def load(self) -> Backend:
         """A new instance (imports its module the first time)."""
@@ -137,12 +154,18 @@ class BackendEntry:
 REGISTRY: dict[str, BackendEntry] = {}
 
 
-def register_backend(name: str, target: str | Callable[[], Backend], *, help: str = "") -> BackendEntry:
-    """Add (or replace) the backend ``name``; returns its entry."""
+def register_backend(name: str, target: str | Callable[[], Backend], *, help: str = "",
+                     artifact: str | None = None) -> BackendEntry:
+    """Add (or replace) the backend ``name``; returns its entry (see :class:`BackendEntry`)."""
     if isinstance(target, str) and (":" not in target or not all(target.partition(":")[::2])):
         raise ValueError(f"backend {name!r}: target {target!r} is not 'package.module:Class'")
-    REGISTRY[name] = BackendEntry(name, target, help)
+    REGISTRY[name] = BackendEntry(name, target, help, artifact)
     return REGISTRY[name]
+
+
+def artifact_backends() -> list[BackendEntry]:
+    """The backends that run files of their own kind (``artifact=``), in registration order."""
+    return [e for e in REGISTRY.values() if e.artifact]
 
 
 def backend_names() -> tuple[str, ...]:
@@ -192,4 +215,4 @@ def serialized(call: Callable[[Feeds], Any]) -> Callable[[Feeds], Any]:
 
 register_backend("onnxruntime", "elastic_export.targets.ort_backend:OrtBackend", help="the ONNX files")
 register_backend("tensorrt", "elastic_export.targets.trt_backend:TrtBackend",
-                 help="the manifest's engines; see `build --target tensorrt`")
+                 help="the manifest's engines; see `build --target tensorrt`", artifact="engine")

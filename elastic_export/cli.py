@@ -329,7 +329,7 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
 @click.option("--out", default=None, type=click.Path(), help="Write the results as JSON.")
 @click.option("--plot", default=None, type=click.Path(), help="Write a PNG of every metric vs GFLOPs.")
 @click.option("--precision", default="all", show_default=True, metavar="LIST",
-              help="all (every precision each DIR was exported with) or a comma list of fp32, fp16, int8; "
+              help="all (every precision each DIR was exported with) or a comma list of fp32, fp16, int8, int8-qdq; "
                    "fidelity is always against the dense fp32 model.")
 def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, tokenizer, out, plot, precision):
     """Evaluate the exported ONNX of the dense model and every budget of each artifact DIR:

@@ -38,7 +38,8 @@ import numpy as np
 
 from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import atomic_write, check_creatable
-from elastic_export.manifest import load_manifest, resolve
+from elastic_export.manifest import MANIFEST, Manifest
+from elastic_export.precision import FILE_KEYS
 
 TEXT_METRICS = ("fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10")
 IMAGE_METRICS = ("fidelity_cosine", "knn@1", "knn@10")
@@ -56,28 +57,28 @@ class Artifact:
 
     given: str
     directory: Path
-    manifest: dict
+    manifest: Manifest
     modality: str
     models: list[dict] = field(default_factory=list)  # {sparsity, achieved_sparsity, gflops, precision, onnx: Path}
 
     @property
     def method(self) -> str:
-        return str(self.manifest["ranking"].get("method"))
+        return str(self.manifest.ranking.method)
 
     @property
     def input_names(self) -> list[str]:
-        return [i["name"] for i in self.manifest["inputs"]]
+        return [i.name for i in self.manifest.inputs]
 
     @property
     def output_names(self) -> list[str]:
-        return [o["name"] for o in self.manifest["outputs"]]
+        return [o.name for o in self.manifest.outputs]
 
 
-def _modality(manifest: dict, path: Path) -> str:
-    m = manifest["model"].get("modality") if isinstance(manifest.get("model"), dict) else None
+def _modality(manifest: Manifest, path: Path) -> str:
+    m = manifest.model.modality
     if m in ("text", "image"):
         return m
-    names = {i.get("name") for i in manifest["inputs"] if isinstance(i, dict)}
+    names = {i.name for i in manifest.inputs}
     if "input_ids" in names:
         return "text"
     if "pixel_values" in names:
@@ -85,7 +86,7 @@ def _modality(manifest: dict, path: Path) -> str:
     raise UserError(f"{path}: inputs {sorted(map(str, names))} are neither text (input_ids) nor images (pixel_values)")
 
 
-PRECISION_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}  # precision -> manifest field
+PRECISION_KEYS = FILE_KEYS  # precision -> manifest field
 
 
 def load_artifact(directory: str | Path, precisions: list[str] | None = None) -> Artifact:
@@ -102,24 +103,22 @@ def load_artifact(directory: str | Path, precisions: list[str] | None = None) ->
         raise UserError(f"{given}: no such directory")
     if not d.is_dir():
         raise UserError(f"{given}: not a directory (give an artifact directory with a manifest.json)")
-    m = load_manifest(d)
-    if not isinstance(m["model"], dict) or not isinstance(m["dense"], dict) or not isinstance(m["ranking"], dict):
-        raise UserError(f"{d / 'manifest.json'}: 'model', 'dense' and 'ranking' must be objects")
-    art = Artifact(given, d, m, _modality(m, d / "manifest.json"))
-    entries = [({"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": m["dense"].get("gflops")}, m["dense"])]
-    entries += [({"sparsity": b.get("sparsity"), "achieved_sparsity": b.get("achieved_sparsity"),
-                  "gflops": b.get("gflops")}, b) for b in m["budgets"]]
-    have = [p for p in PRECISION_KEYS if p in (m.get("precisions") or ["fp32"])]
+    m = Manifest.load(d)
+    art = Artifact(given, d, m, _modality(m, d / MANIFEST))
+    entries = [({"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": m.dense.gflops}, m.dense)]
+    entries += [({"sparsity": b.sparsity, "achieved_sparsity": b.achieved_sparsity, "gflops": b.gflops}, b)
+                for b in m.budgets]
+    have = [p for p in PRECISION_KEYS if p in (m.precisions or ["fp32"])]
     if precisions is not None and [p for p in precisions if p not in have]:
         missing = next(p for p in precisions if p not in have)
         raise UserError(f"--precision {','.join(precisions)}: {given} has no {missing} files (exported with "
                         f"{', '.join(have)})")
     for prec in ["fp32"] + [p for p in (precisions or have) if p != "fp32"]:
         for info, entry in entries:
-            rel = entry.get(PRECISION_KEYS[prec])
-            onnx_path = resolve(d, rel)
+            rel = entry.file(prec)
+            onnx_path = m.path(rel)
             if onnx_path is None:
-                raise UserError(f"{d / 'manifest.json'}: budget {info['sparsity']} has no {PRECISION_KEYS[prec]} file")
+                raise UserError(f"{d / MANIFEST}: budget {info['sparsity']} has no {PRECISION_KEYS[prec]} file")
             if not onnx_path.is_file():
                 raise UserError(f"{d}: {rel} is listed in the manifest but missing")
             art.models.append({**info, "precision": prec, "onnx": onnx_path})
@@ -219,15 +218,15 @@ def load_image_folder(path: str | Path, cfg: dict, base: Path | None = None) -> 
 
 def preprocess_config(art: Artifact) -> dict:
     """Image preprocessing: the manifest's ``preprocess`` entry, else mean/std 0.5 at the input size."""
-    pp = art.manifest.get("preprocess")
+    pp = art.manifest.preprocess
     if isinstance(pp, dict) and "input_size" in pp:
         cfg = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "crop_pct": 1.0, **pp}
         cfg["input_size"] = tuple(int(x) for x in cfg["input_size"])
         return cfg
-    spec = next((i for i in art.manifest["inputs"] if i.get("name") == "pixel_values"), None)
-    shape = spec.get("shape") if spec else None
+    spec = next((i for i in art.manifest.inputs if i.name == "pixel_values"), None)
+    shape = spec.shape if spec else None
     if not shape or len(shape) != 4 or not all(isinstance(x, int) for x in shape[1:]):
-        raise UserError(f"{art.directory / 'manifest.json'}: no fixed pixel_values size and no 'preprocess' entry")
+        raise UserError(f"{art.directory / MANIFEST}: no fixed pixel_values size and no 'preprocess' entry")
     return {"input_size": tuple(shape[1:]), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "crop_pct": 1.0}
 
 
@@ -242,7 +241,7 @@ def load_tokenizer(art: Artifact, override: str | None = None):
     if override is not None:
         path, what = Path(override), f"--tokenizer {override}"
     else:
-        source = art.manifest["model"].get("source")
+        source = art.manifest.model.source
         if source in (None, DEFAULT_MODEL):
             from elastic_export.loader import default_model_path
 
@@ -431,7 +430,7 @@ def evaluate(
         max_length: token cap (the manifest's ``tokens`` when smaller).
         batch_size: inputs per onnxruntime run.
         tokenizer: tokenizer directory overriding the manifest's model source.
-        precisions: evaluate these precisions' files (fp32, fp16, int8; None: every one each
+        precisions: evaluate these precisions' files (fp32, fp16, int8, int8-qdq; None: every one each
             directory has); fidelity is always against the dense fp32 model.
         echo: progress messages.
 
@@ -460,7 +459,7 @@ def evaluate(
             budgets = _eval_image(art, folder, split, batch_size, image_cache, datasets, echo)
         echo(f"  done in {time.time() - t0:.1f}s")
         results.append({"dir": art.given, "method": art.method, "label": label, "modality": art.modality,
-                        "model": art.manifest["model"].get("source"), "budgets": budgets})
+                        "model": art.manifest.model.source, "budgets": budgets})
     settings = {"provider": "CPUExecutionProvider", "batch_size": batch_size, "max_length": max_length,
                 "knn": "leave-one-out" if split is None else {"split": split, "seed": 0}}
     return {"datasets": datasets, "settings": settings, "results": results}
@@ -540,9 +539,9 @@ def _eval_text(art: Artifact, pairs: list[dict], tok_dir: str | None, max_length
     want = ["sentence_embedding"] if "sentence_embedding" in art.output_names else ["last_hidden_state"]
     if want[0] not in art.output_names:
         raise UserError(f"{art.given}: no sentence_embedding or last_hidden_state output")
-    tokens = art.manifest.get("tokens")
+    tokens = art.manifest.tokens
     length = min(max_length, int(tokens)) if isinstance(tokens, int) and tokens > 0 else max_length
-    source = tok_dir or art.manifest["model"].get("source")
+    source = tok_dir or art.manifest.model.source
     key = (str(source), length, tuple(names))
     if key not in cache:
         tok = load_tokenizer(art, tok_dir)

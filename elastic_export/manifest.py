@@ -25,6 +25,8 @@ LATENCY_PROFILE = "latency_profile.json"
 REPORT = "report.html"
 BUDGET_INPUT = "budget_index"
 """The elastic graph's input that selects a budget."""
+TWIN_FIELDS = ("onnx_fp16", "fp16_max_rel_error", "onnx_int8", "int8_min_cosine", "onnx_int8_qdq", "int8_qdq_min_cosine")
+"""The fields of ``dense`` and of a budget for its lower-precision twins and their measured errors."""
 FILE_FIELDS = ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized", "engine")
 """The fields of ``dense`` and of a budget that name a file in the directory."""
 
@@ -183,14 +185,17 @@ class Entry:
     """
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+    ORDER: ClassVar[tuple[str, ...]] = ()
+    """The written key order of a new entry, where it is not the fields' order (inherited fields
+    come first in a dataclass); fields it leaves out follow."""
     NESTED: ClassVar[dict[str, type[Entry]]] = {}
     """field -> entry type of its value (a list of them for list fields)."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_order", [f for f in self._fields()
-                                            if f not in self.OPTIONAL or getattr(self, f) is not None])
+        names = list(dict.fromkeys([*self.ORDER, *self._fields()]))
+        object.__setattr__(self, "_order", [f for f in names if f not in self.OPTIONAL or getattr(self, f) is not None])
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -306,6 +311,7 @@ class Dense(_Files):
     """The dense model: its files, GFLOPs and parameters (and TensorRT engine once built)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"onnx_optimized", "engine"})
+    ORDER: ClassVar[tuple[str, ...]] = ("onnx", *TWIN_FIELDS, "gflops", "params")
     gflops: float | None = None
     params: int | None = None
     engine: str | None = None
@@ -315,6 +321,8 @@ class Dense(_Files):
 class Budget(_Files):
     """One budget: asked and achieved sparsity, cost, kept units per layer, files, engine, error."""
 
+    ORDER: ClassVar[tuple[str, ...]] = ("sparsity", "achieved_sparsity", "gflops", "params", "onnx", "engine",
+                                        "heads_per_layer", "neurons_per_layer", "max_abs_error", *TWIN_FIELDS)
     sparsity: float = 0.0
     achieved_sparsity: float | None = None
     gflops: float | None = None

@@ -344,31 +344,31 @@ def optimize_artifacts(directory: str | Path, *, method: str = "auto", include_d
     Returns:
         ``{source onnx name: result}``.
     """
-    from elastic_export.manifest import load_manifest, resolve, write_manifest
+    from elastic_export.manifest import Manifest
 
     directory = Path(directory)
-    manifest = load_manifest(directory)
-    entries = ([manifest["dense"]] if include_dense else []) + list(manifest["budgets"])
+    manifest = Manifest.load(directory)
+    entries = ([manifest.dense] if include_dense else []) + list(manifest.budgets)
     results: dict[str, OptimizeResult] = {}
     for entry in entries:
-        src = resolve(directory, entry.get("onnx"))
+        src = manifest.path(entry.onnx)
         if src is None or not src.is_file():
-            raise UserError(f"{directory}: {entry.get('onnx')} is listed in the manifest but missing")
-        name = optimized_name(entry["onnx"])
+            raise UserError(f"{directory}: {entry.onnx} is listed in the manifest but missing")
+        name = optimized_name(entry.onnx)
         res = optimize_onnx(src, directory / name, method=method, verify=verify, atol=atol)
-        results[entry["onnx"]] = res
+        results[entry.onnx] = res
         fused = ", ".join(f"{k} {v}" for k, v in res.fused.items())
         err = f", max abs error {res.max_abs_error:.1e}" if res.max_abs_error is not None else ""
-        echo(f"{entry['onnx']} -> {name} ({res.method}: {fused or 'nothing fused'}{err})")
+        echo(f"{entry.onnx} -> {name} ({res.method}: {fused or 'nothing fused'}{err})")
         if update_manifest:
-            entry[MANIFEST_KEY] = name
+            entry.onnx_optimized = name
     if update_manifest:
         import onnxruntime
 
-        manifest["ort_optimize"] = {
+        manifest.ort_optimize = {
             "onnxruntime": onnxruntime.__version__,
             "models": {src: {"onnx": Path(r.path).name, "method": r.method, "model_type": r.model_type,
                              "fused": r.fused, "max_abs_error": r.max_abs_error} for src, r in results.items()},
         }
-        write_manifest(directory, manifest)
+        manifest.write(directory)
     return results

@@ -32,7 +32,22 @@ from elastic_export.fp16 import add_fp16
 from elastic_export.int8 import add_int8, parse_precisions
 from elastic_export.inventory import Inventory, build_inventory
 from elastic_export.loader import load_encoder
-from elastic_export.manifest import FORMAT, MANIFEST, io_specs, load_manifest, write_manifest
+from elastic_export.manifest import (
+    BUDGET_INPUT,
+    DENSE_FILE,
+    ELASTIC_FILE,
+    MANIFEST,
+    RANKING_FILE,
+    Budget,
+    Dense,
+    Elastic,
+    Manifest,
+    ModelInfo,
+    RankingInfo,
+    TensorSpec,
+    io_specs,
+    write_manifest,
+)
 from elastic_export.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
 from elastic_export.passes import BudgetSlicer, build_elastic_model, dense_counts
 from elastic_export.plans import BudgetPlan, check_align, make_plans
@@ -42,9 +57,6 @@ from elastic_export.scoring import METHODS, NEEDS_DATA
 from elastic_export.soft_ranking import ElasticConfig
 from elastic_export.targets.onnxruntime import cpu_session
 
-RANKING_FILE = "ranking.safetensors"
-ELASTIC_FILE = "elastic.onnx"
-BUDGET_INPUT = "budget_index"
 LAYOUTS = ("artifacts", st_layout.LAYOUT)
 
 
@@ -233,10 +245,10 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
     full_heads, full_neurons = dense_counts(dense)
     model = build_elastic_model(dense, [p.heads_per_layer for p in plans] + [full_heads],
                                 [p.neurons_per_layer for p in plans] + [full_neurons], budget_input=BUDGET_INPUT)
-    onnx_io.save(model, directory / ELASTIC_FILE, onnx_io.external_like(directory / "dense.onnx"))
+    onnx_io.save(model, directory / ELASTIC_FILE, onnx_io.external_like(directory / DENSE_FILE))
     worst = None
     if feeds is not None and refs is not None:
-        worst = _check_elastic(directory, feeds, refs + [_ort_run(directory / "dense.onnx", feeds)],
+        worst = _check_elastic(directory, feeds, refs + [_ort_run(directory / DENSE_FILE, feeds)],
                                [f"budget {p.sparsity}" for p in plans] + [f"dense (index {len(plans)})"])
     size = sum(f.stat().st_size for f in onnx_io.files(directory / ELASTIC_FILE)) / 1e6
     echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets + dense, {size:.1f} MB, built in {time.time() - t0:.1f}s"
@@ -281,7 +293,7 @@ def check_layout(layout: str, encoder: Encoder) -> None:
         st_layout.st_modules(st_layout.source_dir(manifest), encoder.output_names())
 
 
-def write_st_layout(tmp: Path, out: Path, manifest: dict, echo: Callable[[str], None]) -> dict:
+def write_st_layout(tmp: Path, out: Path, manifest: Manifest, echo: Callable[[str], None]) -> dict:
     """Write ``tmp/sentence-transformers/``: a folder per budget and precision; returns its manifest entry."""
     folders = st_layout.write_layout(tmp, tmp / st_layout.LAYOUT, manifest=manifest)
     echo(f"sentence-transformers layout: {len(folders)} folders in {out / st_layout.LAYOUT}")
@@ -298,23 +310,23 @@ def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]
         echo(f"warning: report.html not written ({type(e).__name__}: {first_line(e)})")
 
 
-def quick_eval_or_warn(directory: Path, manifest: dict, encoder: Encoder, opts: Options,
-                       echo: Callable[[str], None]) -> dict:
+def quick_eval_or_warn(directory: Path, manifest: Manifest, encoder: Encoder, opts: Options,
+                       echo: Callable[[str], None]) -> Manifest:
     """Add the ``quick_eval`` entry (:mod:`elastic_export.quick_eval`) to the manifest in ``directory``;
     a failure only warns (the entry is then null): the measurements never cost the artifacts."""
-    from elastic_export.quick_eval import ENTRY, run_quick_eval
+    from elastic_export.quick_eval import run_quick_eval
 
     try:
         entry = run_quick_eval(directory, manifest, encoder, opts.calib, opts.calib_size, opts.seed, echo)
     except Exception as e:  # noqa: BLE001 - a view of the artifacts, not one of them
         echo(f"warning: quick eval skipped ({type(e).__name__}: {first_line(e)})")
         entry = None
-    manifest = {**manifest, ENTRY: entry}
+    manifest.quick_eval = entry
     write_manifest(directory, manifest)
     return manifest
 
 
-def run(opts: Options, echo: Callable[[str], None] = print) -> dict:
+def run(opts: Options, echo: Callable[[str], None] = print) -> Manifest:
     """Run the whole pipeline; returns the manifest written to ``opts.out``.
 
     A second process given the same ``--out`` while this one runs is refused (:class:`OutputLock`).
@@ -343,7 +355,7 @@ def claim_out(lock: OutputLock, out: Path, overwrite: bool, echo: Callable[[str]
     return True
 
 
-def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
+def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> Manifest:
     """The stages of the main job, ``--out``'s lock taken: load, rank, then (in a temporary
     directory moved into place only when complete) export, slice, check, write the manifest, report."""
     out = Path(opts.out)
@@ -362,7 +374,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> dict:
         dense = _export(encoder, ranking, tmp, opts, echo)
         feeds = encoder.sample_inputs(batch=2, seed=opts.seed + 1)
         twins = _Twins(precisions, qdq, {k: v.numpy() for k, v in feeds.items()} if opts.verify else None, opts.verify)
-        twins.add(tmp, "dense.onnx", dense)
+        twins.add(tmp, DENSE_FILE, dense)
         names = _slice(dense, plans, tmp, opts, echo)
         # the hard-masked torch outputs of every budget, once: the per-budget files and the
         # elastic graph are both checked against them
@@ -393,7 +405,7 @@ def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventor
          f"{inventory.total_params / 1e6:.2f}M params")
     check_align(inventory, opts.align)  # fail before the (long) ranking, not after it
     if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
-        raise UserError(EXTERNAL_REFUSAL.format(src="dense.onnx"))
+        raise UserError(EXTERNAL_REFUSAL.format(src=DENSE_FILE))
     check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
     return encoder, inventory
 
@@ -427,7 +439,7 @@ def _export(encoder: Encoder, ranking: Ranking, tmp: Path, opts: Options, echo: 
     """Save the ranking and export the dense rank-permuted ONNX (``dense.onnx``)."""
     save_ranking(ranking, tmp / RANKING_FILE)
     t0 = time.time()
-    dense = export_dense(encoder, ranking, tmp / "dense.onnx", opts.external_data)
+    dense = export_dense(encoder, ranking, tmp / DENSE_FILE, opts.external_data)
     echo(f"exported dense ONNX in {time.time() - t0:.1f}s")
     return dense
 
@@ -437,7 +449,7 @@ def _slice(dense: onnx.ModelProto, plans: list[BudgetPlan], tmp: Path, opts: Opt
     """Write one ONNX file per budget; their names, in plan order."""
     t0 = time.time()
     names = []
-    slicer = BudgetSlicer(dense, external=onnx_io.external_like(tmp / "dense.onnx"))
+    slicer = BudgetSlicer(dense, external=onnx_io.external_like(tmp / DENSE_FILE))
     for plan in tqdm(plans, desc="slicing budgets", unit="budget", leave=False):
         names.append(f"budget_{budget_tag(plan.sparsity)}.onnx")
         # with --verify, onnxruntime loads and checks every file below, so the passes skip
@@ -494,53 +506,42 @@ def _check_budgets(plans: list[BudgetPlan], names: list[str], tmp: Path, feeds: 
 
 def _manifest(encoder: Encoder, inventory: Inventory, dense: onnx.ModelProto, tmp: Path, opts: Options,
               precisions: tuple[str, ...], twins: _Twins, rows: list[tuple[BudgetPlan, str, float | None]],
-              elastic: dict | None, ranking: Ranking, rank_seconds: float | None) -> dict:
+              elastic: dict | None, ranking: Ranking, rank_seconds: float | None) -> Manifest:
     """The manifest of the artifact set in ``tmp`` (``rows``: each budget's plan, file and max abs error)."""
-    return {
-        "format": FORMAT,
-        "tool": f"elastic-export {__version__}",
-        "model": {"source": encoder.source, "architecture": encoder.architecture,
-                  "fingerprint": encoder.fingerprint(), "modality": encoder.modality,
-                  **({"tower": encoder.tower} if encoder.tower else {})},
-        "inputs": io_specs(dense.graph.input),
-        "outputs": io_specs(onnx.shape_inference.infer_shapes(onnx_io.weightless(dense)).graph.output),
-        "tokens": inventory.tokens,
-        "preprocess": preprocess.artifact_entry(encoder.data_config, tmp),
-        "prunable_gflops": inventory.prunable_flops / 1e9,
-        "align": opts.align,
-        "precisions": list(precisions),
-        "dense": {"onnx": "dense.onnx", **twins.fields("dense.onnx"),
-                  "gflops": inventory.total_flops / 1e9, "params": inventory.total_params},
-        "budgets": [
-            {
-                "sparsity": p.sparsity,
-                "achieved_sparsity": round(p.achieved_sparsity, 6),
-                "gflops": p.gflops,
-                "params": p.params,
-                "onnx": name,
-                "engine": None,
-                "heads_per_layer": p.heads_per_layer,
-                "neurons_per_layer": p.neurons_per_layer,
-                "max_abs_error": err,
-                **twins.fields(name),
-            }
-            for p, name, err in rows
-        ],
-        "elastic": elastic,
-        **({int8_qdq.MANIFEST_ENTRY: int8_qdq.manifest_entry(twins.qdq)} if twins.qdq is not None else {}),
-        "ranking": {"file": RANKING_FILE, "method": ranking.meta.get("method"), "seconds": rank_seconds},
-    }
+    outputs = io_specs(onnx.shape_inference.infer_shapes(onnx_io.weightless(dense)).graph.output)
+    return Manifest(
+        tool=f"elastic-export {__version__}",
+        model=ModelInfo(source=encoder.source, architecture=encoder.architecture, fingerprint=encoder.fingerprint(),
+                        modality=encoder.modality, tower=encoder.tower or None),
+        inputs=[TensorSpec(**s) for s in io_specs(dense.graph.input)],
+        outputs=[TensorSpec(**s) for s in outputs],
+        tokens=inventory.tokens,
+        preprocess=preprocess.artifact_entry(encoder.data_config, tmp),
+        prunable_gflops=inventory.prunable_flops / 1e9,
+        align=opts.align,
+        precisions=list(precisions),
+        dense=Dense(onnx=DENSE_FILE, **twins.fields(DENSE_FILE), gflops=inventory.total_flops / 1e9,
+                    params=inventory.total_params),
+        budgets=[Budget(sparsity=p.sparsity, achieved_sparsity=round(p.achieved_sparsity, 6), gflops=p.gflops,
+                        params=p.params, onnx=name, engine=None, heads_per_layer=p.heads_per_layer,
+                        neurons_per_layer=p.neurons_per_layer, max_abs_error=err, **twins.fields(name))
+                 for p, name, err in rows],
+        elastic=Elastic.from_dict(elastic) if elastic is not None else None,
+        int8_qdq=int8_qdq.manifest_entry(twins.qdq) if twins.qdq is not None else None,
+        ranking=RankingInfo(file=RANKING_FILE, method=ranking.meta.get("method"), seconds=rank_seconds),
+    )
 
 
-def _finish(tmp: Path, out: Path, manifest: dict, encoder: Encoder, opts: Options, echo: Callable[[str], None]) -> dict:
+def _finish(tmp: Path, out: Path, manifest: Manifest, encoder: Encoder, opts: Options,
+            echo: Callable[[str], None]) -> Manifest:
     """Write the manifest and what is derived from the artifacts (sentence-transformers layout,
     onnxruntime-optimised copies, quick eval, report); the final manifest."""
     if opts.layout == st_layout.LAYOUT:
-        manifest["sentence_transformers"] = write_st_layout(tmp, out, manifest, echo)
+        manifest.sentence_transformers = write_st_layout(tmp, out, manifest, echo)
     write_manifest(tmp, manifest)
     if opts.ort_optimize:
         optimize_artifacts(tmp, update_manifest=True, echo=echo)
-        manifest = load_manifest(tmp)
+        manifest = Manifest.load(tmp)
     if opts.quick_eval:
         manifest = quick_eval_or_warn(tmp, manifest, encoder, opts, echo)
     if opts.report:

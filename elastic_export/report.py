@@ -574,8 +574,8 @@ def render_report(directory: str | Path, name: str | None = None) -> str:
                f"tokens; dense {_gflops(d.gflops)} GFLOPs ({_gflops(manifest.prunable_gflops)} "
                f"prunable), {_num((d.params or 0) / 1e6, '.2f')}M params; {len(manifest.budgets)} budgets; "
                f"precisions {_e(', '.join(manifest.precisions or ['fp32']))}; align "
-               f"{_e(manifest.get('align', 1))}; ranking {_e(manifest.ranking.method)}; "
-               f"{_e(manifest.get('tool', ''))}")
+               f"{_e(manifest.align or 1)}; ranking {_e(manifest.ranking.method)}; "
+               f"{_e(manifest.tool or '')}")
     sections = [
         ("budgets", "Budgets", lambda: section_budgets(manifest)),
         ("quality", "Quality vs GFLOPs", lambda: section_quality(found)),

@@ -44,6 +44,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from elastic_export.backends import Backend, artifact_backends
 from elastic_export.compare import ATOL, compare_outputs, max_abs_error
 from elastic_export.compare import fmt_error as _fmt
 from elastic_export.errors import UserError, first_line
@@ -52,7 +53,7 @@ from elastic_export.int8 import INT8_MIN_COSINE, embedding, min_cosine
 from elastic_export.int8_qdq import FILE_KEY as QDQ_KEY
 from elastic_export.int8_qdq import PRECISION as QDQ
 from elastic_export.int8_qdq import QDQ_MIN_COSINE
-from elastic_export.manifest import MANIFEST, elastic_indices, load_manifest, resolve
+from elastic_export.manifest import MANIFEST, Budget, Elastic, Manifest, TensorSpec, as_manifest, resolve
 
 OK, MISMATCH, MISSING, CORRUPT, SKIPPED = "ok", "MISMATCH", "missing", "corrupt", "skipped"
 
@@ -199,17 +200,17 @@ def _vocab_size(dense: onnx.ModelProto) -> int | None:
     return None
 
 
-def _image_size(spec: dict, manifest: dict) -> tuple[int, int]:
-    shape = spec.get("shape") or []
+def _image_size(spec: TensorSpec, manifest: Manifest) -> tuple[int, int]:
+    shape = spec.shape or []
     if len(shape) == 4 and all(isinstance(d, int) and d > 0 for d in shape[2:]):
         return int(shape[2]), int(shape[3])
-    size = (manifest.get("preprocess") or {}).get("input_size")
+    size = (manifest.preprocess or {}).get("input_size")
     if isinstance(size, list) and len(size) == 3 and all(isinstance(d, int) for d in size):
         return int(size[1]), int(size[2])
-    raise UserError(f"{MANIFEST}: cannot tell the image size of input {spec.get('name')!r} (shape {shape})")
+    raise UserError(f"{MANIFEST}: cannot tell the image size of input {spec.name!r} (shape {shape})")
 
 
-def sample_inputs(manifest: dict, dense: onnx.ModelProto, batch: int = 2, seq_len: int | None = None,
+def sample_inputs(manifest: Manifest | dict, dense: onnx.ModelProto, batch: int = 2, seq_len: int | None = None,
                   seed: int = 0) -> dict[str, np.ndarray]:
     """Sample feeds for the manifest's inputs.
 
@@ -227,7 +228,8 @@ def sample_inputs(manifest: dict, dense: onnx.ModelProto, batch: int = 2, seq_le
     """
     if batch < 1:
         raise UserError(f"--batch must be a positive integer, got {batch}")
-    tokens = manifest.get("tokens") if isinstance(manifest.get("tokens"), int) and manifest["tokens"] > 0 else 32
+    manifest = as_manifest(manifest)
+    tokens = manifest.tokens if isinstance(manifest.tokens, int) and manifest.tokens > 0 else 32
     seq = min(32, tokens) if seq_len is None else seq_len
     if seq < 1:
         raise UserError(f"--seq-len must be a positive integer, got {seq}")
@@ -235,8 +237,8 @@ def sample_inputs(manifest: dict, dense: onnx.ModelProto, batch: int = 2, seq_le
     vocab = _vocab_size(dense) or 100
     low = 1000 if vocab > 2000 else min(5, vocab - 1)  # clear of special tokens in real vocabularies
     feeds: dict[str, np.ndarray] = {}
-    for spec in manifest["inputs"]:
-        name, dtype = spec["name"], spec.get("dtype")
+    for spec in manifest.inputs:
+        name, dtype = spec.name, spec.dtype
         if name == "pixel_values":
             h, w = _image_size(spec, manifest)
             feeds[name] = rng.standard_normal((batch, 3, h, w)).astype(np.float32)
@@ -329,38 +331,25 @@ def _guard(check: Check, fn: Callable[[], Check]) -> Check:
         return check
 
 
-# --- TensorRT ------------------------------------------------------------------------------------
-def tensorrt_unavailable() -> str | None:
-    """Why engines cannot be run here, or None when they can (no torch needed)."""
-    from elastic_export.targets.tensorrt import tensorrt_unavailable as why
+# --- files a backend runs itself (TensorRT engines) -----------------------------------------------
+def run_backend_file(backend: Backend, path: Path, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+    """Run one file of ``backend``'s own kind once (:meth:`Backend.run_file`; e.g. an engine).
 
-    return why()
-
-
-def run_engine(path: Path, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
-    """Run a serialized TensorRT engine once through :func:`elastic_export.targets.tensorrt.load_engine`.
-
-    Args:
-        path: the ``.engine`` file.
-        feeds: inputs by name (numpy, cast to the engine's input types).
-        outputs: output names to return.
+    Raises:
+        _Failed: it does not load or lacks an output (CORRUPT), or the backend fails on it.
     """
-    from elastic_export.targets.tensorrt import load_engine
-
     try:
-        runner = load_engine(path)
+        got = backend.run_file(path, feeds, outputs)
     except UserError as e:
         raise _Failed(CORRUPT, str(e))
-    with runner:  # frees its device buffers and stream
-        missing = [o for o in outputs if o not in runner.outputs]
-        if missing:
-            raise _Failed(CORRUPT, f"engine has no output {missing[0]!r}")
-        return [np.asarray(a, dtype=np.float32) for a in runner.run(feeds, outputs)]
+    except Exception as e:  # the backend's own (TensorRT / CUDA) errors
+        raise _Failed(CORRUPT, f"{backend.name}: {_first_line(e)}")
+    return [np.asarray(a, dtype=np.float32) for a in got]
 
 
 # --- torch ---------------------------------------------------------------------------------------
-def _torch_reference(manifest: dict, directory: Path, model: str | None, tower: str | None, seq_len: int,
-                     budgets: list[dict]) -> tuple[Callable | None, str]:
+def _torch_reference(manifest: Manifest, directory: Path, model: str | None, tower: str | None, seq_len: int,
+                     budgets: list[Budget]) -> tuple[Callable | None, str]:
     """(function budget-index-or-None -> outputs, description), or (None, why not)."""
     try:
         import torch
@@ -373,28 +362,28 @@ def _torch_reference(manifest: dict, directory: Path, model: str | None, tower: 
     from elastic_export.ranking import load_ranking
     from elastic_export.reference import hard_mask
 
-    source = model if model is not None else manifest["model"].get("source")
+    source = model if model is not None else manifest.model.source
     if not isinstance(source, str) or not source:
         return None, "the manifest names no model source"
     explicit = model is not None
     try:
-        image = next((i for i in manifest["inputs"] if i.get("name") == "pixel_values"), None)
+        image = next((i for i in manifest.inputs if i.name == "pixel_values"), None)
         size = _image_size(image, manifest)[0] if image else None
         enc = load_encoder(source, pretrained=False, seq_len=max(seq_len, 1),
                            image_size=size if image and not Path(source).is_dir() else None,
-                           tower=tower or manifest["model"].get("tower"))
+                           tower=tower or manifest.model.tower)
     except Exception as e:  # UserError, or whatever a broken model directory raises
         if explicit:
             raise UserError(f"--model {source}: cannot load it ({_first_line(e)})")
         return None, f"model.source {source!r} does not load here ({_first_line(e)}); pass --model"
-    if enc.fingerprint() != manifest["model"].get("fingerprint"):
+    if enc.fingerprint() != manifest.model.fingerprint:
         msg = f"{source}: not the model these artifacts were made from (fingerprint differs)"
         if explicit:
             raise UserError(f"--model {msg}")
         return None, msg
-    rk_path = resolve(directory, manifest["ranking"].get("file"))
+    rk_path = resolve(directory, manifest.ranking.file)
     if rk_path is None or not rk_path.is_file():
-        raise UserError(f"{directory}: the ranking file {manifest['ranking'].get('file')!r} is missing")
+        raise UserError(f"{directory}: the ranking file {manifest.ranking.file!r} is missing")
     ranking = load_ranking(rk_path)
     names = [s.name for s in enc.input_specs()]
 
@@ -404,7 +393,7 @@ def _torch_reference(manifest: dict, directory: Path, model: str | None, tower: 
         for b in blocks:
             for kind, counts in ((HEADS, "heads_per_layer"), (NEURONS, "neurons_per_layer")):
                 order = ranking.order(kind, b.index)
-                keep[(b.index, kind)] = order if index is None else order[:budgets[index][counts][b.index]]
+                keep[(b.index, kind)] = order if index is None else order[:getattr(budgets[index], counts)[b.index]]
         with torch.no_grad(), hard_mask(blocks, keep):
             out = enc.export_module()(*(torch.from_numpy(feeds[n]) for n in names))
         return [t.numpy() for t in out]
@@ -413,16 +402,16 @@ def _torch_reference(manifest: dict, directory: Path, model: str | None, tower: 
 
 
 # --- the command ---------------------------------------------------------------------------------
-def _check_budgets(manifest: dict, path: Path) -> list[dict]:
-    budgets = manifest["budgets"]
+def _check_budgets(manifest: Manifest, path: Path) -> list[Budget]:
+    budgets = manifest.budgets
     for i, b in enumerate(budgets):
         for key in ("heads_per_layer", "neurons_per_layer"):
-            v = b.get(key)
+            v = getattr(b, key)
             if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                 raise UserError(f"{path}: budget {i} has no valid {key!r} (a list of integers)")
-        if not isinstance(b.get("sparsity"), (int, float)):
+        if not isinstance(b.sparsity, (int, float)):
             raise UserError(f"{path}: budget {i} has no numeric 'sparsity'")
-        if not isinstance(b.get("onnx"), str):
+        if not isinstance(b.onnx, str):
             raise UserError(f"{path}: budget {i} has no 'onnx' file")
     return budgets
 
@@ -454,9 +443,9 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
     d = Path(directory)
     if not d.is_dir():
         raise UserError(f"{directory}: no such directory" if not d.exists() else f"{directory}: not a directory")
-    manifest = load_manifest(d)
+    manifest = Manifest.load(d)
     budgets = _check_budgets(manifest, d / MANIFEST)
-    outputs = [o["name"] for o in manifest["outputs"]]
+    outputs = [o.name for o in manifest.outputs]
     report = Report(d)
     dense_rel, dense, dense_sess = _open_dense(d, manifest)
     feeds = sample_inputs(manifest, dense, batch=batch, seq_len=seq_len, seed=seed)
@@ -470,23 +459,23 @@ def verify_dir(directory: str | Path, *, batch: int = 2, seq_len: int | None = N
     refs = _masked_references(d, dense, budgets, feeds, outputs)
     _check_files(report, manifest, dense_rel, budgets, dense_out, refs, feeds, outputs, atol, rtol_fp16)
     echo(f"checked {len(budgets)} budgets")
-    elastic = manifest.get("elastic")
-    if elastic:
+    elastic = manifest.elastic
+    if elastic is not None:
         _check_elastic(report, d, elastic, budgets, [*refs, dense_out], feeds, outputs, atol, rtol_fp16)
-    dense_entry = {"sparsity": 0.0, "engine": manifest["dense"].get("engine"), "label": "dense"}
-    _check_engines(report, d, [dense_entry, *budgets], [dense_out, *refs], feeds, outputs, rtol_fp16)
+    labelled = [("dense", manifest.dense), *((f"{b.sparsity:.2f}", b) for b in budgets)]
+    _check_engines(report, d, labelled, [dense_out, *refs], feeds, outputs, rtol_fp16)
     if use_torch:
         _check_torch(report, d, manifest, (model, tower), feeds, budgets, dense_out, refs, outputs, atol, seq_len)
     return report
 
 
-def _open_dense(d: Path, manifest: dict) -> tuple[str, onnx.ModelProto, Any]:
+def _open_dense(d: Path, manifest: Manifest) -> tuple[str, onnx.ModelProto, Any]:
     """The manifest's dense file: (its name, the model, an onnxruntime session of it).
 
     Raises:
         UserError: it is not listed, missing, corrupt or does not load: nothing can be checked.
     """
-    dense_rel = manifest["dense"].get("onnx")
+    dense_rel = manifest.dense.onnx
     if not isinstance(dense_rel, str):
         raise UserError(f"{d / MANIFEST}: 'dense' has no 'onnx' file")
     try:
@@ -498,7 +487,7 @@ def _open_dense(d: Path, manifest: dict) -> tuple[str, onnx.ModelProto, Any]:
         raise UserError(f"{d}: the dense model {dense_rel} does not load ({_first_line(e)})")
 
 
-def _masked_references(d: Path, dense: onnx.ModelProto, budgets: list[dict], feeds: dict[str, np.ndarray],
+def _masked_references(d: Path, dense: onnx.ModelProto, budgets: list[Budget], feeds: dict[str, np.ndarray],
                        outputs: list[str]) -> list[list[np.ndarray]]:
     """Each budget's reference outputs: its masked dense model's (:func:`masked_dense`).
 
@@ -507,15 +496,15 @@ def _masked_references(d: Path, dense: onnx.ModelProto, budgets: list[dict], fee
     """
     refs: list[list[np.ndarray]] = []
     for b in budgets:
-        sess = _session(masked_dense(dense, b["heads_per_layer"], b["neurons_per_layer"]))
+        sess = _session(masked_dense(dense, b.heads_per_layer, b.neurons_per_layer))
         try:
             refs.append(_run(sess, feeds, outputs))
         except _Failed as e:
-            raise UserError(f"{d}: the masked dense model of budget {b['sparsity']} does not run ({e.reason})")
+            raise UserError(f"{d}: the masked dense model of budget {b.sparsity} does not run ({e.reason})")
     return refs
 
 
-def _check_files(report: Report, manifest: dict, dense_rel: str, budgets: list[dict], dense_out: list, refs: list,
+def _check_files(report: Report, manifest: Manifest, dense_rel: str, budgets: list[Budget], dense_out: list, refs: list,
                  feeds: dict, outputs: list[str], atol: float, rtol_fp16: float) -> None:
     """One row per per-budget file and twin: fp32 and fp16 against the (masked) dense model, int8 and
     int8-qdq against their own fp32 file."""
@@ -533,18 +522,18 @@ def _check_files(report: Report, manifest: dict, dense_rel: str, budgets: list[d
 
         report.checks.append(_guard(check, go))
 
-    fp16_dense = manifest["dense"].get("onnx_fp16")
+    fp16_dense = manifest.dense.onnx_fp16
     if fp16_dense is not None:
         onnx_check("dense", fp16_dense, "fp16", dense_out, dense_rel)
     for b, ref in zip(budgets, refs):
-        label = f"{b['sparsity']:.2f}"
-        onnx_check(label, b["onnx"], "fp32", ref, "masked dense")
-        if b.get("onnx_fp16") is not None:
-            onnx_check(label, b["onnx_fp16"], "fp16", ref, "masked dense")
-    for label, entry in [("dense", manifest["dense"]), *((f"{b['sparsity']:.2f}", b) for b in budgets)]:
+        label = f"{b.sparsity:.2f}"
+        onnx_check(label, b.onnx, "fp32", ref, "masked dense")
+        if b.onnx_fp16 is not None:
+            onnx_check(label, b.onnx_fp16, "fp16", ref, "masked dense")
+    for label, entry in [("dense", manifest.dense), *((f"{b.sparsity:.2f}", b) for b in budgets)]:
         for key, kind, bound in (("onnx_int8", "int8", INT8_MIN_COSINE), (QDQ_KEY, QDQ, QDQ_MIN_COSINE)):
             if entry.get(key) is not None:
-                report.checks.append(_check_int8(d, label, entry["onnx"], entry[key], feeds, outputs, bound, kind))
+                report.checks.append(_check_int8(d, label, entry.onnx, entry.get(key), feeds, outputs, bound, kind))
 
 
 def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, outputs: list[str],
@@ -569,15 +558,15 @@ def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, 
     return _guard(check, go)
 
 
-def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], refs: list, feeds: dict,
+def _check_elastic(report: Report, d: Path, elastic: Elastic, budgets: list[Budget], refs: list, feeds: dict,
                    outputs: list[str], atol: float, rtol_fp16: float = FP16_RTOL) -> None:
     """One row per index of the elastic graph (and of its fp16 twin where the manifest lists one),
     selected by its ``budget_input``: every budget against its masked dense model (``refs[i]``)
     and, where the manifest lists a ``dense_index``, the dense model against dense.onnx
     (``refs[-1]``)."""
-    index_name = elastic.get("budget_input")
+    index_name = elastic.budget_input
     files = [("onnx", "elastic", atol, None)]
-    if elastic.get("onnx_fp16") is not None:
+    if elastic.onnx_fp16 is not None:
         files.append(("onnx_fp16", "elastic fp16", None, rtol_fp16))
     for key, kind, file_atol, file_rtol in files:
         rel = elastic.get(key)
@@ -589,11 +578,11 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
             spec = next((i for i in sess.get_inputs() if i.name == index_name), None)
             if spec is None:
                 raise _Failed(CORRUPT, f"has no input {index_name!r} (the manifest's budget_input)")
-            listed = elastic.get("budgets")
-            if listed is not None and listed != [b["sparsity"] for b in budgets]:
+            listed = elastic.budgets
+            if listed is not None and listed != [b.sparsity for b in budgets]:
                 raise _Failed(CORRUPT, f"its budgets {listed} are not the manifest's, in the manifest's order")
             try:
-                indices = elastic_indices(elastic, [b["sparsity"] for b in budgets])
+                indices = elastic.indices([b.sparsity for b in budgets])
             except UserError as e:
                 raise _Failed(CORRUPT, str(e))
         except _Failed as e:
@@ -601,7 +590,7 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
             report.checks.append(base)
             continue
         shape = () if not spec.shape else (1,) * len(spec.shape)
-        labels = [f"{b['sparsity']:.2f}" for b in budgets] + ["dense"]
+        labels = [f"{b.sparsity:.2f}" for b in budgets] + ["dense"]
         for n, (_, i) in enumerate(indices):
             dense = n == len(budgets)
             check = Check(labels[n], f"{rel}[{i}]", kind, "dense" if dense else "masked dense")
@@ -611,41 +600,39 @@ def _check_elastic(report: Report, d: Path, elastic: dict, budgets: list[dict], 
                                                  file_atol, file_rtol, feeds.get("attention_mask"))))
 
 
-def _check_engines(report: Report, d: Path, budgets: list[dict], refs: list, feeds: dict,
+def _check_engines(report: Report, d: Path, budgets: list[tuple[str, Any]], refs: list, feeds: dict,
                    outputs: list[str], rtol: float) -> None:
-    """One row per TensorRT engine the manifest lists (skipped with the reason where none can run)."""
-    why = None
-    for b, ref in zip(budgets, refs):
-        rel = b.get("engine")
-        if rel is None:
-            continue
-        check = Check(b.get("label", f"{b['sparsity']:.2f}"), str(rel), "engine",
-                      "dense" if b.get("label") == "dense" else "masked dense", tol=f"rel {rtol:.0e}")
-        path = resolve(d, rel) if isinstance(rel, str) else None
-        if path is None or not path.is_file():
-            check.status, check.detail = MISSING, f"{rel} is listed in the manifest but missing"
-            report.checks.append(check)
-            continue
-        why = why or tensorrt_unavailable()
-        if why:
-            check.status, check.detail = SKIPPED, why
-            report.checks.append(check)
-            continue
+    """One row per file of a backend's own kind the manifest lists (:func:`artifact_backends`: the
+    TensorRT engines), skipped with the reason where that backend cannot run here.
 
-        def go(check=check, path=path, ref=ref) -> Check:
-            try:
-                got = run_engine(path, feeds, outputs)
-            except _Failed:
-                raise
-            except Exception as e:  # TensorRT / CUDA errors
-                raise _Failed(CORRUPT, f"TensorRT: {_first_line(e)}")
-            return _compare(check, ref, got, None, rtol, feeds.get("attention_mask"))
-
-        report.checks.append(_guard(check, go))
+    Args:
+        budgets: (label, manifest entry) of the dense model and every budget, as ``refs``.
+    """
+    for entry in artifact_backends():
+        backend, why = None, None
+        for (label, b), ref in zip(budgets, refs):
+            rel = b.get(entry.artifact)
+            if rel is None:
+                continue
+            check = Check(label, str(rel), entry.artifact, "dense" if label == "dense" else "masked dense",
+                          tol=f"rel {rtol:.0e}")
+            path = resolve(d, rel) if isinstance(rel, str) else None
+            if path is None or not path.is_file():
+                check.status, check.detail = MISSING, f"{rel} is listed in the manifest but missing"
+                report.checks.append(check)
+                continue
+            backend = backend or entry.load()
+            why = why or backend.unavailable()
+            if why:
+                check.status, check.detail = SKIPPED, why
+                report.checks.append(check)
+                continue
+            report.checks.append(_guard(check, lambda check=check, path=path, ref=ref, be=backend: _compare(
+                check, ref, run_backend_file(be, path, feeds, outputs), None, rtol, feeds.get("attention_mask"))))
 
 
-def _check_torch(report: Report, d: Path, manifest: dict, model: tuple[str | None, str | None], feeds: dict,
-                 budgets: list[dict], dense_out: list, refs: list, outputs: list[str], atol: float,
+def _check_torch(report: Report, d: Path, manifest: Manifest, model: tuple[str | None, str | None], feeds: dict,
+                 budgets: list[Budget], dense_out: list, refs: list, outputs: list[str], atol: float,
                  seq_len: int | None) -> None:
     """Compare the reference (dense and every masked dense model) with the torch hard-masked model
     (``model``: the ``--model`` and ``--tower`` given, or Nones for the manifest's)."""
@@ -654,9 +641,9 @@ def _check_torch(report: Report, d: Path, manifest: dict, model: tuple[str | Non
     if fn is None:
         report.checks.append(Check("all", "-", "torch", "-", status=SKIPPED, detail=what))
         return
-    entries = [("dense", None, dense_out, manifest["dense"]["onnx"])]
-    masked = f"{manifest['dense']['onnx']} (masked)"
-    entries += [(f"{b['sparsity']:.2f}", i, ref, masked) for i, (b, ref) in enumerate(zip(budgets, refs))]
+    entries = [("dense", None, dense_out, manifest.dense.onnx)]
+    masked = f"{manifest.dense.onnx} (masked)"
+    entries += [(f"{b.sparsity:.2f}", i, ref, masked) for i, (b, ref) in enumerate(zip(budgets, refs))]
     for label, index, want, name in entries:
         check = Check(label, name, "torch", what)
         got = fn(index, feeds)

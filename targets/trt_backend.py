@@ -53,6 +53,21 @@ class TrtBackend(Backend):
                             f"backend 'tensorrt': {why}; use backend='onnxruntime'")
         return load
 
+    def unavailable(self) -> str | None:
+        """Why engines cannot run here (TensorRT or a CUDA GPU missing), or None; no torch needed."""
+        try:
+            return importlib.import_module(MODULE).tensorrt_unavailable()
+        except ImportError as e:
+            return f"{MODULE} cannot be imported ({e})"
+
+    def run_file(self, path: Path, feeds: dict[str, Any], outputs: list[str]) -> list[Any]:
+        """Run a serialized engine once (its device buffers and stream freed after)."""
+        with importlib.import_module(MODULE).load_engine(path) as runner:
+            missing = [o for o in outputs if o not in runner.outputs]
+            if missing:
+                raise UserError(f"engine has no output {missing[0]!r}")
+            return list(runner.run(feeds, outputs))
+
     def load_budgets(self, directory: Path, manifest: Manifest, mode: str, keep: Callable[[float], bool],
                      precisions: list[str], config: Any = None, providers: Sequence[str] | str | None = None) -> Loaded:
         if mode != "per-budget":

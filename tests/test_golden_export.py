@@ -5,11 +5,17 @@ artifact bytes unchanged).
 all-MiniLM-L6-v2) with ``--budgets 0.3,0.6 --method magnitude --precision fp32,fp16,int8,int8-qdq
 --no-quick-eval`` before the refactor. The test re-runs that job through the CLI and compares:
 
-* the manifest, key by key (only the ranking's wall time is left out, and measured errors are
-  compared to 1e-6 since they are computed by onnxruntime);
-* the sha256 of every ONNX file and the ranking file, when torch, onnx, onnxruntime and
-  onnx-graphsurgeon are the versions the golden file was recorded with (another exporter version
-  may write other bytes for the same model; the manifest comparison still runs then).
+* the manifest, key by key and in order (only the ranking's wall time is left out);
+* when the packages in :data:`PACKAGES` are the versions the golden file was recorded with: the
+  measured errors to 1e-6 and the sha256 of every ONNX file and the ranking file. Another exporter
+  may write other bytes for the same model, and another tokenizer other calibration inputs (so
+  other int8-qdq scales and held-out cosines); with other versions the measured errors are only
+  checked against the bounds the main job states.
+
+The golden file was first recorded before the issue 15 refactor; it was re-recorded on
+2026-12-01 after a new install brought other tokenizers / transformers versions, with the
+pre-refactor commit (e9204e7) and the refactored tree writing identical bytes and manifests in
+that environment.
 
 Re-record after an intended change: ``ELASTIC_EXPORT_UPDATE_GOLDEN=1 python -m pytest
 tests/test_golden_export.py``.
@@ -27,10 +33,17 @@ from pathlib import Path
 
 import pytest
 
+from elastic_export.compare import ATOL
+from elastic_export.fp16 import FP16_RTOL
+from elastic_export.int8 import INT8_MIN_COSINE
+from elastic_export.int8_qdq import QDQ_MIN_COSINE
+
 GOLDEN = Path(__file__).parent / "golden" / "minilm_magnitude.json"
 ARGS = ["--budgets", "0.3,0.6", "--method", "magnitude", "--precision", "fp32,fp16,int8,int8-qdq", "--no-quick-eval"]
-PACKAGES = ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon")
-MEASURED = ("max_abs_error", "fp16_max_rel_error", "int8_min_cosine", "int8_qdq_min_cosine")
+PACKAGES = ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon", "transformers", "tokenizers", "numpy")
+#: measured field -> (lowest, highest) value the main job accepts (its stated bounds)
+MEASURED = {"max_abs_error": (0.0, ATOL), "fp16_max_rel_error": (0.0, FP16_RTOL),
+            "int8_min_cosine": (INT8_MIN_COSINE, 1.0 + 1e-6), "int8_qdq_min_cosine": (QDQ_MIN_COSINE, 1.0 + 1e-6)}
 
 
 def _normalised(manifest: dict) -> dict:
@@ -45,19 +58,27 @@ def _hashes(directory: Path) -> dict[str, str]:
             for p in sorted(directory.iterdir()) if p.suffix in (".onnx", ".data", ".safetensors")}
 
 
-def _compare(got, want, where: str = "manifest") -> None:
-    """Equal, key by key and in the same key order; measured errors to 1e-6."""
+def _versions() -> dict[str, str]:
+    """The versions that decide the bytes (a torch build's local label, ``+cpu`` / ``+cu130``, left out:
+    both export the same CPU graph)."""
+    return {p: version(p).split("+")[0] for p in PACKAGES}
+
+
+def _compare(got, want, exact: bool, where: str = "manifest") -> None:
+    """Equal, key by key and in the same key order; measured errors to 1e-6 when ``exact``, else
+    within their stated bounds."""
     if isinstance(want, dict):
         assert isinstance(got, dict) and list(got) == list(want), f"{where}: keys (in order) {list(got)} != {list(want)}"
         for k in want:
             if k in MEASURED and want[k] is not None:
-                assert got[k] == pytest.approx(want[k], abs=1e-6), f"{where}.{k}"
+                lo, hi = MEASURED[k]
+                assert (got[k] == pytest.approx(want[k], abs=1e-6)) if exact else lo <= got[k] <= hi, f"{where}.{k}"
             else:
-                _compare(got[k], want[k], f"{where}.{k}")
+                _compare(got[k], want[k], exact, f"{where}.{k}")
     elif isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
         for i, (g, w) in enumerate(zip(got, want)):
-            _compare(g, w, f"{where}[{i}]")
+            _compare(g, w, exact, f"{where}[{i}]")
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
@@ -73,17 +94,18 @@ def exported(tmp_path_factory) -> Path:
 
 
 def test_main_job_matches_the_golden_export(exported: Path):
-    record = {"args": ARGS, "versions": {p: version(p) for p in PACKAGES},
+    record = {"args": ARGS, "versions": _versions(),
               "manifest": _normalised(json.loads((exported / "manifest.json").read_text())),
               "sha256": _hashes(exported)}
     if os.environ.get("ELASTIC_EXPORT_UPDATE_GOLDEN"):
         GOLDEN.write_text(json.dumps(record, indent=1) + "\n")
     golden = json.loads(GOLDEN.read_text())
     assert golden["args"] == ARGS
-    _compare(record["manifest"], golden["manifest"])
+    same = record["versions"] == golden["versions"]
+    _compare(record["manifest"], golden["manifest"], exact=same)
     assert sorted(record["sha256"]) == sorted(golden["sha256"]), "the set of artifact files changed"
-    if record["versions"] != golden["versions"]:
-        pytest.skip(f"manifest equal; bytes not compared: recorded with {golden['versions']}, "
-                    f"running {record['versions']} (another exporter may write other bytes)")
+    if not same:
+        pytest.skip(f"manifest equal, measured errors within bounds; bytes not compared: recorded with "
+                    f"{golden['versions']}, running {record['versions']} (other bytes / calibration inputs)")
     changed = [f for f, h in golden["sha256"].items() if record["sha256"][f] != h]
     assert not changed, f"artifact bytes changed: {changed}"
