@@ -341,19 +341,24 @@ def section_budgets(manifest: Manifest) -> str:
     return "\n".join(out)
 
 
-def section_quality(found: Found) -> str:
-    """Quality vs GFLOPs of every eval result in the directory, one curve per method."""
-    if not found.evals:
-        return _absent("No evaluation results in this directory (run: elastic-export eval DIR --out DIR/eval.json).")
-    curves = []
-    for path, data in found.evals:
-        for r in data["results"]:
-            curves.append({"label": str(r.get("label") or r.get("method") or r.get("dir")), "file": path.name,
-                           "method": r.get("method"), "dir": r.get("dir"), "budgets": r["budgets"]})
+def eval_curves(found: Found) -> list[dict]:
+    """One curve per eval result of the directory (label, file, method, dir, budgets); a label that two
+    results share gets its file name added."""
+    curves = [{"label": str(r.get("label") or r.get("method") or r.get("dir")), "file": path.name,
+               "method": r.get("method"), "dir": r.get("dir"), "budgets": r["budgets"]}
+              for path, data in found.evals for r in data["results"]]
     labels = [c["label"] for c in curves]
     for c in curves:
         if labels.count(c["label"]) > 1:
             c["label"] = f"{c['label']} ({c['file']})"
+    return curves
+
+
+def section_quality(found: Found) -> str:
+    """Quality vs GFLOPs of every eval result in the directory, one curve per method."""
+    if not found.evals:
+        return _absent("No evaluation results in this directory (run: elastic-export eval DIR --out DIR/eval.json).")
+    curves = eval_curves(found)
     metrics = [m for m in QUALITY_METRICS if any(isinstance(b, dict) and isinstance(b.get(m), (int, float))
                                                  for c in curves for b in c["budgets"])]
     if not metrics:

@@ -233,6 +233,7 @@ def test_multi_head_llama_has_no_shared_heads(tmp_path):
 def test_report_rebuilds_gqa_plans_from_ranking_meta():
     """The ranking file's metadata carries the kv heads, so plans rebuilt from it (the report's
     comparison of ranking files) equal the main job's exact plans."""
+    from elastic_export.manifest import Budget, Manifest
     from elastic_export.ranking import make_meta
     from elastic_export.report import _plans_for
 
@@ -242,5 +243,5 @@ def test_report_rebuilds_gqa_plans_from_ranking_meta():
     rk.meta = make_meta(inv, "sha256:x", "random", {}, {})
     sparsities = [0.2, 0.45, 0.7]
     plans = make_plans(rk, inv, sparsities)
-    heads, neurons = _plans_for(rk, {"budgets": [{"sparsity": s} for s in sparsities]})
+    heads, neurons = _plans_for(rk, Manifest(budgets=[Budget(sparsity=s) for s in sparsities]))
     assert heads == [p.heads_per_layer for p in plans] and neurons == [p.neurons_per_layer for p in plans]

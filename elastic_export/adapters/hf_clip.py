@@ -28,12 +28,7 @@ from transformers import (
 )
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-from elastic_export.adapters.base import (
-    UnitGroup,
-    mlp_neurons,
-    qkv_heads,
-    register_block,
-)
+from elastic_export.adapters.base import UnitGroup, mlp_neurons, qkv_heads, register_block
 from elastic_export.adapters.hf_vision import HFVisionAdapter
 from elastic_export.adapters.registry import EmbedderAdapter, register_adapter, register_towers
 

@@ -6,12 +6,7 @@ from torch import nn
 from transformers import DistilBertModel
 from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 
-from elastic_export.adapters.base import (
-    UnitGroup,
-    mlp_neurons,
-    qkv_heads,
-    register_block,
-)
+from elastic_export.adapters.base import UnitGroup, mlp_neurons, qkv_heads, register_block
 from elastic_export.adapters.hf_bert import HFBertAdapter
 from elastic_export.adapters.registry import register_adapter
 
