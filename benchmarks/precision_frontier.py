@@ -136,11 +136,27 @@ def plot(rows: list[dict], frontiers: dict, path: Path, title: str, batches: tup
     plt.close(fig)
 
 
+def _precision_gains(rows: list[dict], batches: list[int]) -> list[str]:
+    """One line per precision other than fp32: its throughput over fp32's at the same budget, per batch."""
+    by = {(r["sparsity"], r["precision"]): r["speed"] for r in rows}
+    lines = []
+    for prec in dict.fromkeys(r["precision"] for r in rows if r["precision"] != "fp32"):
+        parts = []
+        for b in batches:
+            ratios = [f"{sp:.2f}: x{by[(sp, prec)][str(b)]['throughput'] / by[(sp, 'fp32')][str(b)]['throughput']:.2f}"
+                      for sp, p in by if p == prec and (sp, "fp32") in by]
+            parts.append(f"batch {b} " + ", ".join(ratios))
+        lines.append(f"- {prec} throughput over fp32 at the same sparsity: " + "; ".join(parts))
+    return lines
+
+
 def markdown(res: dict) -> str:
     batches = res.get("batches", BATCHES)
     metric = "recall@10" if res["rows"] and res["rows"][0].get("recall@10") is not None else "fidelity"
     lines = [f"# Budget x precision frontier: {res['name']}", "", f"Machine: {res['machine']}; onnxruntime CPU EP, "
-             f"{res['threads']} threads, sequence {res['seq_len']}; quality: {metric} on the held-out set.", "",
+             f"{res['threads']} threads, " + (f"sequence {res['seq_len']}" if res.get("seq_len") else
+                                              "images at the model's resolution")
+             + f"; quality: {metric} on the held-out set.", "",
              "| sparsity | precision | GFLOPs | fidelity | recall@10 | "
              + " | ".join(f"p90 ms b{b} | inputs/s b{b}" for b in batches) + " | frontier |",
              "|---|---|---|---|---|" + "---|---|" * len(batches) + "---|"]
@@ -150,6 +166,7 @@ def markdown(res: dict) -> str:
         speed = " | ".join(f"{sp[str(b)]['p90_ms']:.1f} | {sp[str(b)]['throughput']:.1f}" for b in batches)
         lines.append(f"| {r['sparsity']:.2f} | {r['precision']} | {r['gflops']:.3f} | {r['fidelity']:.4f} | {rec} | "
                      f"{speed} | {','.join(map(str, r.get('frontier_batches', [])))} |")
+    lines += ["", *_precision_gains(res["rows"], batches)]
     t = res["target"]
     if t.get("measured"):
         lines += ["", f"Target (60 % int8 at batch 8 vs dense fp32): throughput x{t['speedup']:.2f} "

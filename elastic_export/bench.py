@@ -45,9 +45,9 @@ from elastic_export.errors import UserError
 from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.latency_profile import PRECISION_ORDER, key
 from elastic_export.manifest import Manifest, as_manifest, resolve
+from elastic_export.targets.onnxruntime import PROVIDERS
 
 FORMAT = "elastic-export-bench/1"
-PROVIDERS = ("cpu", "cuda", "tensorrt")
 PLOTS = ("throughput", "latency", "speedup")
 
 

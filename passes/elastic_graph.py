@@ -36,6 +36,7 @@ import onnx_graphsurgeon as gs
 
 from elastic_export import onnx_io
 from elastic_export.errors import UserError
+from elastic_export.manifest import BUDGET_INPUT
 from elastic_export.passes.base import PassContext, constants, kv_kept, nodes_by_name, register_pass, run_passes
 from elastic_export.passes.head_reshapes import _shape_rank
 
@@ -59,7 +60,7 @@ class ElasticContext(PassContext):
 
     heads_table: list[list[int]] = field(default_factory=list)
     neurons_table: list[list[int]] = field(default_factory=list)
-    budget_input: str = "budget_index"
+    budget_input: str = BUDGET_INPUT
 
     def column(self, kind: str, layer: int) -> np.ndarray:
         """Units of ``kind`` that layer ``layer`` keeps, one entry per budget."""
@@ -270,7 +271,7 @@ def elastic_head_reshapes(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
 
 
 def build_elastic_model(dense: onnx.ModelProto, heads: list[list[int]], neurons: list[list[int]],
-                        budget_input: str = "budget_index") -> onnx.ModelProto:
+                        budget_input: str = BUDGET_INPUT) -> onnx.ModelProto:
     """Dense rank-permuted ONNX -> one ONNX whose ``budget_input`` selects among the budgets.
 
     Args:
