@@ -93,13 +93,16 @@ def _lean_method(encoder, inventory, method: str, budgets: tuple, work: Path, pa
     """Build, evaluate and delete one method's ONNX files; the result is cached in ``work`` (a rerun
     after an interruption skips the methods already done)."""
     cached = work / f"{method}.eval.json"
+    key = {"pairs": len(pairs), "budgets": [round(b, 4) for b in budgets]}
     if cached.is_file():
         done = json.loads(cached.read_text())
-        print(f"{method}: cached in {cached}", file=sys.stderr)
-        return done["seconds"], done["result"]
+        if done.get("key") == key:
+            print(f"{method}: cached in {cached}", file=sys.stderr)
+            return done["seconds"], done["result"]
+        print(f"{method}: {cached} was made with other pairs or budgets; evaluating again", file=sys.stderr)
     seconds, d = _build(encoder, inventory, method, budgets, work, lean=True, model=model)
     res = evaluate([d], pairs=pairs, echo=lambda s: print(s, file=sys.stderr))
-    cached.write_text(json.dumps({"seconds": seconds, "result": res}))
+    cached.write_text(json.dumps({"seconds": seconds, "result": res, "key": key}))
     for f in d.glob("*.onnx*"):
         f.unlink()
     return seconds, res
