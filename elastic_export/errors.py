@@ -15,7 +15,10 @@ class CheckFailed(Exception):
     """
 
 
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message, or its type name when the message is empty."""
+def first_line(e: BaseException | str, empty: str | None = None) -> str:
+    """The first line of an exception's message (or of a message string); when it is empty, ``empty``
+    or else the exception's type name."""
     lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+    if lines:
+        return lines[0]
+    return empty if empty is not None else type(e).__name__

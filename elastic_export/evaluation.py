@@ -86,9 +86,6 @@ def _modality(manifest: Manifest, path: Path) -> str:
     raise UserError(f"{path}: inputs {sorted(map(str, names))} are neither text (input_ids) nor images (pixel_values)")
 
 
-PRECISION_KEYS = FILE_KEYS  # precision -> manifest field
-
-
 def load_artifact(directory: str | Path, precisions: list[str] | None = None) -> Artifact:
     """Check and load one artifact directory (refuses a missing directory or manifest, missing files).
 
@@ -108,7 +105,7 @@ def load_artifact(directory: str | Path, precisions: list[str] | None = None) ->
     entries = [({"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": m.dense.gflops}, m.dense)]
     entries += [({"sparsity": b.sparsity, "achieved_sparsity": b.achieved_sparsity, "gflops": b.gflops}, b)
                 for b in m.budgets]
-    have = [p for p in PRECISION_KEYS if p in (m.precisions or ["fp32"])]
+    have = [p for p in FILE_KEYS if p in (m.precisions or ["fp32"])]
     if precisions is not None and [p for p in precisions if p not in have]:
         missing = next(p for p in precisions if p not in have)
         raise UserError(f"--precision {','.join(precisions)}: {given} has no {missing} files (exported with "
@@ -118,7 +115,7 @@ def load_artifact(directory: str | Path, precisions: list[str] | None = None) ->
             rel = entry.file(prec)
             onnx_path = m.path(rel)
             if onnx_path is None:
-                raise UserError(f"{d / MANIFEST}: budget {info['sparsity']} has no {PRECISION_KEYS[prec]} file")
+                raise UserError(f"{d / MANIFEST}: budget {info['sparsity']} has no {FILE_KEYS[prec]} file")
             if not onnx_path.is_file():
                 raise UserError(f"{d}: {rel} is listed in the manifest but missing")
             art.models.append({**info, "precision": prec, "onnx": onnx_path})
@@ -478,8 +475,8 @@ def _check_settings(dirs: list, max_pairs: int | None, max_length: int, batch_si
         raise UserError(f"--batch-size must be positive, got {batch_size}")
     if split is not None and not 0 < split < 1:
         raise UserError(f"--split must be a fraction between 0 and 1, got {split}")
-    if precisions is not None and (not precisions or [p for p in precisions if p not in PRECISION_KEYS]):
-        raise UserError(f"--precision {','.join(precisions)}: choose all or a comma list of {', '.join(PRECISION_KEYS)}")
+    if precisions is not None and (not precisions or [p for p in precisions if p not in FILE_KEYS]):
+        raise UserError(f"--precision {','.join(precisions)}: choose all or a comma list of {', '.join(FILE_KEYS)}")
 
 
 def _check_modalities(arts: list[Artifact], pairs: Any, images: Any) -> set[str]:

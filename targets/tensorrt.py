@@ -572,7 +572,7 @@ def _parse(trt: Any, builder: Any, logger: Any, path: Path, strongly_typed: bool
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(path)):  # from the file, so external data next to it is found
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        first = (errors[0].strip().splitlines() or ["?"])[0] if errors else "?"
+        first = first_line(errors[0], empty="?") if errors else "?"
         raise UserError(f"{path.name}: TensorRT's ONNX parser failed: {first}")
     return network, parser
 

@@ -16,6 +16,10 @@ def test_first_line():
     assert first_line(ValueError("bad input\nsecond line")) == "bad input"
     assert first_line(ValueError("\n  \n")) == "ValueError"
     assert first_line(_Silent()) == "_Silent"
+    # a message string (TensorRT's parser errors), and what an empty one reads as
+    assert first_line("  In node 3: unsupported op\nstack") == "In node 3: unsupported op"
+    assert first_line("\n", empty="?") == "?"
+    assert first_line(ValueError(""), empty="?") == "?"
 
 
 def _raise_silent(*args, **kwargs):

@@ -44,9 +44,9 @@ from elastic_export.int8_qdq import QDQ_MIN_COSINE
 GOLDEN = Path(__file__).parent / "golden" / "minilm_magnitude.json"
 ARGS = ["--budgets", "0.3,0.6", "--method", "magnitude", "--precision", "fp32,fp16,int8,int8-qdq", "--no-quick-eval"]
 PACKAGES = ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon", "transformers", "tokenizers", "numpy")
-#: measured field -> (lowest, highest) value the main job accepts (its stated bounds)
 #: files whose bytes depend on the CPU they were calibrated on (QDQ scales from onnxruntime runs)
 CPU_CALIBRATED = ".int8-qdq.onnx"
+#: measured field -> (lowest, highest) value the main job accepts (its stated bounds)
 MEASURED = {"max_abs_error": (0.0, ATOL), "fp16_max_rel_error": (0.0, FP16_RTOL),
             "int8_min_cosine": (INT8_MIN_COSINE, 1.0 + 1e-6), "int8_qdq_min_cosine": (QDQ_MIN_COSINE, 1.0 + 1e-6)}
 
