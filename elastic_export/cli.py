@@ -486,8 +486,18 @@ _TRITON = (
                  help="Triton: budget the router serves when a request names none [default: the densest served]."),
     click.option("--triton-queue-delay-us", type=int, default=100, show_default=True,
                  help="Triton: dynamic batcher max_queue_delay_microseconds."),
-    click.option("--triton-platform", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
-                 show_default=True, help="Triton: auto serves an engine where the manifest lists one, else the ONNX."),
+    click.option("--budget-backend", "--triton-platform", "triton_platform",
+                 type=click.Choice(["auto", "onnxruntime", "python", "tensorrt"]), default="auto", show_default=True,
+                 help="Triton: the budget models' backend. auto: an engine where the manifest lists one, else the ONNX "
+                      "(onnxruntime backend); python: the ONNX run by onnxruntime in the Python backend (servers "
+                      "without the onnxruntime backend, e.g. `serve`)."),
+    click.option("--policy", type=click.Choice(["adaptive", "fixed"]), default=None,
+                 help="Triton: how the router picks a budget for requests that name none: adaptive (the load-adaptive "
+                      "policy) or fixed (--triton-default-sparsity) [default: fixed when that is given, else adaptive]."),
+    click.option("--slo-ms", type=float, default=None,
+                 help="Triton: latency objective of the adaptive policy (ms)."),
+    click.option("--ort-threads", type=int, default=0, show_default=True,
+                 help="Triton: onnxruntime intra-op threads of python budget models (0: onnxruntime's default)."),
 )
 _TRT_PRECISION = ("fp16: BuilderFlag.FP16 where TensorRT has it (10), else a strongly typed network from the "
                   "directory's fp16 ONNX (11; export with --precision fp16). int8{}: the directory's Q/DQ ONNX "
@@ -508,18 +518,21 @@ def _build_tensorrt(directory: str, no_dense: bool, **options) -> None:
 
 def _build_triton(directory: str, precision: str, max_batch: int | None, no_dense: bool, triton_name: str,
                   triton_instances: int, triton_kind: str, triton_default_sparsity: float | None,
-                  triton_queue_delay_us: int, triton_platform: str) -> None:
+                  triton_queue_delay_us: int, triton_platform: str, policy: str | None = None,
+                  slo_ms: float | None = None, ort_threads: int = 0) -> None:
     """Write DIR/triton/ and print its models."""
     from elastic_export.targets.triton import build_repository
 
     manifest = build_repository(directory, name=triton_name, max_batch=max_batch, instances=triton_instances,
                                 kind=triton_kind, default_sparsity=triton_default_sparsity,
                                 queue_delay_us=triton_queue_delay_us, precision=precision, dense=not no_dense,
-                                platform=triton_platform, echo=_echo)
+                                platform=triton_platform, policy=policy, slo_ms=slo_ms, ort_threads=ort_threads,
+                                echo=_echo)
     t = manifest.triton
     for m in t["models"]:
         click.echo(f"{t['dir']}/{m['name']} ({m['platform']}, sparsity {m['sparsity']:g})")
-    click.echo(f"{t['dir']}/{t['router']} (router, python backend, default sparsity {t['default_sparsity']:g})")
+    how = f"default sparsity {t['default_sparsity']:g}" if t["policy"] == "fixed" else "load-adaptive"
+    click.echo(f"{t['dir']}/{t['router']} (router, python backend, {how})")
     click.echo(f"wrote {Path(directory) / 'manifest.json'}")
 
 
@@ -597,6 +610,29 @@ def build_triton_cmd(directory, **kw):
     where the manifest lists one) and a router model that picks the budget per request; record it
     in DIR's manifest."""
     _build_triton(directory, **kw)
+
+
+@cli.command("serve", short_help="Run a real Triton server on DIR's repository (built when missing).")
+@click.argument("directory", metavar="DIR")
+@click.option("--port", type=int, default=8000, show_default=True, help="HTTP port; gRPC on PORT+1, metrics on PORT+2.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint binds to.")
+@click.option("--budget-backend", type=click.Choice(["auto", "onnxruntime", "python", "tensorrt"]), default=None,
+              help="Backend of the budget models when (re)building the repository [default: python where the server "
+                   "has no onnxruntime backend, as PyPI's nvidia-pytriton server has not, else auto].")
+@click.option("--policy", type=click.Choice(["adaptive", "fixed"]), default=None,
+              help="How the router picks a budget for requests that name none [default: adaptive].")
+@click.option("--slo-ms", type=float, default=None, help="Latency objective of the adaptive policy (ms).")
+@click.option("--ready-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds to wait for every model to be READY.")
+def serve_cmd(directory, port, host, budget_backend, policy, slo_ms, ready_timeout):
+    """Serve DIR with a real Triton Inference Server in the foreground: the budget models first, then
+    the router once every one of them is READY; prints the endpoints when ready; Ctrl-C or SIGTERM
+    stops it (no process left behind). The server is the `serve` extra's (pip install -e ".[serve]")."""
+    from elastic_export.targets.tritonserver import serve
+
+    serve(directory, port=port, host=host, budget_backend=budget_backend, policy=policy, slo_ms=slo_ms,
+          ready_timeout_s=ready_timeout, echo=click.echo)
+    click.echo("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -116,6 +116,7 @@ class ElasticRuntime:
         precision = precision if precision in self.precisions else self.precisions[0]
         self._current: Pair = next(p for p in self.pairs if p[1] == precision)
         self._policy: Policy | None = None
+        self._tokenizer = None  # loaded by the first encode()
 
     # construction ---------------------------------------------------------------------------
     @classmethod
@@ -298,6 +299,46 @@ class ElasticRuntime:
         if isinstance(got, dict):
             return pair, {n: got[n] for n in self.output_names}
         return pair, dict(zip(self.output_names, got))
+
+    def encode(self, texts: Sequence[str] | str, sparsity: float | None = None,
+               precision: str | None = None) -> np.ndarray:
+        """Embeddings of raw ``texts`` (a text encoder's directory): tokenized with the model's own
+        tokenizer (:class:`elastic_export.text.TextEncoder`, the ``tokenizers`` library, no torch),
+        run as :meth:`run` runs (the policy's choice, or the given sparsity / precision).
+
+        Returns:
+            ``sentence_embedding`` (batch, dim) where the model has one, else the mean of
+            ``last_hidden_state`` under the attention mask.
+
+        Raises:
+            UserError: not a text encoder, no tokenizer found, or no texts.
+        """
+        encoder = self._text_encoder()
+        feeds = encoder.encode(texts)
+        out = self.run(feeds, sparsity, precision)
+        if "sentence_embedding" in out:
+            return out["sentence_embedding"]
+        if "last_hidden_state" in out and "attention_mask" in feeds:
+            from elastic_export.text import mean_pool
+
+            return mean_pool(out["last_hidden_state"], feeds["attention_mask"])
+        raise UserError(f"{self.directory}: the model has no sentence_embedding or last_hidden_state output")
+
+    def _text_encoder(self):
+        """The directory's tokenizer (``DIR/tokenizer/``, else the model's source folder), loaded once."""
+        if self._tokenizer is None:
+            from elastic_export.text import TOKENIZER_DIR, TextEncoder
+
+            if "input_ids" not in self.input_names:
+                raise UserError(f"{self.directory}: encode() needs a text encoder; this model takes "
+                                f"{', '.join(self.input_names)}")
+            folder = self.directory / TOKENIZER_DIR
+            if not (folder / "tokenizer.json").is_file():
+                from elastic_export.st_layout import source_dir
+
+                folder = source_dir(self.manifest)
+            self._tokenizer = TextEncoder.from_dir(folder, self.input_names)
+        return self._tokenizer
 
     def file(self, sparsity: float, precision: str | None = None) -> str:
         """The file (relative to the directory) that serves ``sparsity`` (at ``precision``, default

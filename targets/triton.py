@@ -28,6 +28,7 @@ with Triton's own ``ModelConfig`` protobuf schema (``tritonclient``, the ``trito
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -39,7 +40,8 @@ from typing import Any, Callable, Sequence
 from elastic_export.budgets import budget_tag
 from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import existing_dir, umask
-from elastic_export.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.manifest import LATENCY_PROFILE, MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.targets import triton_onnx_model as ort_model
 from elastic_export.targets import triton_router as router
 
 TRITON_DIR = "triton"
@@ -47,8 +49,11 @@ DEFAULT_NAME = "elastic"
 DEFAULT_MAX_BATCH = 128
 DEFAULT_INSTANCES = 1
 DEFAULT_QUEUE_DELAY_US = 100
+READY_TIMEOUT_S = 300  # how long the router waits, at load, for its budget models to be READY
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
-PLATFORMS = ("auto", "onnxruntime", "tensorrt")
+PLATFORMS = ("auto", "onnxruntime", "python", "tensorrt")
+POLICIES = router.POLICIES
+ORT_MODEL_FILE = "triton_onnx_model.py"  # the python-backend budget model, copied verbatim as its model.py
 SPARSITY_INPUT = router.SPARSITY_INPUT
 SERVED_OUTPUT = router.SERVED_OUTPUT
 ROUTER_FILE = "triton_router.py"  # this package's router module, copied verbatim as the router's model.py
@@ -65,7 +70,8 @@ class ServedModel:
     Args:
         name: Triton model name (``<name>_s010``).
         sparsity: the budget's sparsity (0.0: the dense model).
-        platform: ``onnxruntime_onnx`` or ``tensorrt_plan``.
+        platform: ``onnxruntime_onnx``, ``tensorrt_plan`` or ``python`` (the ONNX run by
+            :mod:`elastic_export.targets.triton_onnx_model` in the Python backend).
         source: the file served, relative to the artifact directory.
     """
 
@@ -119,7 +125,7 @@ def _quote(text: str) -> str:
 
 
 def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[dict], *, max_batch: int,
-                 kind: str, instances: int, queue_delay_us: int) -> str:
+                 kind: str, instances: int, queue_delay_us: int, ort_threads: int = 0) -> str:
     """``config.pbtxt`` of one budget model.
 
     Args:
@@ -130,34 +136,85 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
         kind: ``KIND_AUTO`` / ``KIND_CPU`` / ``KIND_GPU``.
         instances: instances per device.
         queue_delay_us: the dynamic batcher's ``max_queue_delay_microseconds``.
+        ort_threads: onnxruntime intra-op threads of a ``python`` budget model (0: its default).
     """
-    return (f'name: "{model.name}"\nplatform: "{model.platform}"\nmax_batch_size: {max_batch}\n'
+    runs = 'backend: "python"' if model.platform == "python" else f'platform: "{model.platform}"'
+    threads = (f'parameters {{\n  key: "{ort_model.THREADS_PARAMETER}"\n  value {{ string_value: "{ort_threads}" }}\n}}\n'
+               if model.platform == "python" else "")
+    return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
             + _instances(kind, instances)
-            + f'parameters {{\n  key: "sparsity"\n  value {{ string_value: "{model.sparsity!r}" }}\n}}\n')
+            + f'parameters {{\n  key: "sparsity"\n  value {{ string_value: "{model.sparsity!r}" }}\n}}\n' + threads)
 
 
-def router_config(name: str, models: Sequence[ServedModel], default: float, inputs: Sequence[dict],
-                  outputs: Sequence[dict], *, max_batch: int, instances: int, queue_delay_us: int) -> str:
-    """``config.pbtxt`` of the router (Python backend). Its ``parameters`` carry the budget table
-    (``budget_models``: JSON ``[[sparsity, model name], ...]``) and ``default_sparsity``, so editing
-    them changes the routing without touching ``model.py``."""
+@dataclass(frozen=True)
+class RouterSettings:
+    """How the router picks a budget (its ``config.pbtxt`` parameters).
+
+    Args:
+        default: the sparsity served when a request names none (``policy: fixed``).
+        policy: ``adaptive`` (the load-adaptive policy) or ``fixed`` (always ``default``).
+        slo_ms: the latency objective the adaptive policy steps down for (None: none).
+        precision: the precision the budget models serve (reported as ``served_precision``).
+        text: declare the ``text`` input (BYTES; the router tokenizes it).
+    """
+
+    default: float
+    policy: str = "adaptive"
+    slo_ms: float | None = None
+    precision: str = "fp32"
+    text: bool = False
+
+
+def _tensor(name: str, dtype: str, dims: Sequence[int], optional: bool = False) -> str:
+    return (f'  {{\n    name: "{name}"\n    data_type: {dtype}\n    dims: {list(dims)}\n'
+            + ("    optional: true\n" if optional else "") + "  }")
+
+
+def _router_tensors(key: str, specs: Sequence[dict], extra: Sequence[str], optional: bool) -> str:
+    """The router's tensors: the model's with the batch dim kept as ``-1`` (the router does not batch)."""
+    items = [_tensor(s["name"], triton_type(s.get("dtype"), f"{key} {s['name']!r}"),
+                     [-1] + triton_dims(s.get("shape"), f"{key} {s['name']!r}"), optional) for s in specs]
+    return f"{key} [\n" + ",\n".join(items + list(extra)) + "\n]\n"
+
+
+def _parameters(values: dict[str, str]) -> str:
+    items = [f'  {{\n    key: "{k}"\n    value {{ string_value: {_quote(v)} }}\n  }}' for k, v in values.items()]
+    return "parameters [\n" + ",\n".join(items) + "\n]\n"
+
+
+def router_config(name: str, models: Sequence[ServedModel], settings: RouterSettings, inputs: Sequence[dict],
+                  outputs: Sequence[dict]) -> str:
+    """``config.pbtxt`` of the router (Python backend, ``max_batch_size: 0``: it forwards, the budget
+    models batch). Inputs: the model's (optional where ``text`` may replace them), ``sparsity`` (FP32
+    ``[-1, 1]``: one value for every row or one per row) and ``text`` (BYTES ``[-1]``) when asked;
+    outputs: the model's plus ``served_sparsity`` (FP64 ``[-1, 1]``) and ``served_precision`` (BYTES).
+    Its ``parameters`` carry the budget table (``budget_models``: JSON ``[[sparsity, model name], ...]``),
+    ``default_sparsity``, ``policy``, ``slo_ms`` and ``precision``: editing them changes the routing
+    without touching ``model.py``."""
     table = json.dumps([[m.sparsity, m.name] for m in models])
-    sparsity_in = (f'  {{\n    name: "{SPARSITY_INPUT}"\n    data_type: TYPE_FP32\n    dims: [1]\n'
-                   f'    optional: true\n  }}')
-    served_out = f'  {{\n    name: "{SERVED_OUTPUT}"\n    data_type: TYPE_FP32\n    dims: [1]\n  }}'
-    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch}\n'
-            + _tensors("input", inputs, sparsity_in) + _tensors("output", outputs, served_out)
-            + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
-            + _instances("KIND_CPU", instances)
-            + f'parameters [\n  {{\n    key: "{router.MODELS_PARAMETER}"\n    value {{ string_value: {_quote(table)} }}\n  }},\n'
-            + f'  {{\n    key: "{router.DEFAULT_PARAMETER}"\n    value {{ string_value: "{default!r}" }}\n  }}\n]\n')
+    own_in = [_tensor(SPARSITY_INPUT, "TYPE_FP32", [-1, 1], optional=True)]
+    if settings.text:
+        own_in.append(_tensor(router.TEXT_INPUT, "TYPE_STRING", [-1], optional=True))
+    own_out = [_tensor(SERVED_OUTPUT, "TYPE_FP64", [-1, 1]), _tensor(router.PRECISION_OUTPUT, "TYPE_STRING", [-1, 1])]
+    params = {router.MODELS_PARAMETER: table, router.DEFAULT_PARAMETER: repr(settings.default),
+              router.POLICY_PARAMETER: settings.policy, router.PRECISION_PARAMETER: settings.precision,
+              router.READY_TIMEOUT_PARAMETER: repr(float(READY_TIMEOUT_S))}
+    if settings.slo_ms is not None:
+        params[router.SLO_PARAMETER] = repr(float(settings.slo_ms))
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            + _router_tensors("input", inputs, own_in, settings.text) + _router_tensors("output", outputs, own_out, False)
+            + _instances("KIND_CPU", 1) + _parameters(params))
+
+
+def _package_source(filename: str) -> str:
+    return (resources.files(__package__) / filename).read_text()
 
 
 def router_source() -> str:
     """The router's ``model.py``: the text of :mod:`elastic_export.targets.triton_router`, verbatim."""
-    return (resources.files(__package__) / ROUTER_FILE).read_text()
+    return _package_source(ROUTER_FILE)
 
 
 # --- what to serve --------------------------------------------------------------------------------
@@ -177,7 +234,8 @@ def plan_models(directory: Path, manifest: Manifest, *, name: str = DEFAULT_NAME
         precision: ``fp32`` (the ``onnx`` files) or ``fp16`` (``onnx_fp16``; ONNX only).
         dense: also serve the dense model (sparsity 0.0).
         platform: ``auto`` (an engine where the manifest lists one, else the ONNX), ``onnxruntime``
-            (always the ONNX), ``tensorrt`` (engines only; every served model needs one).
+            (always the ONNX), ``python`` (the ONNX in the Python backend, run by onnxruntime),
+            ``tensorrt`` (engines only; every served model needs one).
 
     Raises:
         UserError: a bad option or a missing file.
@@ -186,7 +244,7 @@ def plan_models(directory: Path, manifest: Manifest, *, name: str = DEFAULT_NAME
     if precision not in ("fp32", "fp16"):
         raise UserError(f"--precision {precision}: choose fp32 or fp16")
     if platform not in PLATFORMS:
-        raise UserError(f"--triton-platform {platform}: choose {', '.join(PLATFORMS)}")
+        raise UserError(f"--budget-backend {platform}: choose {', '.join(PLATFORMS)}")
     manifest = as_manifest(manifest)
     entries = ([(0.0, manifest.dense)] if dense else []) + [(float(b.sparsity), b) for b in manifest.budgets]
     if not entries:
@@ -194,22 +252,22 @@ def plan_models(directory: Path, manifest: Manifest, *, name: str = DEFAULT_NAME
     models = []
     for sparsity, entry in entries:
         label = "dense model" if entry is manifest.dense else f"budget {sparsity:g}"
-        engine = entry.engine if platform != "onnxruntime" else None
+        engine = entry.engine if platform in ("auto", "tensorrt") else None
         if platform == "tensorrt" and not engine:
-            raise UserError(f"--triton-platform tensorrt: the {label} has no engine; run "
+            raise UserError(f"--budget-backend tensorrt: the {label} has no engine; run "
                             f"`elastic-export build --target tensorrt {directory}` first")
         if engine:
             kind, rel = "tensorrt_plan", engine
         else:
             rel = entry.file(precision)
-            kind = "onnxruntime_onnx"
+            kind = "python" if platform == "python" else "onnxruntime_onnx"
             if not rel:
                 raise UserError(f"--precision {precision}: the {label} has no "
                                 f"{'fp16 ONNX (export with --precision fp16)' if precision == 'fp16' else 'ONNX'}")
         path = resolve(directory, rel)
         if path is None or not path.is_file():
             raise UserError(f"{directory}: {rel} (the {label}) is missing")
-        if kind == "onnxruntime_onnx":
+        if kind != "tensorrt_plan":
             _check_onnx(path, f"{rel} (the {label})")
         models.append(ServedModel(f"{name}_{budget_tag(sparsity)}", sparsity, kind, rel))
     names = [m.name for m in models]
@@ -220,7 +278,7 @@ def plan_models(directory: Path, manifest: Manifest, *, name: str = DEFAULT_NAME
 
 def _io(directory: Path, manifest: Manifest, models: Sequence[ServedModel]) -> tuple[list[dict], list[dict]]:
     """Inputs and outputs to declare: the manifest's, or the fp16 ONNX's own (its float types may differ)."""
-    fp16 = [m for m in models if m.platform == "onnxruntime_onnx" and m.source.endswith(".fp16.onnx")]
+    fp16 = [m for m in models if m.platform != "tensorrt_plan" and m.source.endswith(".fp16.onnx")]
     if not fp16:
         return [v.to_dict() for v in manifest.inputs], [v.to_dict() for v in manifest.outputs]
     import onnx
@@ -351,7 +409,7 @@ def _served_io(directory: Path, manifest: Manifest, models: Sequence[ServedModel
     """The inputs and outputs to declare (:func:`_io`), none of them named as the router's own tensors."""
     inputs, outputs = _io(directory, manifest, models)
     for spec in inputs + outputs:
-        if spec["name"] in (SPARSITY_INPUT, SERVED_OUTPUT):
+        if spec["name"] in router.OWN_TENSORS:
             raise UserError(f"{MANIFEST}: the model has a tensor named {spec['name']!r}, which the router uses")
     return inputs, outputs
 
@@ -359,11 +417,11 @@ def _served_io(directory: Path, manifest: Manifest, models: Sequence[ServedModel
 @dataclass(frozen=True)
 class RepositoryPlan:
     """A repository checked before anything is written: the router's name, the budget models, the
-    router's default, the tensors declared and the serving options (see :func:`build_repository`)."""
+    router's settings, the tensors declared and the serving options (see :func:`build_repository`)."""
 
     name: str
     models: list[ServedModel]
-    default: float
+    router: RouterSettings
     inputs: list[dict]
     outputs: list[dict]
     max_batch: int
@@ -371,17 +429,23 @@ class RepositoryPlan:
     instances: int
     queue_delay_us: int
     precision: str
+    ort_threads: int = 0
+    profile: Path | None = None  # the directory's latency profile, copied next to the router
+    tokenizer: Path | None = None  # the folder whose tokenizer files serve the text input
+
+    @property
+    def default(self) -> float:
+        return self.router.default
 
     def configs(self) -> dict[str, str]:
         """Every ``config.pbtxt`` text by model name (budget models, then the router), each parsed with
         Triton's own schema where ``tritonclient`` is installed."""
         configs = {m.name: model_config(m, self.inputs, self.outputs, max_batch=self.max_batch,
                                         kind="KIND_GPU" if m.platform == "tensorrt_plan" else KINDS[self.kind],
-                                        instances=self.instances, queue_delay_us=self.queue_delay_us)
+                                        instances=self.instances, queue_delay_us=self.queue_delay_us,
+                                        ort_threads=self.ort_threads)
                    for m in self.models}
-        configs[self.name] = router_config(self.name, self.models, self.default, self.inputs, self.outputs,
-                                           max_batch=self.max_batch, instances=self.instances,
-                                           queue_delay_us=self.queue_delay_us)
+        configs[self.name] = router_config(self.name, self.models, self.router, self.inputs, self.outputs)
         if _can_validate():
             for model_name, text in configs.items():
                 try:
@@ -396,6 +460,9 @@ class RepositoryPlan:
             "dir": TRITON_DIR,
             "router": self.name,
             "default_sparsity": self.default,
+            "policy": self.router.policy,
+            "slo_ms": self.router.slo_ms,
+            "text_input": self.router.text,
             "models": [{"name": m.name, "sparsity": m.sparsity, "platform": m.platform,
                         "source": m.source, "file": f"{TRITON_DIR}/{m.name}/1/{m.filename}"} for m in self.models],
             "max_batch_size": self.max_batch,
@@ -417,7 +484,15 @@ def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[s
         placed[m.name] = _place(src, version / m.filename)
         for data in _data_files(src):  # external data: read by the name the model file records
             _place(data, version / data.name)
+        if m.platform == "python":
+            (version / "model.py").write_text(_package_source(ORT_MODEL_FILE))
     (staging / plan.name / "1").mkdir(parents=True)
+    if plan.profile is not None:
+        shutil.copyfile(plan.profile, staging / plan.name / "1" / router.PROFILE_FILE)
+    if plan.tokenizer is not None:
+        from elastic_export.text import copy_tokenizer
+
+        copy_tokenizer(plan.tokenizer, staging / plan.name / "1" / router.TOKENIZER_DIR)
     (staging / plan.name / "1" / "model.py").write_text(router_source())
     for model_name, text in configs.items():
         (staging / model_name / "config.pbtxt").write_text(text)
@@ -452,26 +527,60 @@ def write_repository(directory: Path, plan: RepositoryPlan, configs: dict[str, s
     return placed
 
 
+def _tokenizer_folder(directory: Path, manifest: Manifest) -> Path | None:
+    """Where the text input's tokenizer files are: ``DIR/tokenizer/``, else the model's source folder;
+    None for a model without text inputs or without a ``tokenizer.json`` anywhere."""
+    from elastic_export.text import TOKENIZER_DIR
+
+    if "input_ids" not in [v.name for v in manifest.inputs]:
+        return None
+    if (directory / TOKENIZER_DIR / "tokenizer.json").is_file():
+        return directory / TOKENIZER_DIR
+    from elastic_export.st_layout import source_dir
+
+    try:
+        folder = source_dir(manifest)
+    except UserError:
+        return None
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
+def _router_settings(models: Sequence[ServedModel], default_sparsity: float | None, policy: str | None,
+                     slo_ms: float | None, precision: str, text: bool) -> RouterSettings:
+    """The router's settings: ``policy`` None means ``fixed`` when a default sparsity is given, else ``adaptive``."""
+    policy = policy or ("fixed" if default_sparsity is not None else "adaptive")
+    if policy not in POLICIES:
+        raise UserError(f"--policy {policy}: choose {', '.join(POLICIES)}")
+    if slo_ms is not None and (isinstance(slo_ms, bool) or not slo_ms > 0 or not math.isfinite(slo_ms)):
+        raise UserError(f"--slo-ms must be a positive number of milliseconds, got {slo_ms}")
+    return RouterSettings(_default_budget(models, default_sparsity), policy, slo_ms, precision, text)
+
+
 def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_batch: int | None = None,
                      instances: int = DEFAULT_INSTANCES, kind: str = "auto", default_sparsity: float | None = None,
                      queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, precision: str = "fp32", dense: bool = True,
-                     platform: str = "auto", echo: Callable[[str], None] = lambda s: None) -> Manifest:
+                     platform: str = "auto", policy: str | None = None, slo_ms: float | None = None,
+                     ort_threads: int = 0, echo: Callable[[str], None] = lambda s: None) -> Manifest:
     """Write ``DIR/triton/`` (one model per budget + the router) and record it in the manifest.
 
     Args:
         directory: an artifact directory (with ``manifest.json``).
         name: the router's name and the budget models' prefix.
-        max_batch: ``max_batch_size`` of every model (default: 128, or the engines' profile maximum
-            when engines are served).
-        instances: instances of each model (per GPU with ``KIND_GPU`` / ``KIND_AUTO`` on a GPU).
+        max_batch: ``max_batch_size`` of every budget model (default: 128, or the engines' profile
+            maximum when engines are served).
+        instances: instances of each budget model (per GPU with ``KIND_GPU`` / ``KIND_AUTO`` on a GPU).
         kind: ``auto`` (Triton places each model on the GPUs where there are any, else the CPU),
             ``cpu`` or ``gpu``. Engines always run on the GPU; the router always on the CPU.
-        default_sparsity: the budget the router serves when a request names none (a requested
-            sparsity is mapped as the router maps requests); default: the densest served model.
+        default_sparsity: the budget the router serves when a request names none under ``policy:
+            fixed`` (mapped as a request is); default: the densest served model.
         queue_delay_us: the dynamic batcher's ``max_queue_delay_microseconds``.
         precision: ``fp32`` or ``fp16`` (the directory's fp16 ONNX files).
         dense: also serve the dense model (as sparsity 0.0).
-        platform: ``auto``, ``onnxruntime`` or ``tensorrt`` (see :func:`plan_models`).
+        platform: the budget models' backend: ``auto``, ``onnxruntime``, ``python`` or ``tensorrt``
+            (see :func:`plan_models`).
+        policy: ``adaptive`` or ``fixed`` (default: ``fixed`` when ``default_sparsity`` is given).
+        slo_ms: the adaptive policy's latency objective.
+        ort_threads: onnxruntime intra-op threads of ``python`` budget models (0: its default).
         echo: progress messages.
 
     Returns:
@@ -485,14 +594,17 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     _check_options(kind, instances, max_batch, queue_delay_us)
     models = plan_models(d, manifest, name=name, precision=precision, dense=dense, platform=platform)
     max_batch = _served_max_batch(manifest, models, kind, max_batch)
-    default = _default_budget(models, default_sparsity)
+    tokenizer = _tokenizer_folder(d, manifest)
+    settings = _router_settings(models, default_sparsity, policy, slo_ms, precision, tokenizer is not None)
     _check_replaceable(d, manifest)
     inputs, outputs = _served_io(d, manifest, models)
-    plan = RepositoryPlan(name, models, default, inputs, outputs, max_batch, kind, instances, queue_delay_us, precision)
+    profile = d / LATENCY_PROFILE if (d / LATENCY_PROFILE).is_file() else None
+    plan = RepositoryPlan(name, models, settings, inputs, outputs, max_batch, kind, instances, queue_delay_us,
+                          precision, ort_threads, profile, tokenizer)
     placed = write_repository(d, plan, plan.configs())
     links = sum(v == "link" for v in placed.values())
     echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models ({links} hard links, {len(models) - links} copies) "
-         f"+ router {name!r}")
+         f"+ router {name!r} (policy {settings.policy}{', text input' if settings.text else ''})")
     manifest.triton = plan.entry()
     write_manifest(d, manifest)
     return manifest

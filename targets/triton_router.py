@@ -1,28 +1,38 @@
-"""elastic-export router for Triton's Python backend: one request, one budget model.
+"""elastic-export router for Triton's Python backend: each request (or each row) to a budget model.
 
 This file is copied verbatim into ``<repository>/<name>/1/model.py`` by ``elastic-export build
---target triton`` (:func:`elastic_export.targets.triton.build_repository`); it is also an ordinary
-module of the package (``elastic_export.targets.triton_router``), linted and unit-tested. It imports
-the standard library and numpy only (what every Triton container's Python has), plus Triton's
-in-server ``triton_python_backend_utils`` when that exists: outside a server the budget choice and
-the configuration reading work, and the model class needs the server.
+triton`` (:func:`elastic_export.targets.triton.build_repository`); it is also an ordinary module of
+the package (``elastic_export.targets.triton_router``), linted and unit-tested. Its core imports the
+standard library and numpy only, plus Triton's in-server ``triton_python_backend_utils`` when that
+exists. Two features import more, only when the config asks for them: load-adaptive routing
+(``policy: adaptive``) imports :mod:`elastic_export.policies`, and the ``text`` input imports
+:mod:`elastic_export.text` (the ``tokenizers`` library); ``elastic-export serve`` runs the server with
+the project's own Python, where both are installed.
 
 Everything that differs between repositories lives in the router's ``config.pbtxt``: its
-``parameters`` ``budget_models`` (JSON ``[[sparsity, model name], ...]``) and ``default_sparsity``,
-and its ``input`` / ``output`` lists (forwarded to the budget model, less :data:`SPARSITY_INPUT`
-and :data:`SERVED_OUTPUT`). Triton hands that config to :meth:`TritonPythonModel.initialize` as
-JSON (``args["model_config"]``).
+``parameters`` (``budget_models``: JSON ``[[sparsity, model name], ...]``; ``default_sparsity``;
+``policy``; ``slo_ms``; ``precision``) and its ``input`` / ``output`` lists (forwarded to the budget
+model, less the router's own tensors). Triton hands that config to
+:meth:`TritonPythonModel.initialize` as JSON (``args["model_config"]``).
 
 Rule: a requested sparsity within :data:`TOLERANCE` of a served budget gets that budget; otherwise
 the smallest served budget whose sparsity is *at least* the requested one (more savings, never
 less). A request outside [0, 1), not a number, or sparser than the sparsest served budget is
-refused with :class:`BudgetError` (the router answers it with an error response). No request
-(no ``sparsity`` input and no ``sparsity`` request parameter) gets the configured default.
+refused with :class:`BudgetError` (an error response, counted as a failed request). A request that
+names no sparsity gets the configured default (``policy: fixed``) or what the load-adaptive policy
+picks from the load the router observes (``policy: adaptive``).
+
+No head-of-line blocking: ``execute`` starts one task per request and returns at once; each task
+answers through the request's response sender when its budget model has answered, so a small
+request never waits behind a large one. The router does not batch (``max_batch_size: 0``); the
+budget models' dynamic batchers do.
 """
 
 import asyncio
 import json
 import math
+import os
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -35,13 +45,23 @@ except ImportError:  # outside a Triton server (the builder, the tests): no mode
 TOLERANCE = 1e-6
 PARAMETER = "sparsity"
 SPARSITY_INPUT = "sparsity"
+TEXT_INPUT = "text"
 SERVED_OUTPUT = "served_sparsity"
+PRECISION_OUTPUT = "served_precision"
+OWN_TENSORS = (SPARSITY_INPUT, TEXT_INPUT, SERVED_OUTPUT, PRECISION_OUTPUT)
 MODELS_PARAMETER = "budget_models"
 DEFAULT_PARAMETER = "default_sparsity"
+POLICY_PARAMETER = "policy"
+SLO_PARAMETER = "slo_ms"
+PRECISION_PARAMETER = "precision"
+READY_TIMEOUT_PARAMETER = "ready_timeout_s"
+POLICIES = ("fixed", "adaptive")
+PROFILE_FILE = "latency_profile.json"  # next to model.py, copied from the artifact directory when it has one
+TOKENIZER_DIR = "tokenizer"  # next to model.py, for the text input
 
 
 class BudgetError(ValueError):
-    """A requested sparsity the router cannot serve (the message goes back to the client)."""
+    """A request the router cannot serve (the message goes back to the client)."""
 
 
 def _number(value: Any, where: str) -> float:
@@ -90,29 +110,29 @@ def choose_budget(requested: Optional[float], sparsities: Sequence[float], defau
                       f"served budgets: {_listing(served)}")
 
 
-def requested_sparsity(values: Optional[Sequence[Any]], parameters: Optional[str]) -> Optional[float]:
-    """The sparsity a request asks for: its ``sparsity`` input, else its ``sparsity`` parameter.
+def row_sparsities(values: Optional[Sequence[Any]], parameters: Optional[str], batch: int) -> Optional[List[float]]:
+    """The sparsity each row asks for: the ``sparsity`` input, else the ``sparsity`` parameter.
 
     Args:
-        values: the flattened ``sparsity`` input tensor (one value per batch row), or None when the
-            request has no such input. Every row must ask for the same sparsity.
-        parameters: the request's parameters as a JSON object string (Triton's
-            ``request.parameters()``), or None / empty.
+        values: the flattened ``sparsity`` input (one value for every row, or one per row), or None
+            when the request has no such input.
+        parameters: the request's parameters as a JSON object string (``request.parameters()``).
+        batch: the request's batch size.
 
     Returns:
-        The requested sparsity, or None when the request names none (the router's default applies).
+        One sparsity per row, or None when the request names none (the policy / default applies).
 
     Raises:
-        BudgetError: rows that disagree, an empty input, or a value / parameter that is not a number.
+        BudgetError: an input of another length, or a value / parameter that is not a number.
     """
     if values is not None:
         rows = [_number(v, "sparsity input") for v in values]
-        if not rows:
-            raise BudgetError("sparsity input is empty")
-        if any(abs(r - rows[0]) > TOLERANCE for r in rows[1:]):
-            raise BudgetError("sparsity input: every row of one request must ask for the same sparsity "
-                              f"(got {_listing(sorted(set(rows)))}); send one request per budget")
-        return rows[0]
+        if len(rows) == 1:
+            return rows * batch
+        if len(rows) != batch:
+            raise BudgetError(f"sparsity input has {len(rows)} values for a batch of {batch}; send shape [1, 1] "
+                              f"(one budget for every row) or [{batch}, 1] (one per row)")
+        return rows
     if not parameters:
         return None
     try:
@@ -121,7 +141,7 @@ def requested_sparsity(values: Optional[Sequence[Any]], parameters: Optional[str
         raise BudgetError("request parameters are not a JSON object") from None
     if not isinstance(params, dict) or params.get(PARAMETER) is None:
         return None
-    return _number(params[PARAMETER], "sparsity parameter")
+    return [_number(params[PARAMETER], "sparsity parameter")] * batch
 
 
 def _listing(values: Sequence[float]) -> str:
@@ -135,9 +155,14 @@ class RouterConfig:
     Attributes:
         models: served sparsity -> budget model name.
         sparsities: the served sparsities, ascending.
-        default: the sparsity served when a request names none.
+        default: the sparsity served when a request names none (``policy: fixed``).
+        policy: ``fixed`` or ``adaptive``.
+        slo_ms: the latency objective of the adaptive policy (None: none).
+        precision: the precision the budget models serve (``fp32`` / ``fp16``).
         inputs: the input names forwarded to the budget model.
         outputs: the output names the budget model answers with.
+        text: whether the config declares the ``text`` input.
+        ready_timeout_s: how long ``initialize`` waits for the budget models to be ready.
     """
 
     def __init__(self, model_config: Dict[str, Any]):
@@ -149,12 +174,24 @@ class RouterConfig:
         default = params.get(DEFAULT_PARAMETER)
         self.default = choose_budget(_number(default, DEFAULT_PARAMETER) if default else self.sparsities[0],
                                      self.sparsities, self.sparsities[0])
-        self.inputs = [t["name"] for t in model_config.get("input", []) if t["name"] != SPARSITY_INPUT]
-        self.outputs = [t["name"] for t in model_config.get("output", []) if t["name"] != SERVED_OUTPUT]
+        self.policy = params.get(POLICY_PARAMETER) or "fixed"
+        if self.policy not in POLICIES:
+            raise ValueError(f"config.pbtxt parameter {POLICY_PARAMETER!r}: {self.policy!r}, not one of {POLICIES}")
+        slo = params.get(SLO_PARAMETER)
+        self.slo_ms = _number(slo, SLO_PARAMETER) if slo else None
+        self.precision = params.get(PRECISION_PARAMETER) or "fp32"
+        self.ready_timeout_s = _number(params.get(READY_TIMEOUT_PARAMETER) or 300, READY_TIMEOUT_PARAMETER)
+        names = [t["name"] for t in model_config.get("input", [])]
+        self.text = TEXT_INPUT in names
+        self.inputs = [n for n in names if n not in OWN_TENSORS]
+        self.outputs = [t["name"] for t in model_config.get("output", []) if t["name"] not in OWN_TENSORS]
 
-    def route(self, values: Optional[Sequence[Any]], parameters: Optional[str]) -> float:
-        """The served sparsity of one request (see :func:`requested_sparsity`); raises :class:`BudgetError`."""
-        return choose_budget(requested_sparsity(values, parameters), self.sparsities, self.default)
+    def route(self, rows: Optional[List[float]], chosen: Optional[float] = None) -> List[float]:
+        """The served sparsity of every row: each requested one mapped by :func:`choose_budget`, or
+        ``chosen`` (the policy's pick; default: the configured default) when none is named."""
+        if rows is None:
+            return [self.default if chosen is None else chosen]
+        return [choose_budget(r, self.sparsities, self.default) for r in rows]
 
 
 def _table(text: Optional[str]) -> List[List[Any]]:
@@ -170,6 +207,115 @@ def _table(text: Optional[str]) -> List[List[Any]]:
     return table
 
 
+# --- what the router observes ----------------------------------------------------------------------
+class LoadMonitor:
+    """In-flight requests, the arrival rate and each budget's measured latency, as the router sees them.
+
+    Args:
+        half_life_s: the arrival-rate estimate's memory (an exponentially weighted rate).
+        clock: seconds (monotonic).
+    """
+
+    def __init__(self, half_life_s: float = 0.5, clock=time.monotonic):
+        self.in_flight = 0
+        self.rate = 0.0
+        self.latency_ms: Dict[float, float] = {}
+        self._half_life, self._clock = half_life_s, clock
+        self._last: Optional[float] = None
+
+    def arrive(self) -> None:
+        now = self._clock()
+        if self._last is not None:
+            decay = 0.5 ** ((now - self._last) / self._half_life)
+            self.rate = self.rate * decay + (1.0 - decay) / max(now - self._last, 1e-6)
+        self._last = now
+        self.in_flight += 1
+
+    def leave(self, sparsity: Optional[float], latency_ms: Optional[float]) -> None:
+        self.in_flight -= 1
+        if sparsity is not None and latency_ms is not None:
+            old = self.latency_ms.get(sparsity)
+            self.latency_ms[sparsity] = latency_ms if old is None else 0.8 * old + 0.2 * latency_ms
+
+
+class AdaptiveRouting:
+    """The project's :class:`~elastic_export.policies.LoadAdaptivePolicy` fed with what the router
+    observes: queue depth = requests in flight (waiting or running), arrival rate, and each budget's
+    service time (the directory's latency profile at batch 1 where it has one, then the router's own
+    measurements). With an SLO, a budget whose measured latency exceeds 80 % of it counts as a full
+    queue (the policy steps to a faster budget at once). Imports :mod:`elastic_export.policies`."""
+
+    def __init__(self, config: RouterConfig, profile_path: Optional[str]):
+        from elastic_export.policies import LoadAdaptivePolicy
+
+        pairs = [(s, config.precision) for s in config.sparsities]
+        service = _profile_service(profile_path, config) if profile_path and os.path.isfile(profile_path) else None
+        self.policy = LoadAdaptivePolicy(up_depth=4, down_depth=1, down_after=8, service_ms=service)
+        self.policy.bind_pairs(pairs, config.precision)
+        self.config = config
+
+    def choose(self, monitor: LoadMonitor) -> float:
+        depth = monitor.in_flight
+        current = self.policy.select(1)[0]
+        slo = self.config.slo_ms
+        if slo is not None and monitor.latency_ms.get(current, 0.0) > 0.8 * slo:
+            depth = max(depth, self.policy.up_depth)
+        if self.policy.service_ms is not None:
+            for s, ms in monitor.latency_ms.items():
+                if (s, self.config.precision) in self.policy.service_ms:
+                    self.policy.service_ms[(s, self.config.precision)] = ms
+        self.policy.observe(depth, monitor.rate if self.policy.service_ms is not None else None)
+        return float(self.policy.select(1)[0])
+
+
+def _profile_service(path: str, config: RouterConfig) -> Optional[Dict[Any, float]]:
+    """p50 ms at batch 1 of every served budget from a latency profile, or None when it lacks one."""
+    from elastic_export.latency_profile import load_profile
+
+    profile = load_profile(path)
+    b = profile.batch_for(1)
+    rows = profile.rows(config.precision).get(b, {})
+    service = {}
+    for s in config.sparsities:
+        row = next((r for k, r in rows.items() if abs(k - s) <= TOLERANCE), None)
+        if row is None or "p50_ms" not in row:
+            return None
+        service[(s, config.precision)] = float(row["p50_ms"])
+    return service
+
+
+class RouterMetrics:
+    """The router's own counters on Triton's metrics endpoint (Python backend custom metrics).
+
+    Triton counts every request a Python model answers through its response sender as a success,
+    refused ones included; ``elastic_router_requests_total{outcome="refused"}`` counts those the
+    router refused (bad sparsity or inputs) and ``outcome="failed"`` those a budget model failed.
+    ``elastic_router_rows_total{sparsity=...}`` counts the rows served per budget,
+    ``elastic_router_switches_total`` the adaptive policy's budget switches.
+    """
+
+    OUTCOMES = ("served", "refused", "failed")
+
+    def __init__(self, router: str, sparsities: Sequence[float]):
+        family = pb_utils.MetricFamily
+        self._families = [
+            family(name="elastic_router_requests_total", description="requests answered by the elastic router, by outcome",
+                   kind=family.COUNTER),
+            family(name="elastic_router_rows_total", description="rows served per budget (sparsity)", kind=family.COUNTER),
+            family(name="elastic_router_switches_total", description="budget switches of the load-adaptive policy",
+                   kind=family.COUNTER),
+        ]
+        requests, rows, switches = self._families
+        self.requests = {o: requests.Metric(labels={"router": router, "outcome": o}) for o in self.OUTCOMES}
+        self.rows = {s: rows.Metric(labels={"router": router, "sparsity": f"{s:g}"}) for s in sparsities}
+        self.switches = switches.Metric(labels={"router": router})
+
+    def count(self, outcome: str, served: Optional[List[float]] = None) -> None:
+        self.requests[outcome].increment(1)
+        for s in served or ():
+            self.rows[s].increment(1)
+
+
 # --- the router (Triton Python backend, business-logic scripting) -------------------------------
 def _error(message: str) -> Any:
     code = getattr(getattr(pb_utils, "TritonError", None), "INVALID_ARG", None)
@@ -179,39 +325,157 @@ def _error(message: str) -> Any:
         return pb_utils.TritonError(message)
 
 
+def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sleep, clock=time.monotonic) -> bool:
+    """Wait until every model in ``models`` is ready.
+
+    Returns:
+        True once they are; False when the server cannot tell yet (it answers "Server not ready"
+        while it is still loading its startup models: then Triton's own strict readiness and
+        ``--exit-on-error`` stand guard, and ``elastic-export serve`` loads the router last).
+
+    Raises:
+        RuntimeError: naming the models not ready after ``timeout_s`` (the router then fails to
+            load: it is never READY in front of a budget model that is not).
+    """
+    deadline = clock() + timeout_s
+    while True:
+        try:
+            missing = [m for m in models if not is_ready(m)]
+        except Exception as e:  # the server is still starting: it cannot answer for any model
+            if "not ready" in str(e).lower():
+                return False
+            raise
+        if not missing:
+            return True
+        if clock() >= deadline:
+            raise RuntimeError(f"budget models not ready after {timeout_s:g} s: {', '.join(missing)}")
+        sleep(0.2)
+
+
 class TritonPythonModel:
-    """Forwards each request to the budget model its requested sparsity selects."""
+    """Forwards each request (each group of rows of one budget) to the budget model it selects."""
 
     def initialize(self, args: Dict[str, str]) -> None:
         if pb_utils is None:
             raise RuntimeError("the router runs inside Triton's Python backend (triton_python_backend_utils)")
         self.config = RouterConfig(json.loads(args["model_config"]))
+        if hasattr(pb_utils, "is_model_ready"):
+            wait_ready(sorted(set(self.config.models.values())), self.config.ready_timeout_s,
+                       lambda m: pb_utils.is_model_ready(model_name=m))
+        here = os.path.join(args.get("model_repository", ""), str(args.get("model_version", "1")))
+        self.monitor = LoadMonitor()
+        self.adaptive = (AdaptiveRouting(self.config, os.path.join(here, PROFILE_FILE))
+                         if self.config.policy == "adaptive" else None)
+        self.tokenizer = None
+        if self.config.text:
+            from elastic_export.text import TextEncoder
 
-    async def execute(self, requests: List[Any]) -> List[Any]:
-        # every request is forwarded at once, so the budget models' dynamic batchers see them together
-        return list(await asyncio.gather(*(self._forward(r) for r in requests)))
+            self.tokenizer = TextEncoder.from_dir(os.path.join(here, TOKENIZER_DIR), self.config.inputs)
+        self.metrics = (RouterMetrics(args.get("model_name", "router"), self.config.sparsities)
+                        if hasattr(pb_utils, "MetricFamily") else None)
+        self._tasks: set = set()
 
-    async def _forward(self, request: Any) -> Any:
+    async def execute(self, requests: List[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        for request in requests:  # one task each; answered through the response sender when done
+            task = loop.create_task(self._serve(request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return None
+
+    async def _serve(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        self.monitor.arrive()
+        start, rows, outcome = time.monotonic(), None, "served"
+        switches = self.adaptive.policy.switches if self.adaptive is not None else 0
         try:
-            tensor = pb_utils.get_input_tensor_by_name(request, SPARSITY_INPUT)
-            values = None if tensor is None else tensor.as_numpy().reshape(-1).tolist()
-            params = request.parameters() if hasattr(request, "parameters") else None
-            sparsity = self.config.route(values, params)
+            response, rows = await self._answer(request)
         except BudgetError as e:
-            return pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e)))
-        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.config.inputs) if t is not None]
+            response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e))), "refused"
+        except Exception as e:  # a bug or a budget model's failure: answer it, never leave the client waiting
+            error = pb_utils.TritonError(f"router: {e}")
+            response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=error), "failed"
+        finally:
+            one = rows[0] if rows and len(set(rows)) == 1 else None
+            self.monitor.leave(one, (time.monotonic() - start) * 1e3)
+        if self.metrics is not None:
+            self.metrics.count(outcome, rows)
+            if self.adaptive is not None and self.adaptive.policy.switches > switches:
+                self.metrics.switches.increment(self.adaptive.policy.switches - switches)
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _inputs(self, request: Any) -> Dict[str, np.ndarray]:
+        """The model inputs of a request: its tensors, or its ``text`` tokenized; batch sizes checked."""
+        feeds = {n: t.as_numpy() for n in self.config.inputs
+                 for t in [pb_utils.get_input_tensor_by_name(request, n)] if t is not None}
+        text = pb_utils.get_input_tensor_by_name(request, TEXT_INPUT) if self.config.text else None
+        if text is not None:
+            if feeds:
+                raise BudgetError(f"send either {TEXT_INPUT!r} or the model inputs, not both")
+            values = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in text.as_numpy().reshape(-1)]
+            feeds = self.tokenizer.encode(values)
+        missing = [n for n in self.config.inputs if n not in feeds]
+        if missing:
+            extra = f" (or {TEXT_INPUT!r})" if self.config.text else ""
+            raise BudgetError(f"missing input {', '.join(map(repr, missing))}{extra}")
+        batches = {n: (a.shape[0] if a.ndim else 0) for n, a in feeds.items()}
+        first = self.config.inputs[0]
+        for n, b in batches.items():
+            if b != batches[first]:
+                raise BudgetError(f"input {n!r} has batch {b}, input {first!r} has batch {batches[first]}")
+        return feeds
+
+    def _rows(self, request: Any, batch: int) -> Optional[List[float]]:
+        tensor = pb_utils.get_input_tensor_by_name(request, SPARSITY_INPUT)
+        values = None if tensor is None else tensor.as_numpy().reshape(-1).tolist()
+        params = request.parameters() if hasattr(request, "parameters") else None
+        return row_sparsities(values, params, batch)
+
+    async def _answer(self, request: Any):
+        feeds = self._inputs(request)
+        batch = next(iter(feeds.values())).shape[0]
+        rows = self._rows(request, batch)
+        chosen = self.adaptive.choose(self.monitor) if rows is None and self.adaptive is not None else None
+        served = self.config.route(rows, chosen)
+        if len(served) == 1:
+            served = served * batch
         wanted = set(request.requested_output_names()) if hasattr(request, "requested_output_names") else set()
         names = [n for n in self.config.outputs if not wanted or n in wanted]
-        forward = pb_utils.InferenceRequest(model_name=self.config.models[sparsity], requested_output_names=names,
-                                            inputs=inputs)
-        response = await forward.async_exec()
-        if response.has_error():
-            return pb_utils.InferenceResponse(output_tensors=[], error=response.error())
-        tensors = [pb_utils.get_output_tensor_by_name(response, n) for n in names]
+        outputs = await self._forward(feeds, served, names)
+        tensors = [pb_utils.Tensor(n, outputs[n]) for n in names]
         if not wanted or SERVED_OUTPUT in wanted:
-            batch = inputs[0].as_numpy().shape[0] if inputs else 1
-            tensors.append(pb_utils.Tensor(SERVED_OUTPUT, np.full((batch, 1), sparsity, dtype=np.float32)))
-        return pb_utils.InferenceResponse(output_tensors=[t for t in tensors if t is not None])
+            tensors.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(served, dtype=np.float64).reshape(-1, 1)))
+        if not wanted or PRECISION_OUTPUT in wanted:
+            tensors.append(pb_utils.Tensor(PRECISION_OUTPUT, np.array([[self.config.precision]] * batch, dtype=object)))
+        return pb_utils.InferenceResponse(output_tensors=tensors), served
+
+    async def _forward(self, feeds: Dict[str, np.ndarray], served: List[float], names: List[str]) -> Dict[str, np.ndarray]:
+        """Run every group of rows on its budget model at once; the outputs reassembled in row order."""
+        groups: Dict[float, List[int]] = {}
+        for i, s in enumerate(served):
+            groups.setdefault(s, []).append(i)
+        calls = []
+        for s, idx in groups.items():
+            part = feeds if len(groups) == 1 else {n: a[idx] for n, a in feeds.items()}
+            inputs = [pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in part.items()]
+            calls.append(pb_utils.InferenceRequest(model_name=self.config.models[s], requested_output_names=names,
+                                                   inputs=inputs).async_exec())
+        responses = await asyncio.gather(*calls)
+        for r in responses:
+            if r.has_error():
+                raise RuntimeError(r.error().message())
+        parts = [{n: pb_utils.get_output_tensor_by_name(r, n).as_numpy() for n in names} for r in responses]
+        if len(parts) == 1:
+            return parts[0]
+        out = {}
+        for n in names:
+            first = parts[0][n]
+            full = np.empty((len(served),) + first.shape[1:], dtype=first.dtype)
+            for idx, part in zip(groups.values(), parts):
+                full[idx] = part[n]
+            out[n] = full
+        return out
 
     def finalize(self) -> None:
-        pass
+        for task in list(self._tasks):
+            task.cancel()

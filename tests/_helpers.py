@@ -56,3 +56,13 @@ def save_sentence_transformer(enc, path, pooling: dict) -> None:
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir()
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+
+
+def link_copy(src, dst, ignore=("triton",)):
+    """A copy of an artifact directory made of hard links (cheap), less the folders in ``ignore``.
+    Files are shared with ``src``: replace them, never write into them."""
+    import os
+    import shutil
+
+    shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns(*ignore))
+    return dst

@@ -69,6 +69,23 @@ class Request:
     def requested_output_names(self) -> list[str]:
         return self._outputs
 
+    def get_response_sender(self) -> "Sender":
+        return Sender(self)
+
+
+class Sender:
+    """A request's response sender: keeps the one final response on the request (``request.response``)."""
+
+    def __init__(self, request: Request):
+        self.request = request
+
+    def send(self, response: InferenceResponse, flags: int = 0) -> None:
+        assert flags == FINAL and not hasattr(self.request, "response"), "one final response per request"
+        self.request.response = response
+
+
+FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
 
 class Server:
     """The models the router may call (BLS): ``model name -> ONNX file``, run in onnxruntime; logs each call."""
@@ -108,6 +125,8 @@ def fake_pb_utils(server: Server) -> types.ModuleType:
         InferenceRequest
     pb.get_input_tensor_by_name = lambda request, name: by_name(request.inputs, name)
     pb.get_output_tensor_by_name = lambda response, name: by_name(response.output_tensors(), name)
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    pb.is_model_ready = lambda model_name, model_version="": (server.repository / model_name / "1").is_dir()
     return pb
 
 
@@ -134,9 +153,17 @@ def start_router(repository: Path, name: str, monkeypatch) -> tuple[object, Serv
     module = load_router(repository / name / "1" / "model.py", fake_pb_utils(server), monkeypatch)
     model = module.TritonPythonModel()
     model.initialize({"model_config": model_config_json(repository / name / "config.pbtxt"),
-                      "model_name": name, "model_version": "1", "model_instance_kind": "CPU"})
+                      "model_name": name, "model_version": "1", "model_instance_kind": "CPU",
+                      "model_repository": str(repository / name)})
     return model, server
 
 
 def execute(model, requests: list[Request]) -> list[InferenceResponse]:
-    return asyncio.run(model.execute(requests))
+    """One ``execute`` call, as the server makes it, then every request's response once all are sent."""
+    async def run() -> None:
+        assert await model.execute(requests) is None  # answers go through the response senders
+        while model._tasks:
+            await asyncio.gather(*list(model._tasks))
+
+    asyncio.run(run())
+    return [r.response for r in requests]

@@ -250,3 +250,16 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def minilm():
     return load_encoder(None, seq_len=32)
+
+
+@pytest.fixture(scope="session")
+def minilm_small(tmp_path_factory):
+    """all-MiniLM-L6-v2 (the embedded default) at budgets 0.1 and 0.5 (magnitude ranking, N = 32, no
+    verification or elastic graph: fast), exported once per session. Tests that change a directory
+    work on :func:`_helpers.link_copy` of it."""
+    from elastic_export import pipeline
+
+    out = tmp_path_factory.mktemp("minilm_small") / "out"
+    pipeline.run(pipeline.Options(budgets=(0.1, 0.5), out=str(out), method="magnitude", verify=False,
+                                  elastic_graph=False, seq_len=32), echo=lambda s: None)
+    return out

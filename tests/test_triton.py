@@ -4,8 +4,8 @@ Runs everywhere: the repository built for real all-MiniLM-L6-v2 artifacts with e
 ``config.pbtxt`` parsed by Triton's own ``ModelConfig`` protobuf schema (``tritonclient``), the
 served files against the directory's ONNX, the manifest entry, re-runs, the CLI's errors, and the
 router's ``model.py`` as written, run on its ``config.pbtxt`` with a stand-in for Triton's server
-API (the router itself: ``test_triton_router.py``). Serving needs a ``tritonserver`` binary (with
-the onnxruntime and python backends) on PATH; that test is skipped, with that reason, without one.
+API (the router itself: ``test_triton_router.py``). A real Triton server serves it in
+``test_triton_server.py``.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from _helpers import link_copy  # noqa: E402
 from google.protobuf import text_format
 
 from elastic_export.errors import UserError
@@ -66,14 +65,9 @@ def test_dims_and_types():
 
 # --- the real MiniLM ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def art(tmp_path_factory) -> Path:
-    """all-MiniLM-L6-v2 (the embedded default), budgets 0.1 and 0.5 (magnitude ranking, no verification: fast)."""
-    from elastic_export import pipeline
-
-    out = tmp_path_factory.mktemp("triton") / "out"
-    pipeline.run(pipeline.Options(budgets=BUDGETS, out=str(out), method="magnitude", verify=False,
-                                  elastic_graph=False, seq_len=32), echo=lambda s: None)
-    return out
+def art(minilm_small, tmp_path_factory) -> Path:
+    """A hard-linked copy of the session's small MiniLM export (this module adds a triton/ to it)."""
+    return link_copy(minilm_small, tmp_path_factory.mktemp("triton") / "out")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +84,7 @@ def test_repository_layout_and_configs_parse(art, repo):
     names = ["elastic", "elastic_s000", "elastic_s010", "elastic_s050"]
     assert sorted(p.name for p in repo.iterdir()) == names
     m = load_manifest(art)
-    for name in names:
+    for name in names[1:]:
         cfg = _parse(repo / name / "config.pbtxt")  # every config, Triton's own schema
         assert cfg.name == name and cfg.max_batch_size == 16
         assert cfg.dynamic_batching.max_queue_delay_microseconds == TR.DEFAULT_QUEUE_DELAY_US
@@ -104,17 +98,53 @@ def test_repository_layout_and_configs_parse(art, repo):
         assert outs["sentence_embedding"].data_type == model_config_pb2.TYPE_FP32
     router = _parse(repo / "elastic" / "config.pbtxt")
     assert router.backend == "python" and router.platform == ""
-    sp = {t.name: t for t in router.input}["sparsity"]
-    assert sp.optional and sp.data_type == model_config_pb2.TYPE_FP32 and list(sp.dims) == [1]
-    assert [t.name for t in router.output][-1] == "served_sparsity"
+    assert router.max_batch_size == 0 and not router.HasField("dynamic_batching")  # it forwards; budget models batch
+    assert [(g.kind, g.count) for g in router.instance_group] == [(model_config_pb2.ModelInstanceGroup.KIND_CPU, 1)]
+    ins = {t.name: t for t in router.input}
+    assert list(ins["input_ids"].dims) == [-1, -1] and ins["input_ids"].optional  # optional: text may replace them
+    sp = ins["sparsity"]
+    assert sp.optional and sp.data_type == model_config_pb2.TYPE_FP32 and list(sp.dims) == [-1, 1]
+    assert ins["text"].data_type == model_config_pb2.TYPE_STRING and list(ins["text"].dims) == [-1]
+    outs = {t.name: t for t in router.output}
+    assert list(outs["sentence_embedding"].dims) == [-1, 384]
+    assert outs["served_sparsity"].data_type == model_config_pb2.TYPE_FP64 and list(outs["served_sparsity"].dims) == [-1, 1]
+    assert outs["served_precision"].data_type == model_config_pb2.TYPE_STRING
     table = json.loads(router.parameters["budget_models"].string_value)
     assert table == [[0.0, "elastic_s000"], [0.1, "elastic_s010"], [0.5, "elastic_s050"]]
     assert float(router.parameters["default_sparsity"].string_value) == 0.1
+    assert router.parameters["policy"].string_value == "fixed"  # a default sparsity was given
     assert (repo / "elastic" / "1" / "model.py").read_text() == TR.router_source()
+    assert (repo / "elastic" / "1" / "tokenizer" / "tokenizer.json").is_file()  # for the text input
     for name in names[1:]:
         cfg = _parse(repo / name / "config.pbtxt")
         assert cfg.platform == "onnxruntime_onnx" and cfg.backend == ""
         assert sorted(p.name for p in (repo / name).rglob("*")) == ["1", "config.pbtxt", "model.onnx"]
+
+
+def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, tmp_path):
+    """--budget-backend python: each budget a Python-backend model (onnxruntime on its model.onnx),
+    same inputs, outputs, dims and batching as the onnxruntime flavor; the router is the same file."""
+    import shutil as sh
+
+    d = tmp_path / "py"
+    sh.copytree(art, d, copy_function=os.link, ignore=sh.ignore_patterns("triton"))
+    r = _cli("build", "triton", str(d), "--budget-backend", "python", "--max-batch", "16", "--ort-threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "triton/elastic_s050 (python, sparsity 0.5)" in r.stdout and "load-adaptive" in r.stdout
+    onnx_flavor = _parse(art / "triton" / "elastic_s050" / "config.pbtxt")
+    cfg = _parse(d / "triton" / "elastic_s050" / "config.pbtxt")
+    assert cfg.backend == "python" and cfg.platform == "" and cfg.max_batch_size == 16
+    assert [(t.name, t.data_type, list(t.dims)) for t in cfg.input] == [
+        (t.name, t.data_type, list(t.dims)) for t in onnx_flavor.input]
+    assert [(t.name, t.data_type, list(t.dims)) for t in cfg.output] == [
+        (t.name, t.data_type, list(t.dims)) for t in onnx_flavor.output]
+    assert cfg.HasField("dynamic_batching") and cfg.parameters["intra_op_threads"].string_value == "1"
+    files = sorted(p.name for p in (d / "triton" / "elastic_s050" / "1").iterdir())
+    assert files == ["model.onnx", "model.py"]
+    assert (d / "triton" / "elastic_s050" / "1" / "model.py").read_text() == TR._package_source(TR.ORT_MODEL_FILE)
+    assert (d / "triton" / "elastic" / "1" / "model.py").read_text() == TR.router_source()
+    t = load_manifest(d)["triton"]
+    assert {x["platform"] for x in t["models"]} == {"python"} and t["policy"] == "adaptive"
 
 
 def test_router_model_routes_on_the_built_repository(art, repo, monkeypatch):
@@ -132,7 +162,7 @@ def test_router_model_routes_on_the_built_repository(art, repo, monkeypatch):
     m = load_manifest(art)
     for response, served, onnx_file in zip(out, (0.5, 0.1), (m["budgets"][1]["onnx"], m["budgets"][0]["onnx"])):
         got = response.as_dict()
-        assert got["served_sparsity"].tolist() == [[np.float32(served)]] * 2
+        assert got["served_sparsity"].tolist() == [[served]] * 2
         want = make_session(art / onnx_file).run(["sentence_embedding"], feeds)[0]
         np.testing.assert_array_equal(got["sentence_embedding"], want)
 
@@ -210,7 +240,6 @@ def test_bad_input_refused_and_changes_nothing(art, repo, tmp_path, where, kw, n
 
 
 def test_truncated_onnx_is_refused_before_building(art, tmp_path):
-    import shutil
 
     d = tmp_path / "art"
     shutil.copytree(art, d, ignore=shutil.ignore_patterns("triton"))
@@ -341,78 +370,3 @@ def test_failed_build_leaves_previous_repository(tmp_path, monkeypatch):
         TR.build_repository(d, name="other")
     assert _tree(d / "triton") == before and (d / "manifest.json").read_text() == manifest
     assert not [p.name for p in d.iterdir() if p.name.startswith(".triton")]
-
-
-# --- a real Triton server -------------------------------------------------------------------------
-TRITONSERVER = shutil.which("tritonserver")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.skipif(TRITONSERVER is None, reason="needs a tritonserver binary on PATH (e.g. inside the "
-                    "nvcr.io/nvidia/tritonserver:<ver>-py3 container); none here")
-def test_served_outputs_match_each_budget_onnx(art, repo, tmp_path):
-    import onnxruntime as ort
-    import tritonclient.grpc as grpcclient
-
-    http, grpc, metrics = _free_port(), _free_port(), _free_port()
-    log = open(tmp_path / "tritonserver.log", "w")
-    server = subprocess.Popen([TRITONSERVER, f"--model-repository={repo}", f"--http-port={http}",
-                               f"--grpc-port={grpc}", f"--metrics-port={metrics}", "--log-verbose=0"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
-        deadline = time.time() + 180
-        while True:
-            try:
-                if client.is_server_ready() and client.is_model_ready("elastic"):
-                    break
-            except Exception:  # not listening yet
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                tail = (tmp_path / "tritonserver.log").read_text()[-3000:]
-                pytest.fail(f"tritonserver did not become ready:\n{tail}")
-            time.sleep(1)
-
-        rng = np.random.default_rng(0)
-        ids = rng.integers(1000, 20000, (2, 12)).astype(np.int64)
-        mask = np.ones_like(ids)
-        mask[1, 8:] = 0
-        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-        m = load_manifest(art)
-        files = {0.0: m["dense"]["onnx"], **{b["sparsity"]: b["onnx"] for b in m["budgets"]}}
-
-        def infer(sparsity=None, parameter=None):
-            inputs = []
-            for name, arr in feeds.items():
-                t = grpcclient.InferInput(name, list(arr.shape), "INT64")
-                t.set_data_from_numpy(arr)
-                inputs.append(t)
-            if sparsity is not None:
-                t = grpcclient.InferInput("sparsity", [2, 1], "FP32")
-                t.set_data_from_numpy(np.full((2, 1), sparsity, np.float32))
-                inputs.append(t)
-            outputs = [grpcclient.InferRequestedOutput(n) for n in ("sentence_embedding", "served_sparsity")]
-            params = {"sparsity": parameter} if parameter is not None else None
-            return client.infer("elastic", inputs, outputs=outputs, parameters=params)
-
-        for kw, served in (({"sparsity": 0.1}, 0.1), ({"parameter": 0.5}, 0.5), ({"sparsity": 0.3}, 0.5), ({}, 0.1)):
-            res = infer(**kw)
-            want = ort.InferenceSession(str(art / files[served]), providers=["CPUExecutionProvider"]).run(
-                ["sentence_embedding"], feeds)[0]
-            got = res.as_numpy("sentence_embedding")
-            assert np.abs(got - want).max() <= 1e-3, (kw, np.abs(got - want).max())
-            assert np.allclose(res.as_numpy("served_sparsity"), served)
-        with pytest.raises(Exception, match="above the sparsest served budget"):
-            infer(sparsity=0.9)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()

@@ -23,7 +23,7 @@ from test_triton import _fake_dir  # noqa: E402
 
 from elastic_export.targets import triton as TR  # noqa: E402
 from elastic_export.targets import triton_router  # noqa: E402
-from elastic_export.targets.triton_router import BudgetError, RouterConfig, choose_budget, requested_sparsity  # noqa: E402
+from elastic_export.targets.triton_router import BudgetError, RouterConfig, choose_budget, row_sparsities  # noqa: E402
 
 # --- the router's budget choice (pure) ------------------------------------------------------------
 SERVED = [0.0, 0.1, 0.3, 0.5]
@@ -51,20 +51,21 @@ def test_choose_budget_refuses(requested, message):
         choose_budget(0.1, [], default=0.0)
 
 
-def test_requested_sparsity_input_then_parameter():
-    assert requested_sparsity(None, None) is None and requested_sparsity(None, "") is None
-    assert requested_sparsity(None, json.dumps({"other": 1})) is None
-    assert requested_sparsity(None, json.dumps({"sparsity": 0.3})) == 0.3
-    assert requested_sparsity(None, json.dumps({"sparsity": "0.5"})) == 0.5
-    assert requested_sparsity([0.1, 0.1], json.dumps({"sparsity": 0.5})) == pytest.approx(0.1)  # the input wins
-    with pytest.raises(BudgetError, match="same sparsity"):
-        requested_sparsity([0.1, 0.5], None)
-    with pytest.raises(BudgetError, match="empty"):
-        requested_sparsity([], None)
+def test_row_sparsities_input_then_parameter():
+    assert row_sparsities(None, None, 2) is None and row_sparsities(None, "", 2) is None
+    assert row_sparsities(None, json.dumps({"other": 1}), 2) is None
+    assert row_sparsities(None, json.dumps({"sparsity": 0.3}), 2) == [0.3, 0.3]
+    assert row_sparsities(None, json.dumps({"sparsity": "0.5"}), 1) == [0.5]
+    assert row_sparsities([0.1], json.dumps({"sparsity": 0.5}), 3) == [0.1] * 3  # the input wins; one for all rows
+    assert row_sparsities([0.1, 0.5], None, 2) == [0.1, 0.5]  # one per row
+    with pytest.raises(BudgetError, match=re.escape("sparsity input has 3 values for a batch of 2; send shape [1, 1]")):
+        row_sparsities([0.1, 0.5, 0.3], None, 2)
+    with pytest.raises(BudgetError, match="has 0 values"):
+        row_sparsities([], None, 2)
     with pytest.raises(BudgetError, match="not a JSON object"):
-        requested_sparsity(None, "{oops")
+        row_sparsities(None, "{oops", 2)
     with pytest.raises(BudgetError, match="not a number"):
-        requested_sparsity(None, json.dumps({"sparsity": [0.1]}))
+        row_sparsities(None, json.dumps({"sparsity": [0.1]}), 2)
 
 
 # --- the file ---------------------------------------------------------------------------------------
@@ -120,6 +121,8 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
     served = [float(r.as_dict()["served_sparsity"][0, 0]) for r in responses]
     assert served == [0.5, 0.25, 0.25, 0.25]
     assert all(r.as_dict()["served_sparsity"].shape == (2, 1) for r in responses)
+    assert responses[0].as_dict()["served_sparsity"].dtype == np.float64  # 0.5 exactly, also as JSON
+    assert responses[0].as_dict()["served_precision"].tolist() == [["fp32"], ["fp32"]]
     assert [name for event, name in server.calls if event == "start"] == ["elastic_s050", "elastic_s025",
                                                                           "elastic_s025", "elastic_s025"]
     assert [event for event, _ in server.calls][:4] == ["start"] * 4  # forwarded together, not one by one
@@ -131,7 +134,10 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
 @pytest.mark.parametrize("request_kw,message", [
     ({"sparsity": 0.9}, "above the sparsest served budget 0.5"),
     ({"sparsity": "x"}, "not a number"),
-    ({"rows": [0.1, 0.5]}, "same sparsity"),
+    ({"rows": [0.1, 0.5, 0.5]}, "sparsity input has 3 values for a batch of 2"),
+    ({"rows": [0.1, 0.9]}, "above the sparsest served budget 0.5"),
+    ({"drop": "attention_mask"}, "missing input 'attention_mask'"),
+    ({"short": "attention_mask"}, "input 'attention_mask' has batch 1, input 'input_ids' has batch 2"),
 ])
 def test_router_answers_bad_requests_with_an_error(tmp_path, monkeypatch, request_kw, message):
     d = _fake_dir(tmp_path / "a")
@@ -140,6 +146,10 @@ def test_router_answers_bad_requests_with_an_error(tmp_path, monkeypatch, reques
     feeds = _feeds()
     if "rows" in request_kw:
         bad = Request({**feeds, "sparsity": np.array([[v] for v in request_kw["rows"]], np.float32)})
+    elif "drop" in request_kw:
+        bad = Request({k: v for k, v in feeds.items() if k != request_kw["drop"]})
+    elif "short" in request_kw:
+        bad = Request({**feeds, request_kw["short"]: feeds[request_kw["short"]][:1]})
     else:
         bad = Request(feeds, request_kw)
     bad_response, good = execute(model, [bad, Request(feeds)])
@@ -159,3 +169,89 @@ def test_router_config_errors(parameters, message):
     config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}, "input": [], "output": []}
     with pytest.raises(ValueError, match=re.escape(message)):
         RouterConfig(config)
+
+
+# --- rows of one request on several budgets, readiness, load adaptation ---------------------------
+def test_each_row_may_name_its_own_budget(tmp_path, monkeypatch):
+    """Rows grouped per budget, each group one call, the outputs back in row order."""
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    feeds = _feeds(batch=3)
+    rows = np.array([[0.5], [0.0], [0.5]], np.float32)
+    (response,) = execute(model, [Request({**feeds, "sparsity": rows})])
+    got = response.as_dict()
+    assert got["served_sparsity"].ravel().tolist() == [0.5, 0.0, 0.5]
+    assert sorted(n for e, n in server.calls if e == "start") == ["elastic_s000", "elastic_s050"]
+    for i, name in enumerate(["elastic_s050", "elastic_s000", "elastic_s050"]):
+        one = {k: v[i:i + 1] for k, v in feeds.items()}
+        want = server.run(name, [triton_fake_tensor(k, v) for k, v in one.items()], ["last_hidden_state"])
+        np.testing.assert_array_equal(got["last_hidden_state"][i:i + 1], want.as_dict()["last_hidden_state"])
+
+
+def triton_fake_tensor(name, array):
+    from _triton_fake import Tensor
+
+    return Tensor(name, array)
+
+
+def test_wait_ready_defers_while_the_server_starts_and_names_missing_models():
+    clock = iter(range(1000))
+    assert triton_router.wait_ready(["a", "b"], 5, lambda m: True, sleep=lambda s: None, clock=lambda: next(clock))
+
+    def starting(model):
+        raise RuntimeError("Failed to check model readiness: Server not ready")
+
+    assert triton_router.wait_ready(["a"], 5, starting, sleep=lambda s: None) is False
+    with pytest.raises(RuntimeError, match="budget models not ready after 5 s: b"):
+        triton_router.wait_ready(["a", "b"], 5, lambda m: m == "a", sleep=lambda s: None, clock=lambda: next(clock))
+
+
+def test_router_refuses_to_load_in_front_of_a_missing_budget_model(tmp_path, monkeypatch):
+    import shutil
+
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    shutil.rmtree(d / "triton" / "elastic_s025")  # the fake server reports it not ready
+    cfg = (d / "triton" / "elastic" / "config.pbtxt").read_text().replace('"300.0"', '"0.5"')
+    (d / "triton" / "elastic" / "config.pbtxt").write_text(cfg)
+    monkeypatch.setattr(triton_router.time, "sleep", lambda s: None)
+    with pytest.raises(RuntimeError, match="not ready after .* elastic_s025"):
+        start_router(d / "triton", "elastic", monkeypatch)
+
+
+def test_load_adaptive_routing_steps_to_faster_budgets_under_load_and_back():
+    """The project's LoadAdaptivePolicy fed with the router's observations: in-flight requests as the
+    queue depth, measured latency against the SLO."""
+    config = RouterConfig({"parameters": {"budget_models": {"string_value": json.dumps(
+        [[0.0, "d"], [0.3, "a"], [0.6, "b"]])}, "policy": {"string_value": "adaptive"},
+        "slo_ms": {"string_value": "50"}}, "input": [], "output": []})
+    routing = triton_router.AdaptiveRouting(config, None)
+    monitor = triton_router.LoadMonitor(clock=iter(np.arange(0, 100, 0.001)).__next__)
+    assert routing.choose(monitor) == 0.0  # idle: the densest
+    for _ in range(4):
+        monitor.arrive()
+    served = [routing.choose(monitor) for _ in range(3)]
+    assert served == [0.3, 0.6, 0.6]  # a queue of 4: one level per observation, up to the sparsest
+    for _ in range(4):
+        monitor.leave(0.6, 5.0)
+    calm = [routing.choose(monitor) for _ in range(routing.policy.down_after * 2)]
+    assert calm[-1] == 0.0 and routing.policy.switches == 4  # calm again: back to dense, one level at a time
+    monitor.leave(0.0, 45.0)  # the dense budget now answers near the SLO: treated as a full queue
+    monitor.in_flight = 0
+    assert routing.choose(monitor) == 0.3
+
+
+def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
+    from elastic_export.latency_profile import save_profile
+
+    profile = {"backend": "onnxruntime", "provider": "cpu",
+               "batches": {"1": {"0.0": {"p50_ms": 4.0, "p90_ms": 5.0}, "0.5": {"p50_ms": 2.0, "p90_ms": 2.5}}}}
+    path = save_profile(profile, tmp_path)
+    config = RouterConfig({"parameters": {"budget_models": {"string_value": '[[0.0, "d"], [0.5, "b"]]'},
+                                          "policy": {"string_value": "adaptive"}}, "input": [], "output": []})
+    routing = triton_router.AdaptiveRouting(config, str(path))
+    assert routing.policy.service_ms == {(0.0, "fp32"): 4.0, (0.5, "fp32"): 2.0}
+    monitor = triton_router.LoadMonitor()
+    monitor.rate = 300.0  # 300 requests/s x 4 ms = 1.2: dense cannot keep up; 0.5 (0.6) can
+    assert routing.choose(monitor) == 0.5

@@ -1,0 +1,78 @@
+"""elastic-export budget model for Triton's Python backend: one ONNX file run with onnxruntime.
+
+``elastic-export build triton --budget-backend python`` copies this file verbatim into every budget
+model's ``<model>/1/model.py``, next to the budget's ``model.onnx``: the same inputs, outputs, dims and
+dynamic batching as an ``onnxruntime_onnx`` model, for servers that have only the Python backend (the
+``tritonserver`` of PyPI's ``nvidia-pytriton`` wheel, which ``elastic-export serve`` runs). It imports
+numpy and onnxruntime only, and builds its session here rather than through the package's session
+factory, so that it also runs where elastic-export is not installed.
+
+The requests of one ``execute`` call (what the dynamic batcher gathered) run as one batch where their
+non-batch shapes agree (texts padded to one length, images of one size), else one run per shape.
+Parameters of its ``config.pbtxt``: ``intra_op_threads`` (0: onnxruntime's default).
+"""
+
+import json
+import os
+from typing import Any, Dict, List
+
+import numpy as np
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # outside a Triton server: the module imports, the model needs the server
+    pb_utils = None
+
+THREADS_PARAMETER = "intra_op_threads"
+MODEL_FILE = "model.onnx"
+
+
+def group_by_shape(arrays: List[Dict[str, np.ndarray]]) -> List[List[int]]:
+    """Indices of the requests whose inputs share every non-batch shape, first-seen order."""
+    groups: Dict[Any, List[int]] = {}
+    for i, feeds in enumerate(arrays):
+        key = tuple(sorted((n, a.shape[1:], str(a.dtype)) for n, a in feeds.items()))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+class TritonPythonModel:
+    """Runs ``model.onnx`` of its version folder on the CPU."""
+
+    def initialize(self, args: Dict[str, str]) -> None:
+        import onnxruntime as ort
+
+        if pb_utils is None:
+            raise RuntimeError("this model runs inside Triton's Python backend (triton_python_backend_utils)")
+        config = json.loads(args["model_config"])
+        params = {k: (v or {}).get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(params.get(THREADS_PARAMETER) or 0)
+        path = os.path.join(args["model_repository"], str(args["model_version"]), MODEL_FILE)
+        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        self.inputs = [t["name"] for t in config["input"]]
+        self.outputs = [t["name"] for t in config["output"]]
+
+    def execute(self, requests: List[Any]) -> List[Any]:
+        feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
+        wanted = [list(r.requested_output_names()) or self.outputs for r in requests]
+        responses: List[Any] = [None] * len(requests)
+        for group in group_by_shape(feeds):
+            names = [n for n in self.outputs if any(n in wanted[i] for i in group)]
+            batch = {n: np.concatenate([feeds[i][n] for i in group]) for n in self.inputs}
+            try:
+                results = dict(zip(names, self.session.run(names, batch)))
+            except Exception as e:  # onnxruntime's own message (bad token ids, shapes) back to the client
+                for i in group:
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+                continue
+            start = 0
+            for i in group:
+                rows = feeds[i][self.inputs[0]].shape[0]
+                tensors = [pb_utils.Tensor(n, np.ascontiguousarray(results[n][start:start + rows])) for n in wanted[i]]
+                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+                start += rows
+        return responses
+
+    def finalize(self) -> None:
+        self.session = None

@@ -1,0 +1,415 @@
+"""A real Triton Inference Server process on a model repository: found, started, waited for, stopped.
+
+Where the server comes from: PyPI's ``nvidia-pytriton`` wheel (the ``serve`` extra) carries the
+``tritonserver`` binary (Triton 2.51, CPU) with its Python backend, the Python backend stubs for
+Python 3.8-3.13 and the libraries they need; it has no onnxruntime backend, so the repository's
+budget models run in the Python backend there (``build triton --budget-backend python``). A
+``tritonserver`` on PATH (with its own backends, e.g. in an NGC container) is used instead when the
+wheel is not installed.
+
+What a working Python backend needs (found the hard way, checked by :func:`check_stub_python`):
+
+* the stub's Python is the ``python3`` first on PATH, so this Python's ``bin`` folder goes first;
+* that Python's numpy must be 1.x: with numpy 2 this server's Python backend answers with empty
+  outputs (``nvidia-pytriton`` itself pins ``numpy<2``, so installing the extra brings 1.26);
+* the backend folder must hold the stub built for this Python version (prepared in a folder of its
+  own by :func:`backend_dir`, never inside site-packages).
+
+:class:`TritonServer` binds to 127.0.0.1 unless told otherwise (HTTP on the port, gRPC on port+1,
+metrics on port+2), refuses busy ports before starting, runs the server in its own process group
+(so the stub processes go with it), and stops it by its process id: SIGTERM, then SIGKILL after a
+bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from elastic_export.errors import UserError
+
+STUB = "triton_python_backend_stub"
+READY_TIMEOUT_S = 300.0
+EXIT_TIMEOUT_S = 10  # how long the server waits for open connections and in-flight requests on SIGTERM
+STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 15.0
+INSTALL_HINT = 'pip install -e ".[serve]" (PyPI\'s nvidia-pytriton wheel carries a tritonserver with the Python backend)'
+
+
+@dataclass(frozen=True)
+class ServerInstall:
+    """A ``tritonserver`` binary and what it runs with.
+
+    Attributes:
+        binary: the ``tritonserver`` executable.
+        libs: a folder for ``LD_LIBRARY_PATH`` (None: the binary finds its libraries itself).
+        backends: the folder of backends as shipped (``python/`` inside).
+        stubs: the wheel's ``python_backend_stubs`` folder (None: the backends hold their stub).
+    """
+
+    binary: Path
+    libs: Path | None
+    backends: Path
+    stubs: Path | None
+
+
+def find_server() -> ServerInstall:
+    """The ``nvidia-pytriton`` wheel's server, else a ``tritonserver`` on PATH.
+
+    Raises:
+        UserError: neither is installed.
+    """
+    try:
+        import pytriton
+    except ImportError:
+        pytriton = None
+    if pytriton is not None:
+        root = Path(pytriton.__file__).parent / "tritonserver"
+        libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+        if (root / "bin" / "tritonserver").is_file():
+            return ServerInstall(root / "bin" / "tritonserver", libs if libs.is_dir() else None, root / "backends",
+                                 root / "python_backend_stubs")
+    found = shutil.which("tritonserver")
+    if found:
+        return ServerInstall(Path(found), None, Path(os.environ.get("TRITON_BACKENDS", "/opt/tritonserver/backends")),
+                             None)
+    raise UserError(f"no tritonserver found: {INSTALL_HINT}")
+
+
+def backend_dir(install: ServerInstall, dest: Path) -> Path:
+    """A backends folder whose ``python/`` holds the wheel's backend and the stub of this Python.
+
+    Raises:
+        UserError: the wheel has no stub for this Python version.
+    """
+    if install.stubs is None:
+        return install.backends
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    stub = install.stubs / version / STUB
+    if not stub.is_file():
+        raise UserError(f"the tritonserver in {install.binary.parent.parent} has no Python backend stub for Python "
+                        f"{version}; use Python 3.8-3.13")
+    python = dest / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    for f in (install.backends / "python").iterdir():
+        if f.is_file():
+            shutil.copyfile(f, python / f.name)
+    shutil.copyfile(stub, python / STUB)
+    os.chmod(python / STUB, 0o755)
+    return dest
+
+
+def server_env(install: ServerInstall, python: str = sys.executable) -> dict[str, str]:
+    """The server's environment: ``python``'s ``bin`` first on PATH (the stub's Python), the wheel's
+    libraries on ``LD_LIBRARY_PATH``."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])
+    if install.libs is not None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(install.libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def check_stub_python(env: dict[str, str]) -> str:
+    """The numpy version of the Python the stub will run (the ``python3`` on ``env``'s PATH).
+
+    Raises:
+        UserError: no numpy there, or numpy 2 (this server's Python backend then answers empty outputs).
+    """
+    python = shutil.which("python3", path=env.get("PATH"))
+    if python is None:
+        raise UserError("no python3 on PATH for Triton's Python backend stub")
+    r = subprocess.run([python, "-c", "import numpy; print(numpy.__version__)"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    if r.returncode != 0:
+        raise UserError(f"{python}: numpy does not import ({(r.stderr.strip().splitlines() or ['?'])[-1]}); "
+                        "Triton's Python backend needs numpy 1.x")
+    version = r.stdout.strip()
+    if int(version.split(".")[0]) >= 2:
+        raise UserError(f"{python} has numpy {version}: Triton 2.51's Python backend answers empty outputs with "
+                        "numpy 2; install numpy<2 there (pip install \"numpy<2\", as the serve extra does)")
+    return version
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now (TCP)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(host: str, port: int) -> None:
+    """Refuse a port block (HTTP ``port``, gRPC ``port+1``, metrics ``port+2``) that is not free."""
+    if not 1 <= port <= 65533:
+        raise UserError(f"--port {port}: choose 1-65533 (the server uses the port and the next two)")
+    for p, what in ((port, "HTTP"), (port + 1, "gRPC"), (port + 2, "metrics")):
+        if not port_free(host, p):
+            raise UserError(f"port {p} on {host} ({what}) is in use; choose another --port")
+
+
+def free_port_block(host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A port whose next two are free too, as the OS hands out ephemeral ports (free when checked; a
+    caller that may race with others retries on a busy-port failure)."""
+    for _ in range(tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port <= 65533 and all(port_free(host, p) for p in (port, port + 1, port + 2)):
+            return port
+    raise UserError(f"no free block of three ports on {host}")
+
+
+class TritonServer:
+    """One ``tritonserver`` process on ``repository``.
+
+    Args:
+        repository: the model repository.
+        host: address every endpoint binds to.
+        port: HTTP port (gRPC: port+1, metrics: port+2).
+        log: file for the server's output (default: a temporary file, removed on :meth:`stop`).
+        args: extra ``tritonserver`` arguments.
+    """
+
+    def __init__(self, repository: str | Path, host: str = "127.0.0.1", port: int = 8000, log: str | Path | None = None,
+                 args: Sequence[str] = ()):
+        self.repository, self.host, self.port = Path(repository), host, int(port)
+        self.install = find_server()
+        self._work = Path(tempfile.mkdtemp(prefix="elastic-export-triton."))
+        self.log_path = Path(log) if log else self._work / "server.log"
+        self.args, self.process = list(args), None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._url_host}:{self.port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._url_host}:{self.port + 1}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._url_host}:{self.port + 2}/metrics"
+
+    @property
+    def _url_host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    def command(self, backends: Path, load: Sequence[str] | None = None) -> list[str]:
+        """The command line; ``load``: explicit model control, loading only those models at startup."""
+        control = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in load)] if load is not None else []
+        return [str(self.install.binary), *control, f"--model-repository={self.repository}", f"--backend-directory={backends}",
+                f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
+                f"--http-port={self.port}", f"--grpc-port={self.port + 1}", f"--metrics-port={self.port + 2}",
+                "--strict-readiness=true", "--exit-on-error=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", *self.args]
+
+    def start(self, load: Sequence[str] | None = None) -> "TritonServer":
+        """Start the server (after checking the ports and the stub's numpy); returns at once.
+
+        Args:
+            load: explicit model control: load only these models at startup (:meth:`load` adds more);
+                None: every model of the repository.
+        """
+        check_ports(self.host, self.port)
+        env = server_env(self.install)
+        check_stub_python(env)
+        backends = backend_dir(self.install, self._work / "backends")
+        log = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(self.command(backends, load), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            log.close()
+        return self
+
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S, models: Sequence[str] = ()) -> None:
+        """Block until the server (and each of ``models``) is READY.
+
+        Raises:
+            UserError: the server exited, or was not ready within ``timeout_s`` (the reason from its log).
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                raise UserError(f"tritonserver exited ({self.process.returncode if self.process else '-'}): "
+                                f"{self.failure()}")
+            if self._get("/v2/health/ready") == 200 and all(self._get(f"/v2/models/{m}/ready") == 200 for m in models):
+                return
+            time.sleep(0.25)
+        raise UserError(f"tritonserver not ready after {timeout_s:g} s: {self.failure()}")
+
+    def load(self, model: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Load ``model`` (explicit model control) and wait until it is READY.
+
+        Raises:
+            UserError: the server refused to load it (its reason), or it was not ready in time.
+        """
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}",
+                                     method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s):
+                pass
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("error", detail)
+            except ValueError:
+                pass
+            raise UserError(f"model {model!r} failed to load: {detail.strip()[:400]}") from None
+        self.wait_ready(timeout_s, models=[model])
+
+    def failure(self) -> str:
+        """The most telling line of the server's log (an error, an unavailable model, else the last line)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        for marker in ("UNAVAILABLE", "Address already in use", "error:", "E1", "E0"):
+            hits = [ln for ln in lines if marker in ln and "CudaDriverHelper" not in ln and "NVML" not in ln]
+            if hits:
+                return hits[0].strip()[:400]
+        return lines[-1].strip()[:400] if lines else "no output"
+
+    def model_states(self) -> dict[str, str]:
+        """Model name -> state (``READY``, ``UNAVAILABLE`` ...) from the repository index."""
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return {m["name"]: m.get("state", "") for m in json.loads(r.read())}
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """Stop the server by its process id (SIGTERM to its group, SIGKILL after ``timeout_s``); returns its exit code."""
+        p, self.process = self.process, None
+        code = None
+        if p is not None:
+            code = p.poll()
+            if code is None:
+                _signal_group(p.pid, signal.SIGTERM)
+                try:
+                    code = p.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    _signal_group(p.pid, signal.SIGKILL)
+                    code = p.wait(10)
+            _signal_group(p.pid, signal.SIGKILL)  # stubs left in the group, if any
+        if self.log_path.parent == self._work:
+            shutil.rmtree(self._work, ignore_errors=True)
+        else:
+            shutil.rmtree(self._work / "backends", ignore_errors=True)
+        return code
+
+    def __enter__(self) -> "TritonServer":
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --- `elastic-export serve DIR` -------------------------------------------------------------------
+def default_budget_backend(install: ServerInstall) -> str:
+    """``python`` where the server has no onnxruntime backend (the ``nvidia-pytriton`` wheel), else ``auto``."""
+    return "auto" if (install.backends / "onnxruntime").is_dir() else "python"
+
+
+_PLATFORM = {"onnxruntime": "onnxruntime_onnx", "python": "python", "tensorrt": "tensorrt_plan"}  # --budget-backend
+
+
+def ensure_repository(directory: Path, budget_backend: str, policy: str | None, slo_ms: float | None,
+                      echo: Callable[[str], None]) -> dict:
+    """``DIR/triton/`` as asked: built when missing or when it was built with other serving settings.
+
+    Returns:
+        The manifest's ``triton`` entry.
+    """
+    from elastic_export.manifest import Manifest
+    from elastic_export.targets.triton import build_repository
+
+    entry = Manifest.load(directory).triton
+    models = entry.get("models", []) if isinstance(entry, dict) else []
+    platform = _PLATFORM.get(budget_backend)
+    same = (bool(models) and (directory / entry.get("dir", "triton")).is_dir()
+            and (platform is None or all(m.get("platform") == platform for m in models))
+            and (policy is None or entry.get("policy") == policy)
+            and (slo_ms is None or entry.get("slo_ms") == slo_ms))
+    if same:
+        echo(f"serving the existing {directory / entry['dir']}")
+        return entry
+    kind = "cpu" if budget_backend == "python" else "auto"
+    return build_repository(directory, platform=budget_backend, policy=policy, slo_ms=slo_ms, kind=kind, echo=echo).triton
+
+
+def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", budget_backend: str | None = None,
+          policy: str | None = None, slo_ms: float | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
+          echo: Callable[[str], None] = print, wait: Callable[[TritonServer], None] | None = None) -> int:
+    """Serve ``DIR``'s Triton repository (built when missing) in the foreground until the server
+    stops or the process is interrupted (Ctrl-C / SIGTERM); returns the server's exit code.
+
+    The budget models load first; the router loads only once every one of them is READY (explicit
+    model control), so the router is never READY in front of a missing budget model.
+
+    Raises:
+        UserError: no server, a busy port, a model that does not load, or a server that dies.
+    """
+    from elastic_export.fileio import existing_dir
+
+    d = existing_dir(directory)
+    install = find_server()
+    check_ports(host, port)
+    entry = ensure_repository(d, budget_backend or default_budget_backend(install), policy, slo_ms, echo)
+    server = TritonServer(d / entry["dir"], host=host, port=port)
+    try:
+        server.start(load=[m["name"] for m in entry["models"]])
+        server.wait_ready(ready_timeout_s, models=[m["name"] for m in entry["models"]])
+        server.load(entry["router"], ready_timeout_s)
+        echo(f"ready: router {entry['router']!r} + {len(entry['models'])} budget models; HTTP http://{server.http_url}, "
+             f"gRPC {server.grpc_url}, metrics {server.metrics_url} (Ctrl-C stops)")
+        (wait or _wait_for_exit)(server)
+        if server.process is not None and server.process.poll() not in (None, 0):
+            raise UserError(f"tritonserver exited ({server.process.returncode}): {server.failure()}")
+    finally:
+        code = server.stop()
+    return code or 0
+
+
+def _wait_for_exit(server: TritonServer) -> None:
+    """Block until the server exits or SIGINT / SIGTERM arrives (both end the wait normally)."""
+    stop = {"now": False}
+
+    def handler(signum, frame):
+        stop["now"] = True
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop["now"] and server.process is not None and server.process.poll() is None:
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

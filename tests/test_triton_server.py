@@ -1,0 +1,310 @@
+"""A real Triton Inference Server (2.51, CPU, Python backend, from the ``serve`` extra's ``nvidia-pytriton``
+wheel) serving what ``elastic-export serve`` builds for the real all-MiniLM-L6-v2.
+
+The server binds to 127.0.0.1 only, on a block of three ports the OS reports free (a start that finds one
+taken after all is retried on another block), every request is bounded in count and has a client timeout,
+and every server is stopped by its own process id (its process group: the Python backend stubs go with it).
+Nothing here asserts on time: the head-of-line figure is measured by ``benchmarks/serve_triton.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _helpers import link_copy
+
+from elastic_export.errors import UserError
+from elastic_export.manifest import load_manifest
+from elastic_export.targets import tritonserver as TS
+
+httpclient = pytest.importorskip("tritonclient.http", reason="needs tritonclient[http] (pip install -e \".[test]\")")
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc] (pip install -e \".[test]\")")
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+TIMEOUT_S = 60  # every client call
+READY_S = 240  # every server start
+
+
+def _serve(directory: Path, *extra: str, attempts: int = 3) -> tuple[subprocess.Popen, int, list[str]]:
+    """``elastic-export serve DIR`` on a free port block, until it prints its ready line (bounded).
+
+    Returns the process, its port and the lines it printed."""
+    for _ in range(attempts):
+        port = TS.free_port_block()
+        p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(directory), "--port", str(port),
+                              "--ready-timeout", str(READY_S),
+                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        lines = []
+        deadline = time.monotonic() + READY_S + 120
+        for line in p.stdout:  # serve prints a line at a time; ends when the process does
+            lines.append(line.rstrip())
+            if line.startswith("ready:") or time.monotonic() > deadline:
+                break
+        if lines and lines[-1].startswith("ready:"):
+            return p, port, lines
+        _stop(p)
+        if not any("in use" in x for x in lines):
+            pytest.fail("serve did not become ready:\n" + "\n".join(lines[-20:]))
+    pytest.fail("no free port block after retries")
+
+
+def _stop(p: subprocess.Popen) -> tuple[int, str]:
+    """SIGTERM to serve (by its pid), bounded; the rest of its output."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        rest, _ = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        rest, _ = p.communicate(timeout=30)
+    return p.returncode, rest or ""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def served(minilm_small, tmp_path_factory):
+    """``elastic-export serve`` on a copy of the small MiniLM export (the repository built by serve itself)."""
+    d = link_copy(minilm_small, tmp_path_factory.mktemp("served") / "art")
+    p, port, lines = _serve(d)
+    info = {"dir": d, "port": port, "lines": lines, "process": p}
+    yield info
+    code, rest = _stop(p)
+    info["stopped"] = (code, rest)
+    assert code == 0 and "stopped" in rest, rest
+    assert not _group_alive(p.pid), "a process of the server's group is still running"
+
+
+def _feeds(batch: int = 3, length: int = 12, seed: int = 0) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(seed).integers(1000, 20000, (batch, length)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[-1, length // 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+
+
+def _inputs(module, feeds: dict[str, np.ndarray], sparsity: np.ndarray | None = None, text=None) -> list:
+    items = []
+    for name, arr in feeds.items():
+        items.append(module.InferInput(name, list(arr.shape), "INT64"))
+        items[-1].set_data_from_numpy(arr)
+    if sparsity is not None:
+        items.append(module.InferInput("sparsity", list(sparsity.shape), "FP32"))
+        items[-1].set_data_from_numpy(sparsity.astype(np.float32))
+    if text is not None:
+        arr = np.array([t.encode() for t in text], dtype=object)
+        items.append(module.InferInput("text", [len(text)], "BYTES"))
+        items[-1].set_data_from_numpy(arr)
+    return items
+
+
+def _metric(port: int, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/metrics", timeout=TIMEOUT_S).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {name} {labels}")
+
+
+def test_every_model_is_ready_and_the_endpoints_are_printed(served):
+    d, port = served["dir"], served["port"]
+    ready = served["lines"][-1]
+    assert f"HTTP http://127.0.0.1:{port}" in ready and f"gRPC 127.0.0.1:{port + 1}" in ready
+    assert f"metrics http://127.0.0.1:{port + 2}/metrics" in ready
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=TIMEOUT_S)
+    try:
+        assert client.is_server_ready()
+        index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
+        t = load_manifest(d)["triton"]
+        assert index == {n: "READY" for n in [t["router"], *(m["name"] for m in t["models"])]}
+        assert {m["platform"] for m in t["models"]} == {"python"}  # this server has no onnxruntime backend
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_served_outputs_equal_the_runtime(served, protocol):
+    """Every budget, asked for by input, by parameter, per row and by default, answers what
+    ElasticRuntime.run answers for the same input (the same ONNX files run by onnxruntime)."""
+    from elastic_export.runtime import ElasticRuntime
+
+    d, port = served["dir"], served["port"]
+    module = httpclient if protocol == "http" else grpcclient
+    url = f"127.0.0.1:{port}" if protocol == "http" else f"127.0.0.1:{port + 1}"
+    client = (httpclient.InferenceServerClient(url, network_timeout=TIMEOUT_S) if protocol == "http"
+              else grpcclient.InferenceServerClient(url))
+    rt = ElasticRuntime.from_dir(d)
+    feeds = _feeds()
+    kw = {} if protocol == "http" else {"client_timeout": TIMEOUT_S}
+    try:
+        cases = [(np.full((1, 1), 0.5), None, [0.5] * 3), (np.array([[0.1], [0.0], [0.5]]), None, [0.1, 0.0, 0.5]),
+                 (None, {"sparsity": 0.3}, [0.5] * 3), (None, None, [0.0] * 3)]
+        for sparsity, params, want_served in cases:
+            res = client.infer("elastic", _inputs(module, feeds, sparsity), parameters=params, **kw)
+            served_s = res.as_numpy("served_sparsity")
+            assert served_s.dtype == np.float64 and served_s.ravel().tolist() == want_served
+            assert res.as_numpy("served_precision").ravel().tolist() == [b"fp32"] * 3
+            for row, s in enumerate(want_served):
+                want = rt.run({k: v[row:row + 1] for k, v in feeds.items()}, sparsity=s)
+                for name in ("sentence_embedding", "last_hidden_state"):
+                    got = res.as_numpy(name)[row:row + 1]
+                    assert np.abs(got - want[name]).max() <= 1e-5, (protocol, sparsity, params, name)
+    finally:
+        client.close()
+
+
+def test_text_in_embedding_out(served):
+    from elastic_export.runtime import ElasticRuntime
+
+    d, port = served["dir"], served["port"]
+    texts = ["How do I read a file in Python?", "The with statement closes it for you."]
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=TIMEOUT_S)
+    try:
+        res = client.infer("elastic", _inputs(httpclient, {}, text=texts), parameters={"sparsity": 0.1})
+        want = ElasticRuntime.from_dir(d).encode(texts, sparsity=0.1)
+        assert np.abs(res.as_numpy("sentence_embedding") - want).max() <= 1e-5
+        assert res.as_numpy("served_sparsity").ravel().tolist() == [0.1, 0.1]
+        with pytest.raises(Exception, match="either 'text' or the model inputs"):
+            client.infer("elastic", _inputs(httpclient, _feeds(2), text=texts))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("sparsity,params,message", [
+    (np.full((1, 1), 0.61), None, "above the sparsest served budget 0.5"),
+    (np.full((1, 1), np.nan), None, "not a finite number"),
+    (None, {"sparsity": 1.5}, "outside [0, 1)"),
+    (np.full((2, 1), 0.1), None, "sparsity input has 2 values for a batch of 3"),
+])
+def test_refused_requests_are_errors_and_counted(served, sparsity, params, message):
+    port = served["port"]
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=TIMEOUT_S)
+    try:
+        before = _metric(port, "elastic_router_requests_total", outcome="refused")
+        with pytest.raises(Exception, match=re.escape(message)) as err:
+            client.infer("elastic", _inputs(httpclient, _feeds(), sparsity), parameters=params)
+        assert "400" in str(err.value)  # INVALID_ARG: the client's fault
+        assert _metric(port, "elastic_router_requests_total", outcome="refused") == before + 1
+    finally:
+        client.close()
+
+
+def test_rows_served_are_counted_per_budget(served):
+    port = served["port"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+    try:
+        before = _metric(port, "elastic_router_rows_total", sparsity="0.5")
+        client.infer("elastic", _inputs(grpcclient, _feeds(), np.full((1, 1), 0.5)), client_timeout=TIMEOUT_S)
+        assert _metric(port, "elastic_router_rows_total", sparsity="0.5") == before + 3
+    finally:
+        client.close()
+
+
+# --- serve's errors: one line, exit 2, nothing left running ----------------------------------------
+def _serve_once(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_export", "serve", *args], capture_output=True, text=True,
+                          env=ENV, timeout=READY_S + 120)
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_serve_refuses_a_busy_port(minilm_small):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = _one_error_line(_serve_once(str(minilm_small), "--port", str(port)))
+    assert f"port {port} on 127.0.0.1 (HTTP) is in use" in line
+
+
+def test_serve_refuses_a_directory_without_manifest(tmp_path):
+    assert "no manifest.json" in _one_error_line(_serve_once(str(tmp_path), "--port", str(TS.free_port_block())))
+
+
+def test_a_budget_model_that_fails_to_load_is_one_error_line(minilm_small, tmp_path):
+    from elastic_export.targets.triton import build_repository
+
+    d = link_copy(minilm_small, tmp_path / "art")
+    build_repository(d, platform="python", kind="cpu")
+    served_file = d / "triton" / "elastic_s050" / "1" / "model.onnx"
+    served_file.unlink()
+    served_file.write_bytes(b"not an onnx file")
+    line = _one_error_line(_serve_once(str(d), "--port", str(TS.free_port_block()), "--ready-timeout", "120"))
+    assert "elastic_s050" in line and "UNAVAILABLE" in line or "exited" in line, line
+
+
+def test_the_router_does_not_load_in_front_of_a_missing_budget_model(minilm_small, tmp_path):
+    """Budget model 0.5 is never loaded: the router waits for it, then refuses to load (never READY)."""
+    from elastic_export.targets.triton import build_repository
+
+    d = link_copy(minilm_small, tmp_path / "art")
+    build_repository(d, platform="python", kind="cpu")
+    cfg = d / "triton" / "elastic" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace('"300.0"', '"2.0"'))  # the router's wait for its budget models
+    server = TS.TritonServer(d / "triton", port=TS.free_port_block())
+    try:
+        server.start(load=["elastic_s000", "elastic_s010"])
+        server.wait_ready(READY_S, models=["elastic_s000", "elastic_s010"])
+        with pytest.raises(UserError, match="'elastic' failed to load.*not ready after 2 s: elastic_s050"):
+            server.load("elastic", timeout_s=READY_S)
+        assert server.model_states().get("elastic") != "READY"
+    finally:
+        pid = server.process.pid if server.process else None
+        server.stop()
+    assert pid is None or not _group_alive(pid)
+
+
+# --- the stub's environment ------------------------------------------------------------------------
+def test_the_server_python_has_numpy_1():
+    """The serve extra pins numpy<2 (this server's Python backend answers empty outputs with numpy 2)."""
+    import numpy
+
+    env = TS.server_env(TS.find_server())
+    assert TS.check_stub_python(env) == numpy.__version__ and int(numpy.__version__.split(".")[0]) == 1
+
+
+def test_numpy_2_in_the_server_python_is_refused(tmp_path):
+    fake = tmp_path / "site" / "numpy"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "2.1.0"\n')
+    env = {**TS.server_env(TS.find_server()), "PYTHONPATH": str(tmp_path / "site")}
+    with pytest.raises(UserError, match="has numpy 2.1.0.*install numpy<2 there"):
+        TS.check_stub_python(env)
+
+
+def test_the_python_stub_backend_folder(tmp_path):
+    install = TS.find_server()
+    folder = TS.backend_dir(install, tmp_path / "backends")
+    stub = folder / "python" / TS.STUB
+    assert stub.is_file() and os.access(stub, os.X_OK) and (folder / "python" / "libtriton_python.so").is_file()
+    assert shutil.which("python3", path=TS.server_env(install)["PATH"]) == str(Path(sys.executable).parent / "python3")
+
+
+def test_manifest_entry_after_serve(served):
+    t = load_manifest(served["dir"])["triton"]
+    assert t["policy"] == "adaptive" and t["text_input"] is True
+    assert json.loads(json.dumps(t)) == t
