@@ -25,6 +25,8 @@ except ImportError:  # outside a Triton server: the module imports, the model ne
 
 THREADS_PARAMETER = "intra_op_threads"
 MODEL_FILE = "model.onnx"
+_NUMPY = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32,
+          "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT8": np.int8, "TYPE_FP64": np.float64}
 
 
 def group_by_shape(arrays: List[Dict[str, np.ndarray]]) -> List[List[int]]:
@@ -52,6 +54,17 @@ class TritonPythonModel:
         self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]
+        self._warm_up(config["input"])
+
+    def _warm_up(self, specs: List[Dict[str, Any]]) -> None:
+        """One run on zeros (batch 1, free dims 16) at load, so the first request does not pay
+        onnxruntime's first-run allocations (a load-adaptive router would read that as load)."""
+        feeds = {t["name"]: np.zeros([1] + [16 if int(d) < 0 else int(d) for d in t.get("dims", [])],
+                                     dtype=_NUMPY.get(t.get("data_type"), np.float32)) for t in specs}
+        try:
+            self.session.run(None, feeds)
+        except Exception:  # best effort: a model that needs other shapes warms up on its first request
+            pass
 
     def execute(self, requests: List[Any]) -> List[Any]:
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]

@@ -22,18 +22,21 @@ refused with :class:`BudgetError` (an error response, counted as a failed reques
 names no sparsity gets the configured default (``policy: fixed``) or what the load-adaptive policy
 picks from the load the router observes (``policy: adaptive``).
 
-No head-of-line blocking: ``execute`` starts one task per request and returns at once; each task
-answers through the request's response sender when its budget model has answered, so a small
-request never waits behind a large one. The router does not batch (``max_batch_size: 0``); the
-budget models' dynamic batchers do.
+No head-of-line blocking: ``execute`` hands each request to a worker thread (``max_concurrency``
+of them) and returns at once; each worker calls the budget model (BLS) and answers through the
+request's response sender, so a small request never waits behind a large one. (Threads rather
+than ``async`` BLS: measured here, a synchronous BLS call in a worker adds less latency.) The
+router does not batch (``max_batch_size: 0``); the budget models' dynamic batchers do.
 """
 
 import asyncio
 import json
 import math
 import os
+import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -55,6 +58,8 @@ POLICY_PARAMETER = "policy"
 SLO_PARAMETER = "slo_ms"
 PRECISION_PARAMETER = "precision"
 READY_TIMEOUT_PARAMETER = "ready_timeout_s"
+CONCURRENCY_PARAMETER = "max_concurrency"
+DEFAULT_CONCURRENCY = 64
 POLICIES = ("fixed", "adaptive")
 PROFILE_FILE = "latency_profile.json"  # next to model.py, copied from the artifact directory when it has one
 TOKENIZER_DIR = "tokenizer"  # next to model.py, for the text input
@@ -163,6 +168,7 @@ class RouterConfig:
         outputs: the output names the budget model answers with.
         text: whether the config declares the ``text`` input.
         ready_timeout_s: how long ``initialize`` waits for the budget models to be ready.
+        max_concurrency: requests the router works on at once (its worker threads); more wait.
     """
 
     def __init__(self, model_config: Dict[str, Any]):
@@ -181,6 +187,8 @@ class RouterConfig:
         self.slo_ms = _number(slo, SLO_PARAMETER) if slo else None
         self.precision = params.get(PRECISION_PARAMETER) or "fp32"
         self.ready_timeout_s = _number(params.get(READY_TIMEOUT_PARAMETER) or 300, READY_TIMEOUT_PARAMETER)
+        self.max_concurrency = int(_number(params.get(CONCURRENCY_PARAMETER) or DEFAULT_CONCURRENCY,
+                                           CONCURRENCY_PARAMETER))
         names = [t["name"] for t in model_config.get("input", [])]
         self.text = TEXT_INPUT in names
         self.inputs = [n for n in names if n not in OWN_TENSORS]
@@ -214,36 +222,57 @@ class LoadMonitor:
     Args:
         half_life_s: the arrival-rate estimate's memory (an exponentially weighted rate).
         clock: seconds (monotonic).
+
+
+    Attributes:
+        in_flight: requests received and not yet answered.
+        rate: arrival rate (requests/s), exponentially weighted.
+        latency_ms: per budget, the moving average of its answers' latency (queueing included).
+        service_ms: per budget, the moving average of the latency of requests that had the server to
+            themselves (nothing else in flight when they arrived or left): a service-time estimate.
     """
 
     def __init__(self, half_life_s: float = 0.5, clock=time.monotonic):
         self.in_flight = 0
         self.rate = 0.0
         self.latency_ms: Dict[float, float] = {}
+        self.service_ms: Dict[float, float] = {}
         self._half_life, self._clock = half_life_s, clock
         self._last: Optional[float] = None
 
-    def arrive(self) -> None:
+    def arrive(self) -> int:
+        """Count an arrival; returns how many other requests were in flight (the queue it joins)."""
         now = self._clock()
         if self._last is not None:
             decay = 0.5 ** ((now - self._last) / self._half_life)
             self.rate = self.rate * decay + (1.0 - decay) / max(now - self._last, 1e-6)
         self._last = now
         self.in_flight += 1
+        return self.in_flight - 1
 
-    def leave(self, sparsity: Optional[float], latency_ms: Optional[float]) -> None:
+    def leave(self, sparsity: Optional[float], latency_ms: Optional[float], alone: bool = False) -> None:
+        """Count an answer of ``sparsity`` after ``latency_ms``; ``alone``: nothing else was in flight."""
         self.in_flight -= 1
-        if sparsity is not None and latency_ms is not None:
-            old = self.latency_ms.get(sparsity)
-            self.latency_ms[sparsity] = latency_ms if old is None else 0.8 * old + 0.2 * latency_ms
+        if sparsity is None or latency_ms is None:
+            return
+        _ewma(self.latency_ms, sparsity, latency_ms)
+        if alone and self.in_flight == 0:
+            _ewma(self.service_ms, sparsity, latency_ms)
+
+
+def _ewma(table: Dict[float, float], key: float, value: float, weight: float = 0.2) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else (1 - weight) * old + weight * value
 
 
 class AdaptiveRouting:
     """The project's :class:`~elastic_export.policies.LoadAdaptivePolicy` fed with what the router
-    observes: queue depth = requests in flight (waiting or running), arrival rate, and each budget's
-    service time (the directory's latency profile at batch 1 where it has one, then the router's own
-    measurements). With an SLO, a budget whose measured latency exceeds 80 % of it counts as a full
-    queue (the policy steps to a faster budget at once). Imports :mod:`elastic_export.policies`."""
+    observes. Queue depth: the requests already in flight when one arrives. Service times, where the
+    directory's latency profile has every served budget at batch 1: the profile's p50 to start with,
+    then the router's own measurement of each budget (:attr:`LoadMonitor.service_ms`), so that the
+    arrival rate x service time (utilisation) steers the level too. With an SLO, a budget whose
+    measured latency (queueing included) exceeds 80 % of it counts as a full queue, so the policy
+    steps to a faster budget at once. Imports :mod:`elastic_export.policies`."""
 
     def __init__(self, config: RouterConfig, profile_path: Optional[str]):
         from elastic_export.policies import LoadAdaptivePolicy
@@ -254,18 +283,21 @@ class AdaptiveRouting:
         self.policy.bind_pairs(pairs, config.precision)
         self.config = config
 
-    def choose(self, monitor: LoadMonitor) -> float:
-        depth = monitor.in_flight
+    def choose(self, monitor: LoadMonitor, queue: int) -> float:
+        """The budget for a request that arrived with ``queue`` others in flight."""
+        depth = queue
         current = self.policy.select(1)[0]
         slo = self.config.slo_ms
         if slo is not None and monitor.latency_ms.get(current, 0.0) > 0.8 * slo:
             depth = max(depth, self.policy.up_depth)
         if self.policy.service_ms is not None:
-            for s, ms in monitor.latency_ms.items():
-                if (s, self.config.precision) in self.policy.service_ms:
-                    self.policy.service_ms[(s, self.config.precision)] = ms
+            for s, ms in monitor.service_ms.items():
+                self.policy.service_ms[(s, self.config.precision)] = ms
         self.policy.observe(depth, monitor.rate if self.policy.service_ms is not None else None)
-        return float(self.policy.select(1)[0])
+        chosen = float(self.policy.select(1)[0])
+        if chosen < current:  # back to a denser budget: its latency from the last visit is stale
+            monitor.latency_ms.pop(chosen, None)
+        return chosen
 
 
 def _profile_service(path: str, config: RouterConfig) -> Optional[Dict[Any, float]]:
@@ -312,8 +344,8 @@ class RouterMetrics:
 
     def count(self, outcome: str, served: Optional[List[float]] = None) -> None:
         self.requests[outcome].increment(1)
-        for s in served or ():
-            self.rows[s].increment(1)
+        for s in sorted(set(served or ())):
+            self.rows[s].increment(served.count(s))
 
 
 # --- the router (Triton Python backend, business-logic scripting) -------------------------------
@@ -373,47 +405,50 @@ class TritonPythonModel:
             self.tokenizer = TextEncoder.from_dir(os.path.join(here, TOKENIZER_DIR), self.config.inputs)
         self.metrics = (RouterMetrics(args.get("model_name", "router"), self.config.sparsities)
                         if hasattr(pb_utils, "MetricFamily") else None)
-        self._tasks: set = set()
+        self._lock = threading.Lock()  # the monitor and the policy, shared by the worker threads
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrency, thread_name_prefix="router")
 
-    async def execute(self, requests: List[Any]) -> None:
-        loop = asyncio.get_running_loop()
-        for request in requests:  # one task each; answered through the response sender when done
-            task = loop.create_task(self._serve(request))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def execute(self, requests: List[Any]) -> None:
+        for request in requests:  # one worker each; answered through the response sender when done
+            self._pool.submit(self._serve, request)
         return None
 
-    async def _serve(self, request: Any) -> None:
+    def _serve(self, request: Any) -> None:
         sender = request.get_response_sender()
-        self.monitor.arrive()
-        start, rows, outcome = time.monotonic(), None, "served"
+        with self._lock:
+            queue = self.monitor.arrive()
+        start, rows, routed, outcome = time.monotonic(), None, False, "served"
         switches = self.adaptive.policy.switches if self.adaptive is not None else 0
         try:
-            response, rows = await self._answer(request)
+            response, rows, routed = self._answer(request, queue)
         except BudgetError as e:
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e))), "refused"
         except Exception as e:  # a bug or a budget model's failure: answer it, never leave the client waiting
             error = pb_utils.TritonError(f"router: {e}")
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=error), "failed"
         finally:
-            one = rows[0] if rows and len(set(rows)) == 1 else None
-            self.monitor.leave(one, (time.monotonic() - start) * 1e3)
-        if self.metrics is not None:
+            one = rows[0] if routed and len(set(rows)) == 1 else None  # only the policy's picks steer it
+            with self._lock:
+                self.monitor.leave(one, (time.monotonic() - start) * 1e3, alone=queue == 0)
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if self.metrics is not None:  # after the answer: each update is a call into the server
             self.metrics.count(outcome, rows)
             if self.adaptive is not None and self.adaptive.policy.switches > switches:
                 self.metrics.switches.increment(self.adaptive.policy.switches - switches)
-        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _inputs(self, request: Any) -> Dict[str, np.ndarray]:
-        """The model inputs of a request: its tensors, or its ``text`` tokenized; batch sizes checked."""
-        feeds = {n: t.as_numpy() for n in self.config.inputs
-                 for t in [pb_utils.get_input_tensor_by_name(request, n)] if t is not None}
+    def _inputs(self, request: Any) -> Tuple[Dict[str, np.ndarray], Optional[List[Any]]]:
+        """The model inputs of a request (its tensors, or its ``text`` tokenized), batch sizes checked;
+        and the request's own input tensors (None for text), forwarded as they are when one budget
+        serves every row."""
+        tensors = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.config.inputs)
+                   if t is not None]
+        feeds = {t.name(): t.as_numpy() for t in tensors}
         text = pb_utils.get_input_tensor_by_name(request, TEXT_INPUT) if self.config.text else None
         if text is not None:
             if feeds:
                 raise BudgetError(f"send either {TEXT_INPUT!r} or the model inputs, not both")
             values = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in text.as_numpy().reshape(-1)]
-            feeds = self.tokenizer.encode(values)
+            feeds, tensors = self.tokenizer.encode(values), None
         missing = [n for n in self.config.inputs if n not in feeds]
         if missing:
             extra = f" (or {TEXT_INPUT!r})" if self.config.text else ""
@@ -423,7 +458,7 @@ class TritonPythonModel:
         for n, b in batches.items():
             if b != batches[first]:
                 raise BudgetError(f"input {n!r} has batch {b}, input {first!r} has batch {batches[first]}")
-        return feeds
+        return feeds, tensors
 
     def _rows(self, request: Any, batch: int) -> Optional[List[float]]:
         tensor = pb_utils.get_input_tensor_by_name(request, SPARSITY_INPUT)
@@ -431,51 +466,60 @@ class TritonPythonModel:
         params = request.parameters() if hasattr(request, "parameters") else None
         return row_sparsities(values, params, batch)
 
-    async def _answer(self, request: Any):
-        feeds = self._inputs(request)
+    def _answer(self, request: Any, queue: int):
+        feeds, tensors = self._inputs(request)
         batch = next(iter(feeds.values())).shape[0]
         rows = self._rows(request, batch)
-        chosen = self.adaptive.choose(self.monitor) if rows is None and self.adaptive is not None else None
+        chosen = None
+        if rows is None and self.adaptive is not None:
+            with self._lock:
+                chosen = self.adaptive.choose(self.monitor, queue)
         served = self.config.route(rows, chosen)
         if len(served) == 1:
             served = served * batch
         wanted = set(request.requested_output_names()) if hasattr(request, "requested_output_names") else set()
         names = [n for n in self.config.outputs if not wanted or n in wanted]
-        outputs = await self._forward(feeds, served, names)
-        tensors = [pb_utils.Tensor(n, outputs[n]) for n in names]
+        outputs = self._forward(feeds, tensors, served, names)
         if not wanted or SERVED_OUTPUT in wanted:
-            tensors.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(served, dtype=np.float64).reshape(-1, 1)))
+            outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(served, dtype=np.float64).reshape(-1, 1)))
         if not wanted or PRECISION_OUTPUT in wanted:
-            tensors.append(pb_utils.Tensor(PRECISION_OUTPUT, np.array([[self.config.precision]] * batch, dtype=object)))
-        return pb_utils.InferenceResponse(output_tensors=tensors), served
+            outputs.append(pb_utils.Tensor(PRECISION_OUTPUT, np.array([[self.config.precision]] * batch, dtype=object)))
+        return pb_utils.InferenceResponse(output_tensors=outputs), served, chosen is not None
 
-    async def _forward(self, feeds: Dict[str, np.ndarray], served: List[float], names: List[str]) -> Dict[str, np.ndarray]:
-        """Run every group of rows on its budget model at once; the outputs reassembled in row order."""
+    def _forward(self, feeds: Dict[str, np.ndarray], tensors: Optional[List[Any]], served: List[float],
+                       names: List[str]) -> List[Any]:
+        """Run every group of rows on its budget model (several groups: at once); the output tensors, in row order."""
         groups: Dict[float, List[int]] = {}
         for i, s in enumerate(served):
             groups.setdefault(s, []).append(i)
         calls = []
         for s, idx in groups.items():
-            part = feeds if len(groups) == 1 else {n: a[idx] for n, a in feeds.items()}
-            inputs = [pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in part.items()]
+            if len(groups) == 1 and tensors is not None:
+                inputs = tensors  # the request's own tensors, no copy
+            else:
+                part = feeds if len(groups) == 1 else {n: a[idx] for n, a in feeds.items()}
+                inputs = [pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in part.items()]
             calls.append(pb_utils.InferenceRequest(model_name=self.config.models[s], requested_output_names=names,
-                                                   inputs=inputs).async_exec())
-        responses = await asyncio.gather(*calls)
+                                                   inputs=inputs))
+        responses = [calls[0].exec()] if len(calls) == 1 else asyncio.run(_exec_all(calls))
         for r in responses:
             if r.has_error():
                 raise RuntimeError(r.error().message())
-        parts = [{n: pb_utils.get_output_tensor_by_name(r, n).as_numpy() for n in names} for r in responses]
-        if len(parts) == 1:
-            return parts[0]
-        out = {}
+        if len(responses) == 1:  # the budget model's tensors, as they are
+            return [pb_utils.get_output_tensor_by_name(responses[0], n) for n in names]
+        out = []
         for n in names:
-            first = parts[0][n]
-            full = np.empty((len(served),) + first.shape[1:], dtype=first.dtype)
+            parts = [pb_utils.get_output_tensor_by_name(r, n).as_numpy() for r in responses]
+            full = np.empty((len(served),) + parts[0].shape[1:], dtype=parts[0].dtype)
             for idx, part in zip(groups.values(), parts):
-                full[idx] = part[n]
-            out[n] = full
+                full[idx] = part
+            out.append(pb_utils.Tensor(n, full))
         return out
 
     def finalize(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+async def _exec_all(calls: List[Any]) -> List[Any]:
+    """Several BLS requests at once (a worker's own event loop: ``async_exec`` needs a running one)."""
+    return list(await asyncio.gather(*(c.async_exec() for c in calls)))

@@ -11,6 +11,8 @@ import asyncio
 import importlib.util
 import json
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -92,6 +94,8 @@ class Server:
 
     def __init__(self, repository: Path):
         self.repository, self.calls, self._sessions = repository, [], {}
+        self.barrier = None  # a threading.Barrier: calls wait until that many are in progress together
+        self._lock = threading.Lock()
 
     def run(self, model: str, inputs: list[Tensor], names: list[str]) -> InferenceResponse:
         from elastic_export.targets.onnxruntime import make_session
@@ -99,7 +103,8 @@ class Server:
         path = self.repository / model / "1" / "model.onnx"
         if not path.is_file():
             return InferenceResponse([], error=TritonError(f"no model {model!r}"))
-        sess = self._sessions.setdefault(model, make_session(path))
+        with self._lock:
+            sess = self._sessions.setdefault(model, make_session(path))
         outs = sess.run(names, {t.name(): t.as_numpy() for t in inputs})
         return InferenceResponse([Tensor(n, a) for n, a in zip(names, outs)])
 
@@ -112,9 +117,16 @@ def fake_pb_utils(server: Server) -> types.ModuleType:
         def __init__(self, model_name: str, requested_output_names: list[str], inputs: list[Tensor]):
             self.model_name, self.names, self.inputs = model_name, list(requested_output_names), inputs
 
+        def exec(self) -> InferenceResponse:
+            server.calls.append(("start", self.model_name))
+            if server.barrier is not None:  # wait until that many calls are in progress at once
+                server.barrier.wait(timeout=30)
+            server.calls.append(("end", self.model_name))
+            return server.run(self.model_name, self.inputs, self.names)
+
         async def async_exec(self) -> InferenceResponse:
             server.calls.append(("start", self.model_name))
-            await asyncio.sleep(0)  # the next request starts before this one ends, as with a batching server
+            await asyncio.sleep(0)  # the next call starts before this one ends, as with a batching server
             server.calls.append(("end", self.model_name))
             return server.run(self.model_name, self.inputs, self.names)
 
@@ -158,12 +170,11 @@ def start_router(repository: Path, name: str, monkeypatch) -> tuple[object, Serv
     return model, server
 
 
-def execute(model, requests: list[Request]) -> list[InferenceResponse]:
+def execute(model, requests: list[Request], timeout_s: float = 60.0) -> list[InferenceResponse]:
     """One ``execute`` call, as the server makes it, then every request's response once all are sent."""
-    async def run() -> None:
-        assert await model.execute(requests) is None  # answers go through the response senders
-        while model._tasks:
-            await asyncio.gather(*list(model._tasks))
-
-    asyncio.run(run())
+    assert model.execute(requests) is None  # answers go through the response senders
+    deadline = time.monotonic() + timeout_s
+    while not all(hasattr(r, "response") for r in requests):
+        assert time.monotonic() < deadline, "the router did not answer every request"
+        time.sleep(0.001)
     return [r.response for r in requests]

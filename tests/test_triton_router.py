@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -111,6 +112,7 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d, dense=False)
     model, server = start_router(d / "triton", "elastic", monkeypatch)
+    server.barrier = threading.Barrier(4)  # every call waits until all four are in progress: no serialising
     feeds = _feeds()
     requests = [Request({**feeds, "sparsity": np.full((2, 1), 0.5, np.float32)}),  # the input
                 Request(feeds, {"sparsity": 0.1}),  # the parameter: the next sparser budget
@@ -123,8 +125,7 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
     assert all(r.as_dict()["served_sparsity"].shape == (2, 1) for r in responses)
     assert responses[0].as_dict()["served_sparsity"].dtype == np.float64  # 0.5 exactly, also as JSON
     assert responses[0].as_dict()["served_precision"].tolist() == [["fp32"], ["fp32"]]
-    assert [name for event, name in server.calls if event == "start"] == ["elastic_s050", "elastic_s025",
-                                                                          "elastic_s025", "elastic_s025"]
+    assert sorted(name for event, name in server.calls if event == "start") == ["elastic_s025"] * 3 + ["elastic_s050"]
     assert [event for event, _ in server.calls][:4] == ["start"] * 4  # forwarded together, not one by one
     want = server.run("elastic_s050", requests[0].inputs[:2], ["last_hidden_state"]).as_dict()["last_hidden_state"]
     np.testing.assert_array_equal(responses[0].as_dict()["last_hidden_state"], want)
@@ -228,18 +229,27 @@ def test_load_adaptive_routing_steps_to_faster_budgets_under_load_and_back():
         "slo_ms": {"string_value": "50"}}, "input": [], "output": []})
     routing = triton_router.AdaptiveRouting(config, None)
     monitor = triton_router.LoadMonitor(clock=iter(np.arange(0, 100, 0.001)).__next__)
-    assert routing.choose(monitor) == 0.0  # idle: the densest
-    for _ in range(4):
-        monitor.arrive()
-    served = [routing.choose(monitor) for _ in range(3)]
-    assert served == [0.3, 0.6, 0.6]  # a queue of 4: one level per observation, up to the sparsest
-    for _ in range(4):
-        monitor.leave(0.6, 5.0)
-    calm = [routing.choose(monitor) for _ in range(routing.policy.down_after * 2)]
+    assert routing.choose(monitor, queue=0) == 0.0  # idle: the densest
+    served = [routing.choose(monitor, queue=4) for _ in range(3)]
+    assert served == [0.3, 0.6, 0.6]  # 4 in flight: one level per arrival, up to the sparsest
+    calm = [routing.choose(monitor, queue=0) for _ in range(routing.policy.down_after * 2)]
     assert calm[-1] == 0.0 and routing.policy.switches == 4  # calm again: back to dense, one level at a time
+    assert monitor.arrive() == 0 and monitor.in_flight == 1
     monitor.leave(0.0, 45.0)  # the dense budget now answers near the SLO: treated as a full queue
-    monitor.in_flight = 0
-    assert routing.choose(monitor) == 0.3
+    assert routing.choose(monitor, queue=0) == 0.3
+
+
+def test_load_monitor_rate_and_service_times():
+    clock = iter([0.0, 0.01, 0.02, 0.03, 0.04]).__next__
+    monitor = triton_router.LoadMonitor(half_life_s=0.05, clock=clock)
+    assert [monitor.arrive() for _ in range(2)] == [0, 1]  # the second joins one in flight
+    monitor.leave(0.3, 30.0, alone=False)
+    monitor.leave(0.3, 10.0, alone=True)  # answered with nothing else in flight: a service time
+    assert monitor.in_flight == 0 and monitor.service_ms == {0.3: 10.0}
+    assert monitor.latency_ms[0.3] == pytest.approx(0.8 * 30.0 + 0.2 * 10.0)
+    for _ in range(3):
+        monitor.arrive()
+    assert 20 < monitor.rate < 100  # arrivals every 10 ms: the estimate climbs towards 100/s
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
@@ -254,4 +264,7 @@ def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
     assert routing.policy.service_ms == {(0.0, "fp32"): 4.0, (0.5, "fp32"): 2.0}
     monitor = triton_router.LoadMonitor()
     monitor.rate = 300.0  # 300 requests/s x 4 ms = 1.2: dense cannot keep up; 0.5 (0.6) can
-    assert routing.choose(monitor) == 0.5
+    assert routing.choose(monitor, queue=0) == 0.5
+    monitor.service_ms = {0.0: 1.0, 0.5: 0.5}  # measured by the router: dense keeps up after all
+    calm = [routing.choose(monitor, queue=0) for _ in range(routing.policy.down_after)]
+    assert calm[-1] == 0.0 and routing.policy.service_ms[(0.0, "fp32")] == 1.0
