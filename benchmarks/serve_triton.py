@@ -272,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--capacity-seconds", type=float, default=10.0)
     ap.add_argument("--overhead-requests", type=int, default=200)
+    ap.add_argument("--server-log", type=Path, default=Path("/tmp/serve_triton.server.log"),
+                    help="the server's output (kept)")
     ap.add_argument("--drain", type=float, default=60.0, help="seconds a request may wait after the last arrival")
     args = ap.parse_args(argv)
     d = ensure_artifacts(args.artifacts)
     t = build_repository(d, platform="python", kind="cpu", policy="adaptive", slo_ms=args.slo_ms, echo=print).triton
     manifest = Manifest.load(d)
-    server = TritonServer(d / "triton", port=free_port_block())
+    server = TritonServer(d / "triton", port=free_port_block(), log=args.server_log)
     try:
         server.start(load=[m["name"] for m in t["models"]])
         server.wait_ready(300, models=[m["name"] for m in t["models"]])

@@ -125,7 +125,7 @@ def _quote(text: str) -> str:
 
 
 def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[dict], *, max_batch: int,
-                 kind: str, instances: int, queue_delay_us: int, ort_threads: int = 0) -> str:
+                 kind: str, instances: int, queue_delay_us: int, ort_threads: int = 0, warmup_tokens: int = 16) -> str:
     """``config.pbtxt`` of one budget model.
 
     Args:
@@ -137,9 +137,11 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
         instances: instances per device.
         queue_delay_us: the dynamic batcher's ``max_queue_delay_microseconds``.
         ort_threads: onnxruntime intra-op threads of a ``python`` budget model (0: its default).
+        warmup_tokens: free dims of a ``python`` budget model's warm-up runs at load.
     """
     runs = 'backend: "python"' if model.platform == "python" else f'platform: "{model.platform}"'
     threads = (f'parameters {{\n  key: "{ort_model.THREADS_PARAMETER}"\n  value {{ string_value: "{ort_threads}" }}\n}}\n'
+               f'parameters {{\n  key: "{ort_model.WARMUP_PARAMETER}"\n  value {{ string_value: "{warmup_tokens}" }}\n}}\n'
                if model.platform == "python" else "")
     return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
@@ -432,6 +434,7 @@ class RepositoryPlan:
     ort_threads: int = 0
     profile: Path | None = None  # the directory's latency profile, copied next to the router
     tokenizer: Path | None = None  # the folder whose tokenizer files serve the text input
+    warmup_tokens: int = 16  # python budget models' warm-up length (the manifest's tokens)
 
     @property
     def default(self) -> float:
@@ -443,7 +446,7 @@ class RepositoryPlan:
         configs = {m.name: model_config(m, self.inputs, self.outputs, max_batch=self.max_batch,
                                         kind="KIND_GPU" if m.platform == "tensorrt_plan" else KINDS[self.kind],
                                         instances=self.instances, queue_delay_us=self.queue_delay_us,
-                                        ort_threads=self.ort_threads)
+                                        ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens)
                    for m in self.models}
         configs[self.name] = router_config(self.name, self.models, self.router, self.inputs, self.outputs)
         if _can_validate():
@@ -600,7 +603,7 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     inputs, outputs = _served_io(d, manifest, models)
     profile = d / LATENCY_PROFILE if (d / LATENCY_PROFILE).is_file() else None
     plan = RepositoryPlan(name, models, settings, inputs, outputs, max_batch, kind, instances, queue_delay_us,
-                          precision, ort_threads, profile, tokenizer)
+                          precision, ort_threads, profile, tokenizer, int(manifest.tokens or 16))
     placed = write_repository(d, plan, plan.configs())
     links = sum(v == "link" for v in placed.values())
     echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models ({links} hard links, {len(models) - links} copies) "

@@ -9,7 +9,8 @@ factory, so that it also runs where elastic-export is not installed.
 
 The requests of one ``execute`` call (what the dynamic batcher gathered) run as one batch where their
 non-batch shapes agree (texts padded to one length, images of one size), else one run per shape.
-Parameters of its ``config.pbtxt``: ``intra_op_threads`` (0: onnxruntime's default).
+Parameters of its ``config.pbtxt``: ``intra_op_threads`` (0: onnxruntime's default) and
+``warmup_tokens`` (the free dims of the warm-up runs at load: the manifest's nominal tokens).
 """
 
 import json
@@ -24,6 +25,7 @@ except ImportError:  # outside a Triton server: the module imports, the model ne
     pb_utils = None
 
 THREADS_PARAMETER = "intra_op_threads"
+WARMUP_PARAMETER = "warmup_tokens"
 MODEL_FILE = "model.onnx"
 _NUMPY = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32,
           "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT8": np.int8, "TYPE_FP64": np.float64}
@@ -54,12 +56,17 @@ class TritonPythonModel:
         self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]
-        self._warm_up(config["input"])
+        self._warm_up(config["input"], int(params.get(WARMUP_PARAMETER) or 16))
 
-    def _warm_up(self, specs: List[Dict[str, Any]]) -> None:
-        """One run on zeros (batch 1, free dims 16) at load, so the first request does not pay
-        onnxruntime's first-run allocations (a load-adaptive router would read that as load)."""
-        feeds = {t["name"]: np.zeros([1] + [16 if int(d) < 0 else int(d) for d in t.get("dims", [])],
+    def _warm_up(self, specs: List[Dict[str, Any]], free: int) -> None:
+        """Runs on zeros (batch 1 and 8, free dims ``free``: the model's nominal tokens) at load, so the
+        first requests do not pay onnxruntime's first-run allocations (a load-adaptive router would
+        read that as load)."""
+        for batch in (1, 8):
+            self._run_zeros(specs, batch, free)
+
+    def _run_zeros(self, specs: List[Dict[str, Any]], batch: int, free: int) -> None:
+        feeds = {t["name"]: np.zeros([batch] + [free if int(d) < 0 else int(d) for d in t.get("dims", [])],
                                      dtype=_NUMPY.get(t.get("data_type"), np.float32)) for t in specs}
         try:
             self.session.run(None, feeds)

@@ -268,9 +268,9 @@ def _ewma(table: Dict[float, float], key: float, value: float, weight: float = 0
 class AdaptiveRouting:
     """The project's :class:`~elastic_export.policies.LoadAdaptivePolicy` fed with what the router
     observes. Queue depth: the requests already in flight when one arrives. Service times, where the
-    directory's latency profile has every served budget at batch 1: the profile's p50 to start with,
-    then the router's own measurement of each budget (:attr:`LoadMonitor.service_ms`), so that the
-    arrival rate x service time (utilisation) steers the level too. With an SLO, a budget whose
+    directory's latency profile has every served budget at batch 1: the profile's p50, scaled by the
+    router's own measurements (:attr:`LoadMonitor.service_ms`, :meth:`calibrated_service`), so that
+    the arrival rate x service time (utilisation) steers the level too. With an SLO, a budget whose
     measured latency (queueing included) exceeds 80 % of it counts as a full queue, so the policy
     steps to a faster budget at once. Imports :mod:`elastic_export.policies`."""
 
@@ -279,9 +279,23 @@ class AdaptiveRouting:
 
         pairs = [(s, config.precision) for s in config.sparsities]
         service = _profile_service(profile_path, config) if profile_path and os.path.isfile(profile_path) else None
-        self.policy = LoadAdaptivePolicy(up_depth=4, down_depth=1, down_after=8, service_ms=service)
+        # Headroom below the policy's default band (0.85 / 0.6): the service times are batch-1 ones
+        # and the server's own overheads and arrival bursts come on top. With an SLO the measured
+        # latency steers too, so a longer queue is tolerated before it alone steps up.
+        self.policy = LoadAdaptivePolicy(up_depth=8 if config.slo_ms else 4, down_depth=1, down_after=8,
+                                         service_ms=service, high_utilization=0.75, low_utilization=0.55)
         self.policy.bind_pairs(pairs, config.precision)
         self.config = config
+        self.profile = {s: ms for (s, _), ms in service.items()} if service else None
+
+    def calibrated_service(self, measured: Dict[float, float]) -> Optional[Dict[Any, float]]:
+        """Every budget's service time: the profile's, scaled by how the budgets measured here compare
+        with it (the median ratio), so one measured budget calibrates them all."""
+        if self.profile is None:
+            return None
+        ratios = sorted(measured[s] / self.profile[s] for s in measured if self.profile.get(s))
+        k = ratios[len(ratios) // 2] if ratios else 1.0
+        return {(s, self.config.precision): ms * k for s, ms in self.profile.items()}
 
     def choose(self, monitor: LoadMonitor, queue: int) -> float:
         """The budget for a request that arrived with ``queue`` others in flight."""
@@ -291,8 +305,7 @@ class AdaptiveRouting:
         if slo is not None and monitor.latency_ms.get(current, 0.0) > 0.8 * slo:
             depth = max(depth, self.policy.up_depth)
         if self.policy.service_ms is not None:
-            for s, ms in monitor.service_ms.items():
-                self.policy.service_ms[(s, self.config.precision)] = ms
+            self.policy.service_ms.update(self.calibrated_service(monitor.service_ms))
         self.policy.observe(depth, monitor.rate if self.policy.service_ms is not None else None)
         chosen = float(self.policy.select(1)[0])
         if chosen < current:  # back to a denser budget: its latency from the last visit is stale
@@ -341,11 +354,17 @@ class RouterMetrics:
         self.requests = {o: requests.Metric(labels={"router": router, "outcome": o}) for o in self.OUTCOMES}
         self.rows = {s: rows.Metric(labels={"router": router, "sparsity": f"{s:g}"}) for s in sparsities}
         self.switches = switches.Metric(labels={"router": router})
+        self._lock = threading.Lock()
 
-    def count(self, outcome: str, served: Optional[List[float]] = None) -> None:
-        self.requests[outcome].increment(1)
-        for s in sorted(set(served or ())):
-            self.rows[s].increment(served.count(s))
+    def count(self, outcome: str, served: Optional[List[float]] = None, switches: int = 0) -> None:
+        """One answered request. Updates are serialised: this server crashes (``boost::interprocess::
+        lock_exception``) when metrics are updated from several threads at once (seen under load)."""
+        with self._lock:
+            self.requests[outcome].increment(1)
+            for s in sorted(set(served or ())):
+                self.rows[s].increment(served.count(s))
+            if switches:
+                self.switches.increment(switches)
 
 
 # --- the router (Triton Python backend, business-logic scripting) -------------------------------
@@ -432,9 +451,8 @@ class TritonPythonModel:
                 self.monitor.leave(one, (time.monotonic() - start) * 1e3, alone=queue == 0)
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if self.metrics is not None:  # after the answer: each update is a call into the server
-            self.metrics.count(outcome, rows)
-            if self.adaptive is not None and self.adaptive.policy.switches > switches:
-                self.metrics.switches.increment(self.adaptive.policy.switches - switches)
+            new = self.adaptive.policy.switches - switches if self.adaptive is not None else 0
+            self.metrics.count(outcome, rows, max(new, 0))
 
     def _inputs(self, request: Any) -> Tuple[Dict[str, np.ndarray], Optional[List[Any]]]:
         """The model inputs of a request (its tensors, or its ``text`` tokenized), batch sizes checked;

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -13,6 +19,7 @@ from elastic_export.plans import make_plans
 from elastic_export.ranking import Ranking
 from elastic_export.reference import hard_mask, ranked_keep
 from elastic_export.scoring import METHODS
+from elastic_export.targets import tritonserver as TS
 
 
 def ranking_with_empty_layers(enc, inv, seed=3):
@@ -61,8 +68,50 @@ def save_sentence_transformer(enc, path, pooling: dict) -> None:
 def link_copy(src, dst, ignore=("triton",)):
     """A copy of an artifact directory made of hard links (cheap), less the folders in ``ignore``.
     Files are shared with ``src``: replace them, never write into them."""
-    import os
     import shutil
 
     shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns(*ignore))
     return dst
+
+
+# --- `elastic-export serve` as a user runs it (tests/test_triton_server.py, test_pipeline.py) -------
+READY_S = 240  # every server start
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[subprocess.Popen, int, list[str]]:
+    """``elastic-export serve DIR`` on a free port block, until it prints its ready line (bounded).
+
+    Returns the process, its port and the lines it printed."""
+    for _ in range(attempts):
+        port = TS.free_port_block()
+        p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(directory), "--port", str(port),
+                              "--ready-timeout", str(READY_S),
+                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd,
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        lines = []
+        deadline = time.monotonic() + READY_S + 120
+        for line in p.stdout:  # serve prints a line at a time; ends when the process does
+            lines.append(line.rstrip())
+            if line.startswith("ready:") or time.monotonic() > deadline:
+                break
+        if lines and lines[-1].startswith("ready:"):
+            return p, port, lines
+        stop_process(p)
+        if not any("in use" in x for x in lines):
+            raise AssertionError("serve did not become ready:\n" + "\n".join(lines[-20:]))
+    raise AssertionError("no free port block after retries")
+
+
+def stop_process(p) -> tuple[int, str]:
+    """SIGTERM to serve (by its pid), bounded; the rest of its output."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        rest, _ = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        rest, _ = p.communicate(timeout=30)
+    return p.returncode, rest or ""
+
+

@@ -35,7 +35,7 @@ def exported(tmp_path_factory) -> Path:
 def test_every_example_is_tested():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
         "01_export.py", "02_slice_custom_widths.py", "03_serve_with_the_runtime.py", "04_triton_repository.py",
-        "05_report.py"]
+        "05_report.py", "06_triton_client.py"]  # 06 needs a running server: tests/test_triton_server.py
 
 
 def test_02_slice_custom_widths(exported):

@@ -162,3 +162,27 @@ def test_timm_name_at_custom_resolution(tmp_path):
     assert m["budgets"][0]["max_abs_error"] <= 1e-4
 
 
+
+
+def test_readme_serve_on_the_default_run(default_run, tmp_path):
+    """README, Triton: ``elastic-export serve elastic-out`` on the default main job's artifacts (a port
+    the OS reports free instead of 8000), then the README's client example against it."""
+    from _helpers import link_copy, serve_process, stop_process
+
+    from elastic_export.manifest import load_manifest
+
+    out, _ = default_run
+    link_copy(out, tmp_path / "elastic-out")
+    p, port, lines = serve_process("elastic-out", cwd=tmp_path)
+    try:
+        assert lines[-1].startswith("ready: router 'elastic' + 7 budget models")
+        r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "examples" / "06_triton_client.py"),
+                            "How do I open a file?", "Use the with statement.", "--url", f"127.0.0.1:{port + 1}"],
+                           capture_output=True, text=True, env=ENV, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "served sparsity [0.3, 0.3] (fp32)" in r.stdout
+    finally:
+        code, rest = stop_process(p)
+    assert code == 0 and "stopped" in rest
+    t = load_manifest(tmp_path / "elastic-out")["triton"]
+    assert {m["platform"] for m in t["models"]} == {"python"} and len(t["models"]) == 7

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import link_copy
+from _helpers import READY_S, link_copy, serve_process, stop_process
 
 from elastic_export.errors import UserError
 from elastic_export.manifest import load_manifest
@@ -33,43 +32,6 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TIMEOUT_S = 60  # every client call
-READY_S = 240  # every server start
-
-
-def _serve(directory: Path, *extra: str, attempts: int = 3) -> tuple[subprocess.Popen, int, list[str]]:
-    """``elastic-export serve DIR`` on a free port block, until it prints its ready line (bounded).
-
-    Returns the process, its port and the lines it printed."""
-    for _ in range(attempts):
-        port = TS.free_port_block()
-        p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(directory), "--port", str(port),
-                              "--ready-timeout", str(READY_S),
-                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        lines = []
-        deadline = time.monotonic() + READY_S + 120
-        for line in p.stdout:  # serve prints a line at a time; ends when the process does
-            lines.append(line.rstrip())
-            if line.startswith("ready:") or time.monotonic() > deadline:
-                break
-        if lines and lines[-1].startswith("ready:"):
-            return p, port, lines
-        _stop(p)
-        if not any("in use" in x for x in lines):
-            pytest.fail("serve did not become ready:\n" + "\n".join(lines[-20:]))
-    pytest.fail("no free port block after retries")
-
-
-def _stop(p: subprocess.Popen) -> tuple[int, str]:
-    """SIGTERM to serve (by its pid), bounded; the rest of its output."""
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-    try:
-        rest, _ = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        rest, _ = p.communicate(timeout=30)
-    return p.returncode, rest or ""
 
 
 def _group_alive(pgid: int) -> bool:
@@ -84,10 +46,10 @@ def _group_alive(pgid: int) -> bool:
 def served(minilm_small, tmp_path_factory):
     """``elastic-export serve`` on a copy of the small MiniLM export (the repository built by serve itself)."""
     d = link_copy(minilm_small, tmp_path_factory.mktemp("served") / "art")
-    p, port, lines = _serve(d)
+    p, port, lines = serve_process(d)
     info = {"dir": d, "port": port, "lines": lines, "process": p}
     yield info
-    code, rest = _stop(p)
+    code, rest = stop_process(p)
     info["stopped"] = (code, rest)
     assert code == 0 and "stopped" in rest, rest
     assert not _group_alive(p.pid), "a process of the server's group is still running"
@@ -121,6 +83,17 @@ def _metric(port: int, name: str, **labels) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no metric {name} {labels}")
+
+
+def _metric_reaches(port: int, value: float, name: str, **labels) -> float:
+    """The metric once it reaches ``value`` (the router updates it just after it answers), polled a
+    bounded number of times."""
+    for _ in range(200):
+        got = _metric(port, name, **labels)
+        if got >= value:
+            return got
+        time.sleep(0.05)
+    return got
 
 
 def test_every_model_is_ready_and_the_endpoints_are_printed(served):
@@ -201,7 +174,7 @@ def test_refused_requests_are_errors_and_counted(served, sparsity, params, messa
         with pytest.raises(Exception, match=re.escape(message)) as err:
             client.infer("elastic", _inputs(httpclient, _feeds(), sparsity), parameters=params)
         assert "400" in str(err.value)  # INVALID_ARG: the client's fault
-        assert _metric(port, "elastic_router_requests_total", outcome="refused") == before + 1
+        assert _metric_reaches(port, before + 1, "elastic_router_requests_total", outcome="refused") == before + 1
     finally:
         client.close()
 
@@ -212,7 +185,7 @@ def test_rows_served_are_counted_per_budget(served):
     try:
         before = _metric(port, "elastic_router_rows_total", sparsity="0.5")
         client.infer("elastic", _inputs(grpcclient, _feeds(), np.full((1, 1), 0.5)), client_timeout=TIMEOUT_S)
-        assert _metric(port, "elastic_router_rows_total", sparsity="0.5") == before + 3
+        assert _metric_reaches(port, before + 3, "elastic_router_rows_total", sparsity="0.5") == before + 3
     finally:
         client.close()
 
@@ -308,3 +281,32 @@ def test_manifest_entry_after_serve(served):
     t = load_manifest(served["dir"])["triton"]
     assert t["policy"] == "adaptive" and t["text_input"] is True
     assert json.loads(json.dumps(t)) == t
+
+
+# --- the docs' and examples' clients, against the same server ---------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_docs_serving_python_snippets_run(served):
+    """Every python block of docs/serving.md, run against this server (its gRPC address substituted)."""
+    text = (ROOT / "docs" / "serving.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for code in blocks:
+        code = code.replace("127.0.0.1:8001", f"127.0.0.1:{served['port'] + 1}")
+        scope: dict = {}
+        exec(compile(code, "docs/serving.md", "exec"), scope)
+        if "res" in scope:
+            assert scope["res"].as_numpy("served_sparsity").ravel().tolist() == [0.3, 0.3]
+            assert scope["res"].as_numpy("sentence_embedding").shape == (2, 384)
+
+
+def test_example_06_triton_client(served):
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "06_triton_client.py"), "How do I open a file?",
+                        "Use the with statement.", "--url", f"127.0.0.1:{served['port'] + 1}"],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("policy's choice: embeddings (2, 384)") and "(fp32)" in lines[0]
+    assert lines[1].endswith("served sparsity [0.3, 0.3] (fp32)"), lines[1]
+    assert lines[2].endswith("served sparsity [0.0, 0.5] (fp32)"), lines[2]
