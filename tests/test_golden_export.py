@@ -20,6 +20,10 @@ The golden file was first recorded before the issue 15 refactor; it was re-recor
 pre-refactor commit (e9204e7) and the refactored tree writing identical bytes and manifests in
 that environment.
 
+Re-recorded again on 2026-12-01 when the test extra began to include the serve extra, whose
+``nvidia-pytriton`` pins numpy<2 (numpy 2.4.6 -> 1.26.4): every ONNX file and the ranking file kept
+its bytes; only the CPU-calibrated int8-qdq files and the measured values (within bounds) moved.
+
 Re-record after an intended change: ``ELASTIC_EXPORT_UPDATE_GOLDEN=1 python -m pytest
 tests/test_golden_export.py``.
 """
