@@ -20,7 +20,7 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__, int8_qdq, onnx_io, preprocess, st_layout
+from elastic_export import __version__, int8_qdq, onnx_io, preprocess, st_layout, text
 from elastic_export.budgets import budget_tag
 from elastic_export.calibration import Calibration, load_calibration
 from elastic_export.compare import ATOL, compare_outputs
@@ -516,7 +516,7 @@ def _manifest(encoder: Encoder, inventory: Inventory, dense: onnx.ModelProto, tm
         inputs=[TensorSpec(**s) for s in io_specs(dense.graph.input)],
         outputs=[TensorSpec(**s) for s in outputs],
         tokens=inventory.tokens,
-        preprocess=preprocess.artifact_entry(encoder.data_config, tmp),
+        preprocess=preprocess.artifact_entry(encoder.data_config, tmp) or text.artifact_entry(encoder, tmp),
         prunable_gflops=inventory.prunable_flops / 1e9,
         align=opts.align,
         precisions=list(precisions),

@@ -325,18 +325,17 @@ class ElasticRuntime:
         raise UserError(f"{self.directory}: the model has no sentence_embedding or last_hidden_state output")
 
     def _text_encoder(self):
-        """The directory's tokenizer (``DIR/tokenizer/``, else the model's source folder), loaded once."""
+        """The directory's tokenizer (its manifest's ``preprocess`` entry, else the model's source folder), loaded once."""
         if self._tokenizer is None:
-            from elastic_export.text import TOKENIZER_DIR, TextEncoder
+            from elastic_export.text import TOKENIZER_DIR, TextEncoder, tokenizer_folder
 
             if "input_ids" not in self.input_names:
                 raise UserError(f"{self.directory}: encode() needs a text encoder; this model takes "
                                 f"{', '.join(self.input_names)}")
-            folder = self.directory / TOKENIZER_DIR
-            if not (folder / "tokenizer.json").is_file():
-                from elastic_export.st_layout import source_dir
-
-                folder = source_dir(self.manifest)
+            folder = tokenizer_folder(self.manifest, self.directory)
+            if folder is None:
+                raise UserError(f"{self.directory}: no tokenizer (no {TOKENIZER_DIR}/tokenizer.json, and the model's "
+                                f"source folder {self.manifest.model.source!r} has none)")
             self._tokenizer = TextEncoder.from_dir(folder, self.input_names)
         return self._tokenizer
 

@@ -126,6 +126,51 @@ def copy_tokenizer(source: Path, dest: Path) -> list[str]:
     return copied
 
 
+def model_folder(source: str) -> Path | None:
+    """The local folder a text model was loaded from (the embedded default's too), or None."""
+    from elastic_export.evaluation import DEFAULT_MODEL
+
+    if source in (None, DEFAULT_MODEL):
+        from elastic_export.loader import default_model_path
+
+        return default_model_path()
+    path = Path(source).expanduser()
+    return path if path.is_dir() else None
+
+
+def artifact_entry(encoder, directory: Path) -> dict | None:
+    """The manifest's ``preprocess`` entry of a text encoder, its tokenizer files copied into
+    ``directory/tokenizer/`` so the artifact directory turns raw text into model inputs on its own
+    (:meth:`TextEncoder.from_manifest`); the model's fast tokenizer is saved there when its folder
+    has no ``tokenizer.json``. None for other encoders or without a fast tokenizer."""
+    if encoder.modality != "text":
+        return None
+    source = model_folder(encoder.source)
+    dest = directory / TOKENIZER_DIR
+    if source is not None and encoder.tower is None and (source / "tokenizer.json").is_file():
+        copy_tokenizer(source, dest)
+    elif getattr(encoder.tokenizer, "is_fast", False):
+        encoder.tokenizer.save_pretrained(str(dest))
+    if not (dest / "tokenizer.json").is_file():
+        return None
+    return {"library": "tokenizers", "tokenizer": f"{TOKENIZER_DIR}/tokenizer.json", "max_length": max_length(dest)}
+
+
+def tokenizer_folder(manifest, directory: Path) -> Path | None:
+    """The folder of a directory's tokenizer: its manifest's ``preprocess`` entry, else the model's
+    source folder (directories written before the tokenizer was carried), else None."""
+    pp = getattr(manifest, "preprocess", None) or {}
+    if pp.get("library") == "tokenizers" and pp.get("tokenizer"):
+        path = (directory / pp["tokenizer"]).resolve()
+        if directory.resolve() in path.parents and path.is_file():
+            return path.parent
+    try:
+        folder = model_folder(manifest.model.source)
+    except UserError:
+        return None
+    return folder if folder is not None and (folder / "tokenizer.json").is_file() else None
+
+
 def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Mean of the token vectors under the attention mask (sentence-transformers' mean pooling)."""
     m = mask.astype(hidden.dtype)[..., None]

@@ -531,21 +531,13 @@ def write_repository(directory: Path, plan: RepositoryPlan, configs: dict[str, s
 
 
 def _tokenizer_folder(directory: Path, manifest: Manifest) -> Path | None:
-    """Where the text input's tokenizer files are: ``DIR/tokenizer/``, else the model's source folder;
-    None for a model without text inputs or without a ``tokenizer.json`` anywhere."""
-    from elastic_export.text import TOKENIZER_DIR
+    """Where the text input's tokenizer files are (:func:`elastic_export.text.tokenizer_folder`); None
+    for a model without text inputs or without a ``tokenizer.json`` anywhere."""
+    from elastic_export.text import tokenizer_folder
 
     if "input_ids" not in [v.name for v in manifest.inputs]:
         return None
-    if (directory / TOKENIZER_DIR / "tokenizer.json").is_file():
-        return directory / TOKENIZER_DIR
-    from elastic_export.st_layout import source_dir
-
-    try:
-        folder = source_dir(manifest)
-    except UserError:
-        return None
-    return folder if (folder / "tokenizer.json").is_file() else None
+    return tokenizer_folder(manifest, directory)
 
 
 def _router_settings(models: Sequence[ServedModel], default_sparsity: float | None, policy: str | None,
@@ -595,6 +587,8 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     d = existing_dir(directory)
     manifest = Manifest.load(d)
     _check_options(kind, instances, max_batch, queue_delay_us)
+    if isinstance(ort_threads, bool) or not isinstance(ort_threads, int) or ort_threads < 0:
+        raise UserError(f"--ort-threads must be a non-negative integer, got {ort_threads}")
     models = plan_models(d, manifest, name=name, precision=precision, dense=dense, platform=platform)
     max_batch = _served_max_batch(manifest, models, kind, max_batch)
     tokenizer = _tokenizer_folder(d, manifest)

@@ -24,6 +24,9 @@ Re-recorded again on 2026-12-01 when the test extra began to include the serve e
 ``nvidia-pytriton`` pins numpy<2 (numpy 2.4.6 -> 1.26.4): every ONNX file and the ranking file kept
 its bytes; only the CPU-calibrated int8-qdq files and the measured values (within bounds) moved.
 
+Re-recorded once more the same day when the main job began to carry a text encoder's tokenizer
+(``tokenizer/`` and the manifest's ``preprocess`` entry): only that entry changed.
+
 Re-record after an intended change: ``ELASTIC_EXPORT_UPDATE_GOLDEN=1 python -m pytest
 tests/test_golden_export.py``.
 """

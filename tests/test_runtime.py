@@ -434,3 +434,38 @@ def test_fp16_precision_needs_fp16_files(art):
         ElasticRuntime.from_dir(art, mode="elastic", precision="fp16")
     with pytest.raises(UserError, match="precision 'int8'"):
         ElasticRuntime.from_dir(art, precision="int8")
+
+
+def test_encode_texts_with_the_directory_tokenizer(minilm_small, tmp_path):
+    """encode(): the artifact directory's own tokenizer (no model folder needed), equal to running the
+    budget on the tokenized inputs; sentence-transformers on the source model agrees at dense."""
+    import shutil
+
+    from _helpers import link_copy
+
+    from elastic_export.errors import UserError
+    from elastic_export.manifest import load_manifest
+    from elastic_export.runtime import ElasticRuntime
+    from elastic_export.text import TextEncoder
+
+    d = link_copy(minilm_small, tmp_path / "art")
+    m = load_manifest(d)
+    assert m["preprocess"] == {"library": "tokenizers", "tokenizer": "tokenizer/tokenizer.json", "max_length": 256}
+    rt = ElasticRuntime.from_dir(d)
+    texts = ["How do I read a file?", "The with statement closes it for you, even when an exception is raised."]
+    emb = rt.encode(texts, sparsity=0.5)
+    feeds = TextEncoder.from_dir(d / "tokenizer", rt.input_names).encode(texts)
+    np.testing.assert_array_equal(emb, rt.run(feeds, sparsity=0.5)["sentence_embedding"])
+    assert feeds["attention_mask"][0].sum() < feeds["attention_mask"][1].sum()  # padded to the longest
+    from sentence_transformers import SentenceTransformer
+
+    from elastic_export.text import model_folder
+
+    st = SentenceTransformer(str(model_folder(m["model"]["source"])), device="cpu")
+    assert np.abs(rt.encode(texts, sparsity=0.0) - st.encode(texts)).max() < 1e-4
+    with pytest.raises(UserError, match="no texts"):
+        rt.encode([])
+    with pytest.raises(UserError, match="must be strings"):
+        rt.encode([1, 2])
+    shutil.rmtree(d / "tokenizer")  # the model's source folder is the fallback
+    assert np.abs(ElasticRuntime.from_dir(d).encode(texts, sparsity=0.5) - emb).max() < 1e-6

@@ -231,6 +231,10 @@ def test_cli_bad_input_exits_2_and_changes_nothing(art, repo, tmp_path):
     ("art", {"name": "../x"}, "--triton-name"),
     ("art", {"precision": "fp16"}, "fp16 ONNX"),
     ("art", {"default_sparsity": 1.5}, "outside [0, 1)"),
+    ("art", {"platform": "triton"}, "--budget-backend triton"),
+    ("art", {"policy": "random"}, "--policy random"),
+    ("art", {"slo_ms": 0.0}, "--slo-ms must be a positive number"),
+    ("art", {"ort_threads": -1}, "--ort-threads must be a non-negative integer"),
 ])
 def test_bad_input_refused_and_changes_nothing(art, repo, tmp_path, where, kw, needle):
     before = _tree(art)
