@@ -2,8 +2,9 @@
 
     python examples/04_triton_repository.py DIR
 
-Writes ``DIR/triton/`` (same as ``elastic-export build --target triton DIR``) and prints the
-router's config. Serve it with ``tritonserver --model-repository DIR/triton`` (README, "Triton").
+Writes ``DIR/triton/`` (same as ``elastic-export build triton DIR``) and prints the router's
+config. Serve it with ``elastic-export serve DIR`` (docs/serving.md), or an NGC container's
+``tritonserver --model-repository DIR/triton``.
 """
 
 import argparse
