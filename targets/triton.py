@@ -105,15 +105,26 @@ def triton_type(dtype: str, what: str) -> str:
     return _TYPES[dtype]
 
 
-def _tensors(key: str, specs: Sequence[dict], extra: str = "") -> str:
+def _tensor(name: str, dtype: str, dims: Sequence[int], optional: bool = False) -> str:
+    return (f'  {{\n    name: "{name}"\n    data_type: {dtype}\n    dims: {list(dims)}\n'
+            + ("    optional: true\n" if optional else "") + "  }")
+
+
+def _tensors(key: str, specs: Sequence[dict], extra: Sequence[str] = (), batch_dim: bool = False,
+             optional: bool = False) -> str:
+    """``input [...]`` / ``output [...]`` of manifest specs (dims without the batch dim, or with it kept
+    as ``-1`` for a model that does not batch), then the ``extra`` entries."""
     items = []
     for spec in specs:
         what = f"{key} {spec['name']!r}"
-        items.append(f'  {{\n    name: "{spec["name"]}"\n    data_type: {triton_type(spec.get("dtype"), what)}\n'
-                     f'    dims: {triton_dims(spec.get("shape"), what)}\n  }}')
-    if extra:
-        items.append(extra)
-    return f"{key} [\n" + ",\n".join(items) + "\n]\n"
+        dims = ([-1] if batch_dim else []) + triton_dims(spec.get("shape"), what)
+        items.append(_tensor(spec["name"], triton_type(spec.get("dtype"), what), dims, optional))
+    return f"{key} [\n" + ",\n".join(items + list(extra)) + "\n]\n"
+
+
+def _parameters(values: dict[str, str]) -> str:
+    items = [f'  {{\n    key: "{k}"\n    value {{ string_value: {_quote(v)} }}\n  }}' for k, v in values.items()]
+    return "parameters [\n" + ",\n".join(items) + "\n]\n"
 
 
 def _instances(kind: str, count: int) -> str:
@@ -140,14 +151,13 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
         warmup_tokens: free dims of a ``python`` budget model's warm-up runs at load.
     """
     runs = 'backend: "python"' if model.platform == "python" else f'platform: "{model.platform}"'
-    threads = (f'parameters {{\n  key: "{ort_model.THREADS_PARAMETER}"\n  value {{ string_value: "{ort_threads}" }}\n}}\n'
-               f'parameters {{\n  key: "{ort_model.WARMUP_PARAMETER}"\n  value {{ string_value: "{warmup_tokens}" }}\n}}\n'
-               if model.platform == "python" else "")
+    params = {"sparsity": repr(model.sparsity)}
+    if model.platform == "python":
+        params.update({ort_model.THREADS_PARAMETER: str(ort_threads), ort_model.WARMUP_PARAMETER: str(warmup_tokens)})
     return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
-            + _instances(kind, instances)
-            + f'parameters {{\n  key: "sparsity"\n  value {{ string_value: "{model.sparsity!r}" }}\n}}\n' + threads)
+            + _instances(kind, instances) + _parameters(params))
 
 
 @dataclass(frozen=True)
@@ -167,23 +177,6 @@ class RouterSettings:
     slo_ms: float | None = None
     precision: str = "fp32"
     text: bool = False
-
-
-def _tensor(name: str, dtype: str, dims: Sequence[int], optional: bool = False) -> str:
-    return (f'  {{\n    name: "{name}"\n    data_type: {dtype}\n    dims: {list(dims)}\n'
-            + ("    optional: true\n" if optional else "") + "  }")
-
-
-def _router_tensors(key: str, specs: Sequence[dict], extra: Sequence[str], optional: bool) -> str:
-    """The router's tensors: the model's with the batch dim kept as ``-1`` (the router does not batch)."""
-    items = [_tensor(s["name"], triton_type(s.get("dtype"), f"{key} {s['name']!r}"),
-                     [-1] + triton_dims(s.get("shape"), f"{key} {s['name']!r}"), optional) for s in specs]
-    return f"{key} [\n" + ",\n".join(items + list(extra)) + "\n]\n"
-
-
-def _parameters(values: dict[str, str]) -> str:
-    items = [f'  {{\n    key: "{k}"\n    value {{ string_value: {_quote(v)} }}\n  }}' for k, v in values.items()]
-    return "parameters [\n" + ",\n".join(items) + "\n]\n"
 
 
 def router_config(name: str, models: Sequence[ServedModel], settings: RouterSettings, inputs: Sequence[dict],
@@ -206,7 +199,8 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
     if settings.slo_ms is not None:
         params[router.SLO_PARAMETER] = repr(float(settings.slo_ms))
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
-            + _router_tensors("input", inputs, own_in, settings.text) + _router_tensors("output", outputs, own_out, False)
+            + _tensors("input", inputs, own_in, batch_dim=True, optional=settings.text)
+            + _tensors("output", outputs, own_out, batch_dim=True)
             + _instances("KIND_CPU", 1) + _parameters(params))
 
 
