@@ -281,9 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = Manifest.load(d)
     server = TritonServer(d / "triton", port=free_port_block(), log=args.server_log)
     try:
-        server.start(load=[m["name"] for m in t["models"]])
-        server.wait_ready(300, models=[m["name"] for m in t["models"]])
-        server.load(t["router"])
+        server.start_routed([m["name"] for m in t["models"]], t["router"])
         out = asyncio.run(measure(server, manifest, t, args))
     finally:
         server.stop()

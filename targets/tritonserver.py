@@ -227,11 +227,16 @@ class TritonServer:
         check_stub_python(env)
         backends = backend_dir(self.install, self._work / "backends")
         log = open(self.log_path, "ab")
+        # Ctrl-C / SIGTERM held back until the process is recorded: one that lands inside Popen would
+        # leave a server nobody knows the pid of (seen in a test); the child gets them unblocked.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
             self.process = subprocess.Popen(self.command(backends, load), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=_unblock_stop_signals)
         finally:
             log.close()
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return self
 
     def _get(self, path: str, timeout: float = 2.0) -> int:
@@ -279,6 +284,17 @@ class TritonServer:
             raise UserError(f"model {model!r} failed to load: {detail.strip()[:400]}") from None
         self.wait_ready(timeout_s, models=[model])
 
+    def start_routed(self, models: Sequence[str], router: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Start with only the budget ``models``, wait until every one is READY, then load the
+        ``router``: it is never READY in front of a budget model that is not.
+
+        Raises:
+            UserError: a model that does not load, or the server exits.
+        """
+        self.start(load=list(models))
+        self.wait_ready(timeout_s, models=list(models))
+        self.load(router, timeout_s)
+
     def failure(self) -> str:
         """The most telling line of the server's log (an error, an unavailable model, else the last line)."""
         try:
@@ -324,6 +340,13 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _unblock_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -385,10 +408,9 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
     check_ports(host, port)
     entry = ensure_repository(d, budget_backend or default_budget_backend(install), policy, slo_ms, echo)
     server = TritonServer(d / entry["dir"], host=host, port=port)
+    term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM while starting: stop the server, as Ctrl-C does
     try:
-        server.start(load=[m["name"] for m in entry["models"]])
-        server.wait_ready(ready_timeout_s, models=[m["name"] for m in entry["models"]])
-        server.load(entry["router"], ready_timeout_s)
+        server.start_routed([m["name"] for m in entry["models"]], entry["router"], ready_timeout_s)
         echo(f"ready: router {entry['router']!r} + {len(entry['models'])} budget models; HTTP http://{server.http_url}, "
              f"gRPC {server.grpc_url}, metrics {server.metrics_url} (Ctrl-C stops)")
         (wait or _wait_for_exit)(server)
@@ -396,7 +418,12 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
             raise UserError(f"tritonserver exited ({server.process.returncode}): {server.failure()}")
     finally:
         code = server.stop()
+        signal.signal(signal.SIGTERM, term)
     return code or 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _wait_for_exit(server: TritonServer) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -310,3 +311,51 @@ def test_example_06_triton_client(served):
     assert lines[0].startswith("policy's choice: embeddings (2, 384)") and "(fp32)" in lines[0]
     assert lines[1].endswith("served sparsity [0.5, 0.5] (fp32)"), lines[1]  # 0.3 asked; budgets 0.1, 0.5 here
     assert lines[2].endswith("served sparsity [0.0, 0.5] (fp32)"), lines[2]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_sigterm_while_starting_stops_the_server(minilm_small, tmp_path):
+    """SIGTERM before the server is ready (the server already started): serve stops it, by its process
+    group, and exits as interrupted; nothing is left running."""
+    d = link_copy(minilm_small, tmp_path / "art")
+    p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(d), "--port", str(TS.free_port_block())],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    try:
+        server = []
+        for _ in range(1200):  # bounded: until serve has started tritonserver (a child of its own)
+            server = _children(p.pid)
+            if server or p.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert server, "serve never started a server"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130 and "interrupted" in err, (p.returncode, err[-1000:])
+    assert not any(_group_alive(pid) for pid in server)
+    assert not _serving(d / "triton"), "a server of this repository is still running"
+
+
+def _serving(repository: Path) -> list[int]:
+    """Processes whose command line names ``repository`` (a tritonserver or its Python stubs)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(repository) in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
