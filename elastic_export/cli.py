@@ -17,6 +17,8 @@ from elastic_export.backends import DEFAULT_BACKEND, backend_help
 from elastic_export.budgets import parse_budgets
 from elastic_export.errors import UserError
 from elastic_export.rank_options import ElasticConfig
+from elastic_export.targets.triton import PLATFORMS as BUDGET_BACKENDS
+from elastic_export.targets.triton import POLICIES as ROUTER_POLICIES
 
 DEFAULT_BUDGETS = "0.1..0.6"
 _ELASTIC = ElasticConfig()
@@ -487,11 +489,11 @@ _TRITON = (
     click.option("--triton-queue-delay-us", type=int, default=100, show_default=True,
                  help="Triton: dynamic batcher max_queue_delay_microseconds."),
     click.option("--budget-backend", "--triton-platform", "triton_platform",
-                 type=click.Choice(["auto", "onnxruntime", "python", "tensorrt"]), default="auto", show_default=True,
+                 type=click.Choice(BUDGET_BACKENDS), default="auto", show_default=True,
                  help="Triton: the budget models' backend. auto: an engine where the manifest lists one, else the ONNX "
                       "(onnxruntime backend); python: the ONNX run by onnxruntime in the Python backend (servers "
                       "without the onnxruntime backend, e.g. `serve`)."),
-    click.option("--policy", type=click.Choice(["adaptive", "fixed"]), default=None,
+    click.option("--policy", type=click.Choice(ROUTER_POLICIES), default=None,
                  help="Triton: how the router picks a budget for requests that name none: adaptive (the load-adaptive "
                       "policy) or fixed (--triton-default-sparsity) [default: fixed when that is given, else adaptive]."),
     click.option("--slo-ms", type=float, default=None,
@@ -616,10 +618,10 @@ def build_triton_cmd(directory, **kw):
 @click.argument("directory", metavar="DIR")
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP port; gRPC on PORT+1, metrics on PORT+2.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint binds to.")
-@click.option("--budget-backend", type=click.Choice(["auto", "onnxruntime", "python", "tensorrt"]), default=None,
+@click.option("--budget-backend", type=click.Choice(BUDGET_BACKENDS), default=None,
               help="Backend of the budget models when (re)building the repository [default: python where the server "
                    "has no onnxruntime backend, as PyPI's nvidia-pytriton server has not, else auto].")
-@click.option("--policy", type=click.Choice(["adaptive", "fixed"]), default=None,
+@click.option("--policy", type=click.Choice(ROUTER_POLICIES), default=None,
               help="How the router picks a budget for requests that name none [default: adaptive].")
 @click.option("--slo-ms", type=float, default=None, help="Latency objective of the adaptive policy (ms).")
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True,

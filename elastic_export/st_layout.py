@@ -54,17 +54,13 @@ def source_dir(manifest: Manifest | dict, model: str | None = None) -> Path:
     Raises:
         UserError: not a local directory with a ``config.json`` and tokenizer files.
     """
-    from elastic_export.evaluation import DEFAULT_MODEL, _has_tokenizer_files
+    from elastic_export.evaluation import _has_tokenizer_files
+    from elastic_export.text import model_folder
 
     source = model if model is not None else as_manifest(manifest).model.source
-    if source in (None, DEFAULT_MODEL):
-        from elastic_export.loader import default_model_path  # imports torch: only for the embedded default
-
-        path = default_model_path()
-    else:
-        path = Path(os.path.expanduser(str(source)))
+    path = model_folder(source)  # the embedded default's folder imports torch: only for that one
     what = f"--model {model}" if model is not None else f"model source {source!r}"
-    if not path.is_dir() or not (path / "config.json").is_file() or not _has_tokenizer_files(path):
+    if path is None or not (path / "config.json").is_file() or not _has_tokenizer_files(path):
         raise UserError(f"{what}: not a local model directory with config.json and tokenizer files "
                         "(pass --model DIR, the directory the artifacts were made from)")
     return path

@@ -126,15 +126,16 @@ def copy_tokenizer(source: Path, dest: Path) -> list[str]:
     return copied
 
 
-def model_folder(source: str) -> Path | None:
-    """The local folder a text model was loaded from (the embedded default's too), or None."""
+def model_folder(source: str | None) -> Path | None:
+    """The local folder a model was loaded from (the embedded default's too), or None when
+    ``source`` is not a directory (a timm name, a folder since moved)."""
     from elastic_export.evaluation import DEFAULT_MODEL
 
     if source in (None, DEFAULT_MODEL):
-        from elastic_export.loader import default_model_path
+        from elastic_export.loader import default_model_path  # imports torch: only for the embedded default
 
         return default_model_path()
-    path = Path(source).expanduser()
+    path = Path(str(source)).expanduser()
     return path if path.is_dir() else None
 
 

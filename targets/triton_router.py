@@ -446,7 +446,7 @@ class TritonPythonModel:
             error = pb_utils.TritonError(f"router: {e}")
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=error), "failed"
         finally:
-            one = rows[0] if routed and len(set(rows)) == 1 else None  # only the policy's picks steer it
+            one = rows[0] if routed else None  # only the policy's picks (one budget for every row) steer it
             with self._lock:
                 self.monitor.leave(one, (time.monotonic() - start) * 1e3, alone=queue == 0)
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
