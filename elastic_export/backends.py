@@ -27,6 +27,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 from elastic_export.errors import UserError
 
 DEFAULT_BACKEND = "onnxruntime"
+# What runs each budget model of a Triton repository (`build triton --budget-backend`, `serve`):
+# "auto" takes TensorRT engines when the manifest lists them, else onnxruntime.
+TRITON_BUDGET_BACKENDS = ("auto", "onnxruntime", "python", "tensorrt")
 Feeds = dict[str, Any]  # input name -> numpy array
 
 

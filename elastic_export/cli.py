@@ -13,12 +13,11 @@ from typing import Any
 import click
 
 from elastic_export import methods
-from elastic_export.backends import DEFAULT_BACKEND, backend_help
+from elastic_export.backends import DEFAULT_BACKEND, TRITON_BUDGET_BACKENDS, backend_help
 from elastic_export.budgets import parse_budgets
 from elastic_export.errors import UserError
+from elastic_export.policies import ROUTER_POLICIES
 from elastic_export.rank_options import ElasticConfig
-from elastic_export.targets.triton import PLATFORMS as BUDGET_BACKENDS
-from elastic_export.targets.triton import POLICIES as ROUTER_POLICIES
 
 DEFAULT_BUDGETS = "0.1..0.6"
 _ELASTIC = ElasticConfig()
@@ -489,7 +488,7 @@ _TRITON = (
     click.option("--triton-queue-delay-us", type=int, default=100, show_default=True,
                  help="Triton: dynamic batcher max_queue_delay_microseconds."),
     click.option("--budget-backend", "--triton-platform", "triton_platform",
-                 type=click.Choice(BUDGET_BACKENDS), default="auto", show_default=True,
+                 type=click.Choice(TRITON_BUDGET_BACKENDS), default="auto", show_default=True,
                  help="Triton: the budget models' backend. auto: an engine where the manifest lists one, else the ONNX "
                       "(onnxruntime backend); python: the ONNX run by onnxruntime in the Python backend (servers "
                       "without the onnxruntime backend, e.g. `serve`)."),
@@ -618,7 +617,7 @@ def build_triton_cmd(directory, **kw):
 @click.argument("directory", metavar="DIR")
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP port; gRPC on PORT+1, metrics on PORT+2.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint binds to.")
-@click.option("--budget-backend", type=click.Choice(BUDGET_BACKENDS), default=None,
+@click.option("--budget-backend", type=click.Choice(TRITON_BUDGET_BACKENDS), default=None,
               help="Backend of the budget models when (re)building the repository [default: python where the server "
                    "has no onnxruntime backend, as PyPI's nvidia-pytriton server has not, else auto].")
 @click.option("--policy", type=click.Choice(ROUTER_POLICIES), default=None,

@@ -30,6 +30,10 @@ from typing import Mapping, Sequence
 from elastic_export.errors import UserError
 from elastic_export.latency_profile import PRECISION_ORDER, STATS, LatencyProfile, Pair, fmt, fmt_pair, key
 
+# How a served router picks a budget for a request that names none (`--policy`); the router file,
+# copied standalone into the repository, spells the same tuple (checked where the repository is written).
+ROUTER_POLICIES = ("fixed", "adaptive")
+
 
 def quality_order(pairs: Sequence[Pair], quality: Mapping[Pair, float] | None = None) -> list[Pair]:
     """``pairs`` best first.

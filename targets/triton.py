@@ -37,10 +37,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from elastic_export.backends import TRITON_BUDGET_BACKENDS
 from elastic_export.budgets import budget_tag
 from elastic_export.errors import UserError, first_line
 from elastic_export.fileio import existing_dir, umask
 from elastic_export.manifest import LATENCY_PROFILE, MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.policies import ROUTER_POLICIES
 from elastic_export.targets import triton_onnx_model as ort_model
 from elastic_export.targets import triton_router as router
 
@@ -51,8 +53,9 @@ DEFAULT_INSTANCES = 1
 DEFAULT_QUEUE_DELAY_US = 100
 READY_TIMEOUT_S = 300  # how long the router waits, at load, for its budget models to be READY
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
-PLATFORMS = ("auto", "onnxruntime", "python", "tensorrt")
-POLICIES = router.POLICIES
+PLATFORMS = TRITON_BUDGET_BACKENDS
+POLICIES = ROUTER_POLICIES
+assert router.POLICIES == POLICIES, "targets/triton_router.py spells the policies as elastic_export.policies does"
 ORT_MODEL_FILE = "triton_onnx_model.py"  # the python-backend budget model, copied verbatim as its model.py
 SPARSITY_INPUT = router.SPARSITY_INPUT
 SERVED_OUTPUT = router.SERVED_OUTPUT
