@@ -29,12 +29,16 @@ def _echo(msg: str) -> None:
 
 # --- option groups shared by several commands (Polygraphy-style argument groups) ---------------
 def model_options(fn):
-    """--model, --pretrained/--no-pretrained, --seq-len, --image-size, --trust-remote-code, --tower."""
+    """--model, --revision, --pretrained/--no-pretrained, --seq-len, --image-size, --trust-remote-code, --tower."""
     opts = [
-        click.option("--model", "model", default=None, metavar="PATH_OR_TIMM_NAME",
-                     help="Local Hugging Face model directory or timm model name (default: embedded all-MiniLM-L6-v2)."),
+        click.option("--model", "model", default=None, metavar="PATH|HUB_ID|TIMM_NAME",
+                     help="A local model directory, a Hugging Face hub id ORG/NAME[@REVISION] (from the hub or its "
+                          "cache; HF_HUB_OFFLINE, HF_HUB_CACHE and HF_TOKEN apply), a timm name or hf-hub:ORG/NAME "
+                          "(default: the embedded all-MiniLM-L6-v2)."),
+        click.option("--revision", default=None, metavar="REV",
+                     help="Hub ids: the branch, tag or commit to load (the manifest records the commit)."),
         click.option("--pretrained/--no-pretrained", default=True, show_default=True,
-                     help="timm names: load pretrained weights (needs a download) or use random initialisation."),
+                     help="timm names: load pretrained weights (from the hub or its cache) or use random initialisation."),
         click.option("--seq-len", type=int, default=None,
                      help="Text: nominal token count N for FLOPs [default: 128, or the model's positions if fewer]."),
         click.option("--image-size", type=int, default=None, help="timm names: input resolution."),
@@ -240,12 +244,12 @@ def export_cmd(**kw):
 
 @cli.command("inspect")
 @model_options
-def inspect_cmd(model, pretrained, seq_len, image_size, trust_remote_code, tower):
+def inspect_cmd(model, revision, pretrained, seq_len, image_size, trust_remote_code, tower):
     """Print per-layer neurons, heads, unit costs, GFLOPs and parameters."""
     from elastic_export.inventory import build_inventory
     from elastic_export.loader import load_encoder
 
-    enc = load_encoder(model, pretrained=pretrained, seq_len=seq_len, image_size=image_size,
+    enc = load_encoder(model, revision=revision, pretrained=pretrained, seq_len=seq_len, image_size=image_size,
                        trust_remote_code=trust_remote_code, tower=tower)
     inv = build_inventory(enc)
     click.echo(f"model: {enc.source}  ({enc.architecture}, {enc.modality})")
@@ -294,7 +298,8 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
     if Path(out).is_dir():
         raise UserError(f"--out {out}: is a directory; give a file name, e.g. {Path(out) / 'ranking.safetensors'}")
     elastic = _elastic_config(kw)
-    model_kw = {k: kw.pop(k) for k in ("model", "pretrained", "seq_len", "image_size", "trust_remote_code", "tower")}
+    model_kw = {k: kw.pop(k) for k in ("model", "revision", "pretrained", "seq_len", "image_size", "trust_remote_code",
+                                          "tower")}
     with ddp.session(kw["device"]) as device:
         kw["device"] = device
         echo = _echo if ddp.is_main() else (lambda msg: None)

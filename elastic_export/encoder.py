@@ -27,6 +27,8 @@ class Encoder:
         tokenizer: a Hugging Face tokenizer for text encoders, when the model directory has one.
         data_config: timm / HF preprocessing config for image encoders.
         tower: ``"text"`` / ``"vision"`` when the module is one tower of a dual-encoder ``source``.
+        repo_id: the hub repository the weights came from (hub ids and timm hub weights), else None.
+        revision: the commit of ``repo_id`` that was loaded.
     """
 
     module: nn.Module
@@ -38,6 +40,8 @@ class Encoder:
     tokenizer: Any = None
     data_config: dict[str, Any] | None = None
     tower: str | None = None
+    repo_id: str | None = None
+    revision: str | None = None
 
     @property
     def modality(self) -> str:

@@ -1,4 +1,4 @@
-"""Load an encoder from a local Hugging Face directory, a timm model name, or the embedded default."""
+"""Load an encoder from a local Hugging Face directory, a hub id, a timm model name, or the embedded default."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from elastic_export import preprocess
+from elastic_export import hub, preprocess
 from elastic_export.adapters import adapter_for
 from elastic_export.adapters.registry import TOWER_NAMES
 from elastic_export.encoder import Encoder
@@ -203,15 +203,7 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
     try:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     except Exception as e:
-        msg = first_line(e)
-        if name.startswith("local-dir:"):
-            raise UserError(f"{name[len('local-dir:'):]}: could not load the timm model directory ({msg})")
-        if pretrained:
-            raise UserError(
-                f"could not load pretrained weights for timm model {name!r} ({msg}); "
-                "nothing is downloaded here: use --no-pretrained for random weights"
-            )
-        raise UserError(f"could not build timm model {name!r}: {msg}")
+        raise _timm_error(name, pretrained, e)
     model = model.float().eval()
     adapter = adapter_for(model)
     patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
@@ -219,8 +211,67 @@ def _load_timm(name: str, pretrained: bool, image_size: int | None) -> Encoder:
         raise UserError(f"--image-size {image_size} is smaller than the model's {max(patch)}-pixel patches")
     data_config = {"library": "timm", **timm.data.resolve_data_config({}, model=model)}
     data_config["input_size"] = (3, *adapter.image_size(model))  # the size the model was built for
-    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", name) if name.startswith("local-dir:") else name
-    return Encoder(model, adapter, name, f"{type(model).__name__}:{arch}", 0, {}, None, data_config)
+    local = name.startswith("local-dir:") or name.startswith(hub.TIMM_PREFIX)
+    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", name) if local else name
+    enc = Encoder(model, adapter, name, f"{type(model).__name__}:{arch}", 0, {}, None, data_config)
+    if pretrained and not name.startswith("local-dir:"):
+        enc.repo_id, enc.revision = _timm_weights_commit(model)
+    return enc
+
+
+def _timm_error(name: str, pretrained: bool, e: Exception) -> UserError:
+    """One line for a timm model that would not build or load."""
+    from huggingface_hub import errors
+
+    msg = first_line(e)
+    if name.startswith("local-dir:"):
+        return UserError(f"{name[len('local-dir:'):]}: could not load the timm model directory ({msg})")
+    if isinstance(e, (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, OSError)) and (
+            pretrained or name.startswith(hub.TIMM_PREFIX)):
+        return hub.not_found(name, e)
+    if pretrained:
+        return UserError(f"could not load pretrained weights for timm model {name!r} ({msg}); "
+                         "--no-pretrained builds it with random weights")
+    return UserError(f"could not build timm model {name!r}: {msg}")
+
+
+def _timm_weights_commit(model: torch.nn.Module) -> tuple[str | None, str | None]:
+    """The hub repository and cached commit a timm model's pretrained weights came from, if the hub."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    repo = cfg.get("hf_hub_id")
+    if not repo:
+        return None, None
+    repo, _, rev = str(repo).partition("@")
+    for filename in (cfg.get("hf_hub_filename"), "model.safetensors", "config.json", "open_clip_pytorch_model.bin",
+                     "pytorch_model.bin"):
+        commit = hub.cached_commit(repo, filename, rev or None) if filename else None
+        if commit:
+            return repo, commit
+    return repo, None
+
+
+def _load_hub(ref: hub.HubRef, seq_len: int | None, image_size: int | None, trust_remote_code: bool,
+              tower: str | None) -> Encoder:
+    """A Hugging Face hub model (``ORG/NAME[@REV]``): its snapshot, loaded as a local directory would be."""
+    folder, commit = hub.snapshot(ref, trust_remote_code)
+    if is_timm_dir(folder):
+        _no_tower(tower, f"{ref.name} is a timm model")
+        enc = _load_timm_dir(folder, image_size)
+    else:
+        enc = _load_hf(folder, seq_len, image_size, trust_remote_code, tower)
+    enc.source, enc.repo_id, enc.revision = ref.repo_id, ref.repo_id, commit
+    return enc
+
+
+def _load_timm_hub(name: str, revision: str | None, pretrained: bool, image_size: int | None) -> Encoder:
+    """A timm ``hf-hub:ORG/NAME[@REV]`` name, through timm's own hub loading."""
+    ref = hub.parse(name[len(hub.TIMM_PREFIX):], revision)
+    if ref is None:
+        raise UserError(f"--model {name}: give hf-hub:ORG/NAME[@REVISION]")
+    enc = _load_timm(hub.TIMM_PREFIX + ref.name, pretrained, image_size)
+    enc.source, enc.repo_id = hub.TIMM_PREFIX + ref.repo_id, ref.repo_id
+    enc.revision = hub.cached_commit(ref.repo_id, "config.json", ref.revision) or enc.revision
+    return enc
 
 
 def wrap_module(
@@ -258,6 +309,7 @@ DEFAULT_SEQ_LEN = 128
 def load_encoder(
     model: str | None = None,
     *,
+    revision: str | None = None,
     pretrained: bool = True,
     seq_len: int | None = None,
     image_size: int | None = None,
@@ -268,9 +320,11 @@ def load_encoder(
 
     Args:
         model: a local Hugging Face model directory, a timm model directory (``config.json`` with
-            an ``architecture``, as timm saves it), a timm model name, or None for the embedded
-            default (all-MiniLM-L6-v2).
-        pretrained: timm names only: load pretrained weights (needs a download) or random init.
+            an ``architecture``, as timm saves it), a Hugging Face hub id ``ORG/NAME[@REVISION]``
+            (a local path of that name wins), a timm ``hf-hub:ORG/NAME[@REVISION]`` name, a timm
+            model name, or None for the embedded default (all-MiniLM-L6-v2).
+        revision: hub ids: the branch, tag or commit (as ``@REVISION``).
+        pretrained: timm names only: load pretrained weights (from the hub or its cache) or random init.
         seq_len: nominal text length N for FLOP accounting (text models); None: 128, or the
             model's position count where that is smaller (CLIP text: 77).
         image_size: timm names only: input resolution.
@@ -280,34 +334,57 @@ def load_encoder(
             ``SiglipModel``: the tower model itself). Required for those, refused for others.
 
     Raises:
-        UserError: missing path, unknown name, unsupported architecture, bad options.
+        UserError: missing path, unknown name, not cached while offline, unsupported architecture, bad options.
     """
+    _check_options(seq_len, image_size, tower)
+    torch.manual_seed(0)
+    if model is None or model == DEFAULT_MODEL:
+        _no_revision(revision, "the embedded default")
+        enc = _load_hf(default_model_path(), seq_len, image_size, trust_remote_code, tower)
+        enc.source = DEFAULT_MODEL
+        return enc
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        _no_revision(revision, f"{model} is a local directory")
+        if is_timm_dir(path):
+            _no_tower(tower, f"{model} is a timm model directory")
+            return _load_timm_dir(path.resolve(), image_size)
+        return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code, tower)
+    if path.exists():
+        raise UserError(f"--model {model}: is a file; give a Hugging Face model directory, a hub id or a timm model name")
+    if model.startswith(hub.TIMM_PREFIX):
+        _no_tower(tower, f"{model} is a timm model")
+        return _load_timm_hub(model, revision, pretrained, image_size)
+    ref = hub.parse(model, revision)
+    if ref is not None:
+        return _load_hub(ref, seq_len, image_size, trust_remote_code, tower)
+    return _load_timm_name(model, revision, pretrained, image_size, tower)
+
+
+def _check_options(seq_len: int | None, image_size: int | None, tower: str | None) -> None:
     if seq_len is not None and seq_len < 1:
         raise UserError(f"--seq-len must be a positive integer, got {seq_len}")
     if image_size is not None and image_size < 1:
         raise UserError(f"--image-size must be a positive integer, got {image_size}")
     if tower is not None and tower not in TOWER_NAMES:
         raise UserError(f"--tower {tower}: choose text or vision")
-    torch.manual_seed(0)
-    if model is None or model == DEFAULT_MODEL:
-        path = default_model_path()
-        enc = _load_hf(path, seq_len, image_size, trust_remote_code, tower)
-        enc.source = DEFAULT_MODEL
-        return enc
-    path = Path(os.path.expanduser(model))
-    if path.is_dir():
-        if is_timm_dir(path):
-            _no_tower(tower, f"{model} is a timm model directory")
-            return _load_timm_dir(path.resolve(), image_size)
-        return _load_hf(path.resolve(), seq_len, image_size, trust_remote_code, tower)
-    if path.exists():
-        raise UserError(f"--model {model}: is a file; give a Hugging Face model directory or a timm model name")
+
+
+def _no_revision(revision: str | None, what: str) -> None:
+    if revision is not None:
+        raise UserError(f"--revision {revision}: {what}, not a hub id; drop --revision")
+
+
+def _load_timm_name(model: str, revision: str | None, pretrained: bool, image_size: int | None,
+                    tower: str | None) -> Encoder:
+    """A timm model name (``vit_small_patch16_224.augreg_in21k``), else the error saying what ``model`` can be."""
     import timm
 
     looks_like_path = os.sep in model or model.startswith(".") or model.startswith("~")
     if not looks_like_path and timm.is_model(model):
         _no_tower(tower, f"{model} is a timm model")
+        _no_revision(revision, f"{model} is a timm model name (use hf-hub:ORG/NAME@REVISION for a hub revision)")
         return _load_timm(model, pretrained, image_size)
-    if looks_like_path:
-        raise UserError(f"--model {model}: no such directory")
-    raise UserError(f"--model {model}: no such directory and not a timm model name (see timm.list_models())")
+    what = "no such directory" if looks_like_path else "no such directory and not a timm model name (see timm.list_models())"
+    raise UserError(f"--model {model}: {what}; give a local model directory, a Hugging Face hub id ORG/NAME[@REVISION], "
+                    "a timm name or hf-hub:ORG/NAME")

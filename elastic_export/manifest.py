@@ -272,14 +272,17 @@ class TensorSpec(Entry):
 
 @dataclass(kw_only=True, eq=False)
 class ModelInfo(Entry):
-    """Where the model came from: ``source`` (as given), class, weights fingerprint, modality."""
+    """Where the model came from: ``source`` (as given: a path, a hub id, a timm name), class, weights
+    fingerprint, modality; for hub models the ``repo_id`` and the ``revision`` (commit) loaded."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"tower"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"tower", "repo_id", "revision"})
     source: str | None = None
     architecture: str | None = None
     fingerprint: str | None = None
     modality: str | None = None
     tower: str | None = None
+    repo_id: str | None = None
+    revision: str | None = None
 
 
 @dataclass(kw_only=True, eq=False)

@@ -85,6 +85,7 @@ class Options:
     verify: bool = True
     trust_remote_code: bool = False
     tower: str | None = None  # "text" / "vision": one tower of a dual-encoder directory (CLIP, SigLIP)
+    revision: str | None = None  # hub ids: branch, tag or commit
     precision: str = "fp32"  # comma list: fp16 / int8 also write a twin of every ONNX file (elastic_export.fp16, .int8)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
@@ -289,7 +290,7 @@ def check_layout(layout: str, encoder: Encoder) -> None:
         raise UserError(f"--layout {layout}: unknown; choose from {', '.join(LAYOUTS)}")
     if layout == st_layout.LAYOUT:
         st_layout.check_text({"model": {"modality": encoder.modality}}, f"--model {encoder.source}")
-        manifest = {"model": {"source": encoder.source}}
+        manifest = {"model": {"source": encoder.source, "revision": encoder.revision}}
         st_layout.st_modules(st_layout.source_dir(manifest), encoder.output_names())
 
 
@@ -397,7 +398,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> Manife
 def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventory]:
     """Load the model and count its units, refusing now what would fail after the (long) ranking."""
     echo(f"loading {opts.model or 'all-MiniLM-L6-v2 (embedded default)'}")
-    encoder = load_encoder(opts.model, pretrained=opts.pretrained, seq_len=opts.seq_len,
+    encoder = load_encoder(opts.model, revision=opts.revision, pretrained=opts.pretrained, seq_len=opts.seq_len,
                            image_size=opts.image_size, trust_remote_code=opts.trust_remote_code, tower=opts.tower)
     inventory = build_inventory(encoder)
     echo(f"{encoder.architecture}: {len(inventory.layers)} blocks, N={inventory.tokens} tokens, "
@@ -407,6 +408,8 @@ def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventor
     if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
         raise UserError(EXTERNAL_REFUSAL.format(src=DENSE_FILE))
     check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
+    if encoder.revision:
+        echo(f"{encoder.repo_id}: hub commit {encoder.revision}")
     return encoder, inventory
 
 
@@ -512,7 +515,8 @@ def _manifest(encoder: Encoder, inventory: Inventory, dense: onnx.ModelProto, tm
     return Manifest(
         tool=f"elastic-export {__version__}",
         model=ModelInfo(source=encoder.source, architecture=encoder.architecture, fingerprint=encoder.fingerprint(),
-                        modality=encoder.modality, tower=encoder.tower or None),
+                        modality=encoder.modality, tower=encoder.tower or None, repo_id=encoder.repo_id,
+                        revision=encoder.revision),
         inputs=[TensorSpec(**s) for s in io_specs(dense.graph.input)],
         outputs=[TensorSpec(**s) for s in outputs],
         tokens=inventory.tokens,

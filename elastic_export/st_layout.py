@@ -57,8 +57,9 @@ def source_dir(manifest: Manifest | dict, model: str | None = None) -> Path:
     from elastic_export.evaluation import _has_tokenizer_files
     from elastic_export.text import model_folder
 
-    source = model if model is not None else as_manifest(manifest).model.source
-    path = model_folder(source)  # the embedded default's folder imports torch: only for that one
+    info = as_manifest(manifest).model
+    source = model if model is not None else info.source
+    path = model_folder(source, None if model is not None else info.revision)  # the default imports torch
     what = f"--model {model}" if model is not None else f"model source {source!r}"
     if path is None or not (path / "config.json").is_file() or not _has_tokenizer_files(path):
         raise UserError(f"{what}: not a local model directory with config.json and tokenizer files "

@@ -126,9 +126,15 @@ def copy_tokenizer(source: Path, dest: Path) -> list[str]:
     return copied
 
 
-def model_folder(source: str | None) -> Path | None:
-    """The local folder a model was loaded from (the embedded default's too), or None when
-    ``source`` is not a directory (a timm name, a folder since moved)."""
+def model_folder(source: str | None, revision: str | None = None) -> Path | None:
+    """The local folder a model was loaded from (the embedded default's too; a hub id's snapshot at
+    ``revision``, from the cache or the hub), or None when ``source`` is not a directory (a timm
+    name, a folder since moved).
+
+    Raises:
+        UserError: a hub id whose snapshot is neither cached nor reachable.
+    """
+    from elastic_export import hub
     from elastic_export.evaluation import DEFAULT_MODEL
 
     if source in (None, DEFAULT_MODEL):
@@ -136,7 +142,10 @@ def model_folder(source: str | None) -> Path | None:
 
         return default_model_path()
     path = Path(str(source)).expanduser()
-    return path if path.is_dir() else None
+    if path.is_dir():
+        return path
+    ref = hub.parse(str(source), revision)
+    return hub.snapshot(ref)[0] if ref is not None else None
 
 
 def artifact_entry(encoder, directory: Path) -> dict | None:
@@ -146,7 +155,7 @@ def artifact_entry(encoder, directory: Path) -> dict | None:
     has no ``tokenizer.json``. None for other encoders or without a fast tokenizer."""
     if encoder.modality != "text":
         return None
-    source = model_folder(encoder.source)
+    source = model_folder(encoder.source, encoder.revision)
     dest = directory / TOKENIZER_DIR
     if source is not None and encoder.tower is None and (source / "tokenizer.json").is_file():
         copy_tokenizer(source, dest)
@@ -166,7 +175,7 @@ def tokenizer_folder(manifest, directory: Path) -> Path | None:
         if directory.resolve() in path.parents and path.is_file():
             return path.parent
     try:
-        folder = model_folder(manifest.model.source)
+        folder = model_folder(manifest.model.source, manifest.model.revision)
     except UserError:
         return None
     return folder if folder is not None and (folder / "tokenizer.json").is_file() else None

@@ -357,6 +357,7 @@ def _torch_reference(manifest: Manifest, directory: Path, model: str | None, tow
         if model is not None:
             raise UserError("--model needs torch (pip install torch); or pass --no-torch")
         return None, "torch is not installed here (the ONNX checks need no torch)"
+    from elastic_export import hub
     from elastic_export.adapters import HEADS, NEURONS
     from elastic_export.loader import load_encoder
     from elastic_export.ranking import load_ranking
@@ -369,7 +370,9 @@ def _torch_reference(manifest: Manifest, directory: Path, model: str | None, tow
     try:
         image = next((i for i in manifest.inputs if i.name == "pixel_values"), None)
         size = _image_size(image, manifest)[0] if image else None
-        enc = load_encoder(source, pretrained=False, seq_len=max(seq_len, 1),
+        pinned = not explicit and manifest.model.revision is not None  # hub weights: the snapshot they came from
+        revision = manifest.model.revision if pinned and hub.names_revision(source) else None
+        enc = load_encoder(source, revision=revision, pretrained=pinned, seq_len=max(seq_len, 1),
                            image_size=size if image and not Path(source).is_dir() else None,
                            tower=tower or manifest.model.tower)
     except Exception as e:  # UserError, or whatever a broken model directory raises
