@@ -167,3 +167,13 @@ def test_the_env_variables_reach_a_fresh_process(hub_cache, tmp_path):
     r = subprocess.run([sys.executable, "-m", "elastic_export", "inspect", "--model", "BAAI/bge-small-en-v1.5"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and str(hub_cache) in r.stderr, r.stderr
+
+
+def test_docs_python_snippet_runs(offline_cache, capsys):
+    """docs/models.md's Python snippet, run literally against the cache."""
+    doc = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, "docs/models.md", "exec"), {})
+    assert capsys.readouterr().out.split() == [MINILM, MAIN, "BertModel"]
