@@ -86,7 +86,8 @@ def ranking_options(fn):
         click.option("--token-weight", type=float, default=0.0, show_default=True,
                      help="elastic: weight of a token-level feature term (0: off)."),
         click.option("--resume", is_flag=True, default=False,
-                     help="elastic: continue a killed ranking from its last checkpoint."),
+                     help="elastic: continue an interrupted ranking from its last checkpoint (says from which "
+                          "step, or that there is none)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -643,7 +644,7 @@ def serve_cmd(directory, port, host, budget_backend, policy, slo_ms, ready_timeo
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps bad input to one line and exit code 2 (a failed check: exit 1)."""
-    from elastic_export.errors import CheckFailed
+    from elastic_export.errors import CheckFailed, Interrupted
 
     try:
         cli.main(args=argv, prog_name="elastic-export", standalone_mode=False)
@@ -661,8 +662,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except (click.Abort, KeyboardInterrupt):
-        click.echo("interrupted", err=True)
+    except (click.Abort, KeyboardInterrupt) as e:
+        cause = e.__cause__ if isinstance(e, click.Abort) else e  # click wraps Ctrl-C in Abort
+        click.echo("interrupted" + (f"; {cause}" if isinstance(cause, Interrupted) else ""), err=True)
         sys.exit(130)
     except click.ClickException as e:
         click.echo(f"error: {e.format_message()}", err=True)

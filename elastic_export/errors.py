@@ -15,6 +15,11 @@ class CheckFailed(Exception):
     """
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C where there is a way to go on. The CLI prints ``interrupted; <message>`` (the message
+    says how to continue, e.g. ``--resume``) and exits with code 130, as for a plain Ctrl-C."""
+
+
 def first_line(e: BaseException | str, empty: str | None = None) -> str:
     """The first line of an exception's message (or of a message string); when it is empty, ``empty``
     or else the exception's type name."""

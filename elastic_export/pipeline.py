@@ -25,7 +25,7 @@ from elastic_export.budgets import budget_tag
 from elastic_export.calibration import Calibration, load_calibration
 from elastic_export.compare import ATOL, compare_outputs
 from elastic_export.encoder import Encoder
-from elastic_export.errors import UserError, first_line
+from elastic_export.errors import Interrupted, UserError, first_line
 from elastic_export.export import export_dense
 from elastic_export.fileio import OutputLock, check_creatable, umask
 from elastic_export.fp16 import add_fp16
@@ -54,7 +54,7 @@ from elastic_export.plans import BudgetPlan, check_align, make_plans
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
 from elastic_export.scoring import METHODS, NEEDS_DATA
-from elastic_export.soft_ranking import ElasticConfig
+from elastic_export.soft_ranking import ElasticConfig, resume_hint
 from elastic_export.targets.onnxruntime import cpu_session
 
 LAYOUTS = ("artifacts", st_layout.LAYOUT)
@@ -139,9 +139,15 @@ def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Ca
     encoder.module.to(dev)
     checkpoint = Path(opts.checkpoint) if opts.checkpoint else None
     config = ElasticConfig(**{**asdict(opts.elastic), "seed": opts.seed})
+    extra = {"echo": echo} if opts.method == "elastic" else {}
     try:
         heads, neurons = METHODS[opts.method](encoder, inventory, calib, seed=opts.seed, config=config,
-                                              checkpoint=checkpoint, resume=opts.resume)
+                                              checkpoint=checkpoint, resume=opts.resume, **extra)
+    except KeyboardInterrupt as e:
+        hint = resume_hint(checkpoint, config) if opts.method == "elastic" and not isinstance(e, Interrupted) else None
+        if hint is None:
+            raise
+        raise Interrupted(hint) from None
     finally:
         encoder.module.to("cpu")
     hyper: dict = {"seed": opts.seed}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -120,6 +121,43 @@ def _load_checkpoint(path: Path, meta: dict) -> tuple[dict[str, torch.Tensor], i
     if saved != meta or not isinstance(step, int):
         raise UserError(f"--resume: checkpoint {path} belongs to another run (model, data or hyperparameters differ)")
     return state, step
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step the checkpoint ``path`` was written at (None: no readable checkpoint there)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            step = json.loads((f.metadata() or {})["elastic_export.checkpoint"]).get("step")
+    except Exception:  # noqa: BLE001 - absent or damaged: no step to report
+        return None
+    return step if isinstance(step, int) else None
+
+
+def resume_hint(checkpoint: Path | None, config: ElasticConfig) -> str | None:
+    """How to go on after an interrupted ranking (the CLI's ``interrupted; ...`` line); None: no checkpointing."""
+    if checkpoint is None or not config.checkpoint_every:
+        return None
+    step = checkpoint_step(checkpoint)
+    if step is None:
+        return f"no ranking checkpoint written yet (one every {config.checkpoint_every} steps); a re-run starts over"
+    return (f"the ranking checkpoint {checkpoint} holds step {step} of {config.steps}: "
+            "run the same command again with --resume to continue from it")
+
+
+def _announce(checkpoint: Path | None, resume: bool, start: int, steps: int, echo: Callable[[str], None]) -> None:
+    """Say whether the ranking resumes (from which step), or starts from scratch and why."""
+    if checkpoint is None:
+        return
+    if resume:
+        echo(f"--resume: continuing the ranking from step {start} of {steps} (checkpoint {checkpoint})" if start
+             else f"--resume: no checkpoint at {checkpoint}; ranking from scratch")
+    elif checkpoint.is_file():
+        step = checkpoint_step(checkpoint)
+        at = f" (step {step} of {steps})" if step is not None else ""
+        echo(f"found the checkpoint {checkpoint} of an interrupted ranking{at}; starting over "
+             "(--resume would continue from it)")
 
 
 def _check_loss(encoder: Encoder, config: ElasticConfig, calibration: Calibration | None = None) -> list[str]:
@@ -242,9 +280,10 @@ class _Adam:
 
 
 def _start(encoder: Encoder, units: _Units, initial: Scores, config: ElasticConfig, calibration: Calibration,
-           checkpoint: Path | None, resume: bool) -> tuple[_Adam, int, dict]:
+           checkpoint: Path | None, resume: bool,
+           echo: Callable[[str], None] = lambda msg: None) -> tuple[_Adam, int, dict]:
     """The optimiser at its first step (standardised log initial scores, or a checkpoint's state with
-    ``resume``), that step, and the run's identity a checkpoint must match."""
+    ``resume``), that step, and the run's identity a checkpoint must match; says which (``echo``)."""
     dev = next(encoder.module.parameters()).device
     init = units.flatten(*initial).clamp(min=1e-30).log()
     init = (init - init.mean()) / init.std().clamp(min=1e-12)
@@ -258,6 +297,7 @@ def _start(encoder: Encoder, units: _Units, initial: Scores, config: ElasticConf
         if loaded is not None:
             state, start = loaded
             adam = _Adam(state["scores"].to(dev), state["m1"].to(dev), state["m2"].to(dev))
+    _announce(checkpoint, resume, start, config.steps, echo)
     return adam, start, meta
 
 
@@ -276,6 +316,7 @@ def optimise_ranking(
     config: ElasticConfig,
     checkpoint: Path | None = None,
     resume: bool = False,
+    echo: Callable[[str], None] = lambda msg: None,
 ) -> tuple[Scores, list[float]]:
     """Run the soft-mask optimisation; returns the final scores and the loss per step.
 
@@ -287,12 +328,13 @@ def optimise_ranking(
         config: hyperparameters.
         checkpoint: where rank 0 writes a checkpoint every ``config.checkpoint_every`` steps.
         resume: continue from ``checkpoint`` when it exists.
+        echo: where to say whether it resumed, or starts over despite a checkpoint.
     """
     names = _check_loss(encoder, config, calibration)
     ddp.check_batches(calibration.batches)
     kind = loss_kind(names, config, calibration)
     units = _Units.of(inventory)
-    adam, start, meta = _start(encoder, units, initial, config, calibration, checkpoint, resume)
+    adam, start, meta = _start(encoder, units, initial, config, calibration, checkpoint, resume, echo)
     targets, batches = list(config.targets), calibration.batches
     per_step = min(config.targets_per_step, len(targets))
     parts, fracs, tok_fracs = _shares(batches, config)
@@ -347,11 +389,11 @@ def _finish(s: torch.Tensor, checkpoint: Path | None) -> torch.Tensor:
 
 def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0,
                     config: ElasticConfig | None = None, checkpoint: Path | None = None, resume: bool = False,
-                    **_) -> Scores:
+                    echo: Callable[[str], None] = lambda msg: None, **_) -> Scores:
     config = config or ElasticConfig(seed=seed)
     if config.init not in METHODS or config.init == "elastic":
         raise UserError(f"elastic: unknown initial scores {config.init!r}")
     _check_loss(encoder, config, calibration)  # before the initial scores, not after them
     initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed)
-    scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume)
+    scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume, echo)
     return scores

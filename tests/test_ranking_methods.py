@@ -143,6 +143,10 @@ def test_resume_refuses_a_foreign_checkpoint(tmp_path, monkeypatch):
     other = ElasticConfig(**{**FAST.__dict__, "lr": 0.2})
     with pytest.raises(UserError, match="another run"):
         METHODS["elastic"](enc, inv, cal, config=other, checkpoint=ckpt, resume=True)
+    lines: list[str] = []  # without --resume: one line says it starts over, and that --resume would continue
+    METHODS["elastic"](enc, inv, cal, config=other, checkpoint=ckpt, echo=lines.append)
+    assert lines == [f"found the checkpoint {ckpt} of an interrupted ranking (step 2 of {FAST.steps}); "
+                     "starting over (--resume would continue from it)"]
 
 
 @pytest.mark.parametrize("name,loss,token_weight", [("timm-vit", "auto", 0.0), ("timm-vit", "cosine", 0.5),

@@ -123,9 +123,11 @@ RANK = ["rank", "--seq-len", "16", "--calib-size", "16", "--batch-size", "4", "-
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, bert_dir) -> bytes:
+    """The ranking of an uninterrupted run; ``--resume`` with no checkpoint says it starts from scratch."""
     root = tmp_path_factory.mktemp("rank-full")
-    r = _cli([*RANK, "--model", str(bert_dir), "--out", "r.safetensors"], root)
+    r = _cli([*RANK, "--model", str(bert_dir), "--out", "r.safetensors", "--resume"], root)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "--resume: no checkpoint at r.safetensors.checkpoint; ranking from scratch" in r.stderr
     return (root / "r.safetensors").read_bytes()
 
 
@@ -194,11 +196,15 @@ def test_killed_ranking_resumes_to_the_identical_ranking(tmp_path, bert_dir, uni
         p.kill()
     if p.returncode == 0:
         pytest.fail("the ranking finished before the signal arrived")  # pragma: no cover
-    if sig == signal.SIGINT:
-        assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    if sig == signal.SIGINT:  # the last line says how to go on
+        assert p.returncode == 130 and "Traceback" not in err
+        assert err.strip().splitlines()[-1] == (
+            "interrupted; the ranking checkpoint r.safetensors.checkpoint holds step 8 of 48: "
+            "run the same command again with --resume to continue from it")
     assert not (tmp_path / "r.safetensors").exists()  # nothing half-written
     r = _cli([*RANK, "--model", str(bert_dir), "--out", "r.safetensors", "--resume"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "--resume: continuing the ranking from step 8 of 48 (checkpoint r.safetensors.checkpoint)" in r.stderr
     assert (tmp_path / "r.safetensors").read_bytes() == uninterrupted
 
 
