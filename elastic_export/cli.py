@@ -75,7 +75,8 @@ def ranking_options(fn):
         click.option("--temperature", type=float, default=_ELASTIC.temperature, show_default=True,
                      help="elastic: soft-mask temperature (in score standard deviations)."),
         click.option("--targets", default="0.05..0.7:0.05", show_default=True,
-                     help="elastic: sparsity targets optimised jointly (same syntax as --budgets)."),
+                     help="elastic: sparsity targets optimised jointly (same syntax as --budgets); the main "
+                          "job extends them at their step up to its largest --budgets."),
         click.option("--targets-per-step", type=int, default=_ELASTIC.targets_per_step, show_default=True,
                      help="elastic: targets evaluated per step (rotating)."),
         click.option("--loss", type=click.Choice(["auto", "cosine", "kl", "ce"]), default="auto", show_default=True,

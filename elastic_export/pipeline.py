@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +51,7 @@ from elastic_export.manifest import (
 from elastic_export.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
 from elastic_export.passes import BudgetSlicer, build_elastic_model, dense_counts
 from elastic_export.plans import BudgetPlan, check_align, make_plans
+from elastic_export.rank_options import cover_budgets, targets_spec
 from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
 from elastic_export.reference import hard_mask, ranked_keep
 from elastic_export.scoring import METHODS, NEEDS_DATA
@@ -427,13 +428,36 @@ def _rank(encoder: Encoder, inventory: Inventory, opts: Options, calib: Calibrat
         ranking = load_ranking(opts.ranking)
         ranking.check_matches(inventory, encoder.fingerprint(), f"--ranking {opts.ranking}")
         echo(f"reusing ranking {opts.ranking} (method {ranking.meta.get('method')!r})")
+        warn_uncovered(ranking, opts, echo)
         return ranking, None
-    if opts.checkpoint is None:
-        out = Path(opts.out)
-        opts.checkpoint = str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
+    out = Path(opts.out)
+    checkpoint = opts.checkpoint or str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
+    opts = replace(opts, checkpoint=checkpoint)  # a copy: the caller's Options stay as they were
+    asked = opts.elastic.targets
+    if opts.method == "elastic":
+        opts = replace(opts, elastic=replace(opts.elastic, targets=cover_budgets(asked, opts.budgets)))
+    if opts.elastic.targets != asked:
+        echo(f"targets: the elastic targets stop at {max(asked):g} but --budgets go to {max(opts.budgets):g}; "
+             f"optimising {targets_spec(opts.elastic.targets)} ({len(opts.elastic.targets)} targets) instead "
+             "(recorded in the ranking file)")
     t_rank = time.time()
     ranking = rank_encoder(encoder, inventory, opts, echo, calib)
+    if opts.elastic.targets != asked:
+        ranking.meta["hyperparameters"]["targets_extended_from"] = list(asked)
     return ranking, round(time.time() - t_rank, 1)
+
+
+def warn_uncovered(ranking: Ranking, opts: Options, echo: Callable[[str], None]) -> None:
+    """Warn (one line) when a reused elastic ranking's targets stop below the largest budget."""
+    targets = (ranking.meta.get("hyperparameters") or {}).get("targets")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, (int, float)) for t in targets):
+        return
+    top = max(opts.budgets)
+    if max(targets) >= top - 1e-9:
+        return
+    echo(f"warning: --ranking {opts.ranking}: its targets stop at {max(targets):g} but --budgets go to {top:g}, "
+         f"so the budgets past {max(targets):g} are ranked less well; re-rank with --targets "
+         f"{targets_spec(cover_budgets(targets, opts.budgets))} (or drop --ranking)")
 
 
 def _make_tmp(lock: OutputLock, out: Path, opts: Options, echo: Callable[[str], None]) -> Path:

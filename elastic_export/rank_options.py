@@ -7,9 +7,37 @@ names), so ``elastic-export --help`` and the stages that never rank (``verify``,
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 15))  # 0.05 .. 0.70, 14 targets
+TARGET_STEP = 0.05  # the default targets' step; the step that extends a single target
+_EPS = 1e-9
+
+
+def cover_budgets(targets: Iterable[float], budgets: Iterable[float]) -> tuple[float, ...]:
+    """``targets`` extended to cover the largest of ``budgets``: more targets at the step between
+    the last two (:data:`TARGET_STEP` for a single target), up to and including the largest
+    budget; ``targets`` unchanged when they reach it already."""
+    ts, top = tuple(targets), max(budgets, default=0.0)
+    if not ts or max(ts) >= top - _EPS:
+        return ts
+    last = max(ts)
+    below = sorted(t for t in ts if t < last)
+    step = round(last - below[-1], 6) if below else TARGET_STEP
+    count = math.floor((top - last) / step + _EPS)
+    extra = [round(last + i * step, 6) for i in range(1, count + 1)]
+    return ts + tuple(t for t in extra if t < top - _EPS) + (round(top, 6),)
+
+
+def targets_spec(targets: Iterable[float]) -> str:
+    """``targets`` as ``--targets`` reads them: ``A..B:STEP`` when evenly spaced (3 or more), else a comma list."""
+    ts = sorted(targets)
+    gaps = {round(b - a, 6) for a, b in zip(ts, ts[1:])}
+    if len(ts) >= 3 and len(gaps) == 1:
+        return f"{ts[0]:g}..{ts[-1]:g}:{gaps.pop():g}"
+    return ",".join(f"{t:g}" for t in ts)
 
 
 @dataclass

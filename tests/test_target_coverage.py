@@ -1,0 +1,92 @@
+"""The elastic targets cover the budgets asked for (issue 22, item 3), and the main job ranks on a
+copy of its options (a reused ``Options`` never resumes another ``--out``'s checkpoint)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import tiny_encoder
+from safetensors import safe_open
+
+from elastic_export import pipeline
+from elastic_export.cli import main
+from elastic_export.rank_options import DEFAULT_TARGETS, cover_budgets, targets_spec
+from elastic_export.ranking import META_KEY, Ranking
+
+# tiny and quick: 2 elastic steps on 8 calibration texts, nothing but the ONNX files
+FAST = ["--seq-len", "16", "--calib-size", "8", "--batch-size", "4", "--steps", "2", "--targets-per-step", "2",
+        "--no-verify", "--no-quick-eval", "--no-report", "--no-elastic-graph"]
+
+
+def _hyper(path: Path) -> dict:
+    with safe_open(str(path), framework="numpy") as f:
+        return json.loads(f.metadata()[META_KEY])["hyperparameters"]
+
+
+def _cli(capsys, *args: str) -> list[str]:
+    """Run the CLI in-process; its stderr lines (exit code 0 asserted)."""
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    err = capsys.readouterr().err
+    assert e.value.code == 0, err[-2000:]
+    return [x.strip() for x in err.replace("\r", "\n").splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cover") / "tiny-bert"
+    tiny_encoder("hf-bert").module.save_pretrained(path)
+    return path
+
+
+def test_cover_budgets_extends_at_the_targets_step():
+    assert cover_budgets(DEFAULT_TARGETS, [0.1, 0.6]) == DEFAULT_TARGETS  # covered: unchanged
+    assert cover_budgets(DEFAULT_TARGETS, [0.5, 0.9]) == DEFAULT_TARGETS + (0.75, 0.8, 0.85, 0.9)
+    assert cover_budgets(DEFAULT_TARGETS, [0.88])[-2:] == (0.85, 0.88)  # up to and including the budget
+    assert cover_budgets((0.5,), [0.6]) == (0.5, 0.55, 0.6)
+    assert targets_spec(cover_budgets(DEFAULT_TARGETS, [0.9])) == "0.05..0.9:0.05"
+    assert targets_spec((0.3, 0.5)) == "0.3,0.5"
+
+
+def test_targets_extend_to_the_largest_budget_and_a_reused_ranking_warns(tmp_path, monkeypatch, capsys, bert_dir):
+    monkeypatch.chdir(tmp_path)
+    model = ["--model", str(bert_dir), *FAST]
+    covered = _cli(capsys, *model, "--budgets", "0.3,0.6", "--out", "a")
+    assert not any(x.startswith(("targets:", "warning:")) for x in covered)
+    assert _hyper(tmp_path / "a" / "ranking.safetensors")["targets"] == list(DEFAULT_TARGETS)
+
+    extended = _cli(capsys, *model, "--budgets", "0.5..0.9", "--out", "b")
+    assert ("targets: the elastic targets stop at 0.7 but --budgets go to 0.9; optimising 0.05..0.9:0.05 "
+            "(18 targets) instead (recorded in the ranking file)") in extended
+    hyper = _hyper(tmp_path / "b" / "ranking.safetensors")
+    assert max(hyper["targets"]) == 0.9 and hyper["targets"][-4:] == [0.75, 0.8, 0.85, 0.9]
+    assert hyper["targets_extended_from"] == list(DEFAULT_TARGETS)
+
+    reused = _cli(capsys, *model, "--budgets", "0.5..0.9", "--out", "c", "--ranking", "a/ranking.safetensors")
+    warnings = [x for x in reused if x.startswith("warning:")]
+    assert warnings == ["warning: --ranking a/ranking.safetensors: its targets stop at 0.7 but --budgets go to 0.9, "
+                        "so the budgets past 0.7 are ranked less well; re-rank with --targets 0.05..0.9:0.05 "
+                        "(or drop --ranking)"]
+    assert not any(x.startswith("warning:") for x in _cli(capsys, *model, "--budgets", "0.5..0.9", "--out", "d",
+                                                           "--ranking", "b/ranking.safetensors"))
+
+
+def test_rank_leaves_the_callers_options_alone(tmp_path, monkeypatch):
+    """``_rank`` ranks with its own checkpoint per ``--out``; the Options given stay unchanged."""
+    seen: list[pipeline.Options] = []
+
+    def fake_rank(encoder, inventory, opts, echo, calib=None):
+        seen.append(opts)
+        return Ranking([], [], {"hyperparameters": {}})
+
+    monkeypatch.setattr(pipeline, "rank_encoder", fake_rank)
+    opts = pipeline.Options(out=str(tmp_path / "one"), budgets=(0.5, 0.9))
+    pipeline._rank(None, None, opts, None, lambda msg: None)
+    opts.out = str(tmp_path / "two")
+    pipeline._rank(None, None, opts, None, lambda msg: None)
+    assert opts.checkpoint is None and opts.elastic.targets == DEFAULT_TARGETS
+    assert [Path(o.checkpoint).name for o in seen] == [".one.ranking-checkpoint.safetensors",
+                                                       ".two.ranking-checkpoint.safetensors"]
+    assert max(seen[0].elastic.targets) == 0.9
