@@ -238,13 +238,10 @@ def load_tokenizer(art: Artifact, override: str | None = None):
     if override is not None:
         path, what = Path(override), f"--tokenizer {override}"
     else:
-        source = art.manifest.model.source
-        if source in (None, DEFAULT_MODEL):
-            from elastic_export.loader import default_model_path
+        from elastic_export.text import tokenizer_folder
 
-            path = default_model_path()
-        else:
-            path = Path(os.path.expanduser(str(source)))
+        source = art.manifest.model.source
+        path = tokenizer_folder(art.manifest, art.directory) or Path(os.path.expanduser(str(source)))
         what = f"{art.given}: model source {source!r}"
     if not path.is_dir() or not _has_tokenizer_files(path):
         raise UserError(f"{what} has no tokenizer (a local directory with tokenizer files is needed); "

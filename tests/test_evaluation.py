@@ -255,11 +255,13 @@ def test_bad_input_is_a_user_error(tmp_path, text_dirs, vit_dir, image_folder, p
         evaluate([vit_dir], pairs=pairs_file, **QUIET)
     with pytest.raises(UserError, match="sub-folders"):
         evaluate([vit_dir], images=tmp_path, **QUIET)
-    # artifacts whose model source has no tokenizer
+    # artifacts without tokenizer/ whose model source has no tokenizer
     copy = tmp_path / "no-tokenizer"
     shutil.copytree(text_dirs[0], copy)
+    shutil.rmtree(copy / "tokenizer", ignore_errors=True)
     m = json.loads((copy / "manifest.json").read_text())
     m["model"]["source"] = str(tmp_path)
+    m.pop("preprocess", None)
     (copy / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UserError, match="has no tokenizer"):
         evaluate([copy], pairs=pairs_file, **QUIET)
