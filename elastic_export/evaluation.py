@@ -234,7 +234,8 @@ def _has_tokenizer_files(path: Path) -> bool:
 
 
 def load_tokenizer(art: Artifact, override: str | None = None):
-    """The tokenizer of the model the artifacts were made from (``model.source``), or ``override``."""
+    """The tokenizer of the artifacts (``DIR/tokenizer/``, else the model source's folder, a hub
+    id's snapshot at the recorded commit included), or ``override``."""
     if override is not None:
         path, what = Path(override), f"--tokenizer {override}"
     else:
