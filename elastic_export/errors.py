@@ -20,10 +20,17 @@ class Interrupted(KeyboardInterrupt):
     says how to continue, e.g. ``--resume``) and exits with code 130, as for a plain Ctrl-C."""
 
 
-def first_line(e: BaseException | str, empty: str | None = None) -> str:
-    """The first line of an exception's message (or of a message string); when it is empty, ``empty``
-    or else the exception's type name."""
+ERROR_CHARS = 300  # an error quoted inside a longer line (a check row, a hint) is cut here
+
+
+def first_line(e: BaseException | str, empty: str | None = None, limit: int | None = None) -> str:
+    """The first line of an exception's message (or of a message string), cut at ``limit`` characters;
+    when it is empty, ``empty``, else an exception's type name (a string: ``""``)."""
     lines = str(e).strip().splitlines()
     if lines:
-        return lines[0]
-    return empty if empty is not None else type(e).__name__
+        line = lines[0]
+    elif empty is not None:
+        line = empty
+    else:
+        line = "" if isinstance(e, str) else type(e).__name__
+    return line[:limit] if limit is not None else line

@@ -88,7 +88,6 @@ from elastic_export.policies import (  # noqa: F401 - re-exported
 )
 from elastic_export.precision import FILE_KEYS
 from elastic_export.targets.onnxruntime import SessionConfig  # noqa: F401 - re-exported: from_dir's config
-from elastic_export.targets.ort_backend import tensorrt_ep_profile  # noqa: F401 - re-exported
 
 MODES = ("per-budget", "elastic")
 PRECISION_KEYS = FILE_KEYS  # precision -> manifest key

@@ -47,7 +47,7 @@ from onnx import numpy_helper
 from elastic_export.backends import Backend, artifact_backends
 from elastic_export.compare import ATOL, compare_outputs, max_abs_error
 from elastic_export.compare import fmt_error as _fmt
-from elastic_export.errors import UserError, first_line
+from elastic_export.errors import ERROR_CHARS, UserError, first_line
 from elastic_export.fp16 import FP16_RTOL
 from elastic_export.int8 import INT8_MIN_COSINE, embedding, min_cosine
 from elastic_export.int8_qdq import FILE_KEY as QDQ_KEY
@@ -129,10 +129,6 @@ class Report:
             return f"{self.directory}: {c.detail}{more}"
         what = "is corrupt" if c.status == CORRUPT else f"differs from {c.reference}"
         return f"{self.directory}: {c.artifact} ({c.kind}) {what}: {c.detail}{more}"
-
-
-def _first_line(e: BaseException) -> str:
-    return first_line(e)[:300]
 
 
 # --- the reference -------------------------------------------------------------------------------
@@ -284,7 +280,7 @@ def _load(path: Path | None, rel: str) -> Path:
     try:
         onnx.checker.check_model(str(path))
     except Exception as e:  # checker raises ValidationError, protobuf DecodeError, OSError, ...
-        raise _Failed(CORRUPT, f"onnx.checker: {_first_line(e)}")
+        raise _Failed(CORRUPT, f"onnx.checker: {first_line(e, limit=ERROR_CHARS)}")
     return path
 
 
@@ -294,7 +290,7 @@ def _open(d: Path, rel: str):
     try:
         return _session(path)
     except Exception as e:
-        raise _Failed(CORRUPT, f"onnxruntime cannot load it: {_first_line(e)}")
+        raise _Failed(CORRUPT, f"onnxruntime cannot load it: {first_line(e, limit=ERROR_CHARS)}")
 
 
 def _run(sess, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
@@ -308,7 +304,7 @@ def _run(sess, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndar
     try:
         return sess.run(outputs, {n: feeds[n] for n in names})
     except Exception as e:  # onnxruntime raises its own exception types
-        raise _Failed(CORRUPT, f"onnxruntime: {_first_line(e)}")
+        raise _Failed(CORRUPT, f"onnxruntime: {first_line(e, limit=ERROR_CHARS)}")
 
 
 def _compare(check: Check, want: list[np.ndarray], got: list[np.ndarray], atol: float | None,
@@ -343,7 +339,7 @@ def run_backend_file(backend: Backend, path: Path, feeds: dict[str, np.ndarray],
     except UserError as e:
         raise _Failed(CORRUPT, str(e))
     except Exception as e:  # the backend's own (TensorRT / CUDA) errors
-        raise _Failed(CORRUPT, f"{backend.name}: {_first_line(e)}")
+        raise _Failed(CORRUPT, f"{backend.name}: {first_line(e, limit=ERROR_CHARS)}")
     return [np.asarray(a, dtype=np.float32) for a in got]
 
 
@@ -377,8 +373,8 @@ def _torch_reference(manifest: Manifest, directory: Path, model: str | None, tow
                            tower=tower or manifest.model.tower)
     except Exception as e:  # UserError, or whatever a broken model directory raises
         if explicit:
-            raise UserError(f"--model {source}: cannot load it ({_first_line(e)})")
-        return None, f"model.source {source!r} does not load here ({_first_line(e)}); pass --model"
+            raise UserError(f"--model {source}: cannot load it ({first_line(e, limit=ERROR_CHARS)})")
+        return None, f"model.source {source!r} does not load here ({first_line(e, limit=ERROR_CHARS)}); pass --model"
     if enc.fingerprint() != manifest.model.fingerprint:
         msg = f"{source}: not the model these artifacts were made from (fingerprint differs)"
         if explicit:
@@ -484,7 +480,7 @@ def _open_dense(d: Path, manifest: Manifest) -> tuple[str, onnx.ModelProto, Any]
     except _Failed as e:
         raise UserError(f"{d}: the dense model {dense_rel} is {e.status}: {e.reason}")
     except Exception as e:  # onnx / onnxruntime load errors
-        raise UserError(f"{d}: the dense model {dense_rel} does not load ({_first_line(e)})")
+        raise UserError(f"{d}: the dense model {dense_rel} does not load ({first_line(e, limit=ERROR_CHARS)})")
 
 
 def _masked_references(d: Path, dense: onnx.ModelProto, budgets: list[Budget], feeds: dict[str, np.ndarray],

@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from elastic_export.errors import UserError, first_line
+from elastic_export.errors import ERROR_CHARS, UserError, first_line
 from elastic_export.fileio import atomic_write, existing_dir
 from elastic_export.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
 from elastic_export.targets.profiles import (
@@ -74,10 +74,6 @@ TIMING_CACHE = "tensorrt.timing.cache"
 DENSE_ENGINE = "dense.engine"
 BUILDER_FLAG, STRONGLY_TYPED = "builder-flag", "strongly-typed"
 
-def _first_line(e: BaseException) -> str:
-    return first_line(e)[:300]
-
-
 # --- what is available ----------------------------------------------------------------------------
 def import_tensorrt():
     """The ``tensorrt`` module, or a one-line :class:`UserError` naming what is missing.
@@ -93,7 +89,7 @@ def import_tensorrt():
                         f"({INSTALL_HINT})") from None
     except Exception as e:  # a broken install: missing libnvinfer, CUDA driver, ...
         raise UserError(f"TensorRT engines need the tensorrt package and a CUDA GPU: tensorrt cannot be imported "
-                        f"({_first_line(e)})") from None
+                        f"({first_line(e, limit=ERROR_CHARS)})") from None
     if not (hasattr(trt, "ICudaEngine") and hasattr(trt.ICudaEngine, "get_tensor_name")
             and hasattr(trt, "IExecutionContext") and hasattr(trt.IExecutionContext, "execute_async_v3")):
         raise UserError("this tensorrt lacks the named-tensor API (get_tensor_name / execute_async_v3) of "
@@ -552,7 +548,7 @@ def _load_timing_cache(config: Any, data: bytes, echo: Callable[[str], None]) ->
         if cache is not None and config.set_timing_cache(cache, ignore_mismatch=False):
             return cache
     except Exception as e:  # a cache from another TensorRT version / GPU
-        echo(f"timing cache not usable ({_first_line(e)}); starting a new one")
+        echo(f"timing cache not usable ({first_line(e, limit=ERROR_CHARS)}); starting a new one")
     cache = config.create_timing_cache(b"")
     config.set_timing_cache(cache, ignore_mismatch=False)
     return cache

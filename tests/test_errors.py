@@ -15,6 +15,8 @@ class _Silent(Exception):
 def test_first_line():
     assert first_line(ValueError("bad input\nsecond line")) == "bad input"
     assert first_line(ValueError("\n  \n")) == "ValueError"
+    assert first_line("") == "" and first_line("", empty="none") == "none"
+    assert first_line("x" * 400, limit=300) == "x" * 300 and first_line("a\nb", limit=300) == "a"
     assert first_line(_Silent()) == "_Silent"
     # a message string (TensorRT's parser errors), and what an empty one reads as
     assert first_line("  In node 3: unsupported op\nstack") == "In node 3: unsupported op"

@@ -272,7 +272,7 @@ def test_bad_input_is_user_error(art, tmp_path, feeds):
 def test_tensorrt_ep_gets_the_manifest_shape_range(art, tmp_path):
     """onnxruntime's TensorRT EP gets explicit profiles (one engine for every batch / length) and
     caches engines and timings together; the elastic graph adds its fixed budget input."""
-    from elastic_export.runtime import tensorrt_ep_profile
+    from elastic_export.targets.ort_backend import tensorrt_ep_profile
 
     m = json.loads((art / "manifest.json").read_text())
     names = [i["name"] for i in m["inputs"]]
