@@ -102,7 +102,7 @@ def _median_ms(xs: list[float]) -> float:
 
 
 def measure_trt(art: Path, m: dict, args: argparse.Namespace) -> dict[str, dict]:
-    from elastic_export.fp16 import relative_error
+    from elastic_export.compare import relative_error
     from elastic_export.targets.tensorrt import load_engine
 
     entries = [("dense", m["dense"])] + [(f"{b['sparsity']:.2f}", b) for b in m["budgets"]]

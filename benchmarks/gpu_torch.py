@@ -132,7 +132,7 @@ def build(args: argparse.Namespace):
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from elastic_export.fp16 import relative_error
+    from elastic_export.compare import relative_error
 
     dtype = getattr(torch, DTYPES[args.dtype])
     cuda_graphs = args.device.startswith("cuda") and args.cuda_graphs

@@ -29,6 +29,36 @@ def fmt_error(x: float | None) -> str:
     return "-" if x is None else ("inf" if not math.isfinite(x) else f"{x:.1e}")
 
 
+def relative_error(want: Sequence[np.ndarray], got: Sequence[np.ndarray], valid: np.ndarray | None = None) -> float:
+    """Largest, over the outputs, of ``max |got - want| / max |want|``: the error relative to each
+    output's scale (an element-wise ratio would explode on values near zero).
+
+    Args:
+        want: reference outputs (fp32).
+        got: outputs to check, same order.
+        valid: the ``attention_mask`` (batch, sequence) of the inputs, or None. Per-token outputs
+            (leading dims batch, sequence) are then compared at real tokens only: a padding
+            position's state is undefined (a left-padded causal row attends to no real key, and
+            fp32 and fp16 masks round such rows differently), and no pooled output reads it.
+    """
+    if len(want) != len(got):
+        raise ValueError(f"{len(got)} outputs, expected {len(want)}")
+    worst = 0.0
+    keep = None if valid is None else np.asarray(valid) != 0
+    for a, b in zip(want, got):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a64.shape != b64.shape:
+            return float("inf")
+        if keep is not None and a64.shape[:2] == keep.shape:
+            a64, b64 = a64[keep], b64[keep]
+        scale = max(float(np.abs(a64).max(initial=0.0)), 1e-12)
+        diff = np.abs(a64 - b64)
+        if not np.all(np.isfinite(diff)):
+            return float("inf")
+        worst = max(worst, float(diff.max(initial=0.0)) / scale)
+    return worst
+
+
 def max_abs_error(want: Sequence[np.ndarray], got: Sequence[np.ndarray], dtype: Any = np.float64) -> float:
     """Largest ``|got - want|`` over every element of every output, the difference taken in ``dtype``.
 
@@ -54,7 +84,7 @@ class Comparison:
 
     Args:
         max_abs: :func:`max_abs_error` (None where the outputs could not be compared).
-        rel: :func:`elastic_export.fp16.relative_error` (None likewise).
+        rel: :func:`relative_error` (None likewise).
         tol: the tolerance applied, e.g. ``abs 1e-04`` / ``rel 1e-02`` (None when not compared).
         problem: one line saying what is beyond the tolerance; empty when the outputs match.
     """
@@ -84,8 +114,6 @@ def compare_outputs(got: Sequence[np.ndarray], want: Sequence[np.ndarray], atol:
     Returns:
         The errors and the verdict (:attr:`Comparison.ok`, :attr:`Comparison.problem`).
     """
-    from elastic_export.fp16 import relative_error
-
     if len(got) != len(want):
         return Comparison(problem=f"{len(got)} outputs, expected {len(want)}")
     shapes = [(np.shape(a), np.shape(b)) for a, b in zip(want, got) if np.shape(a) != np.shape(b)]

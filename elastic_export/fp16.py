@@ -38,6 +38,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from elastic_export import onnx_io
+from elastic_export.compare import relative_error
 from elastic_export.errors import UserError, first_line
 from elastic_export.precision import PRECISIONS
 
@@ -203,36 +204,6 @@ def write_fp16(model: onnx.ModelProto, path: str | Path, external: bool | None =
     out = to_fp16(model)
     onnx_io.save(out, path, external)
     return out
-
-
-def relative_error(want: Sequence[np.ndarray], got: Sequence[np.ndarray], valid: np.ndarray | None = None) -> float:
-    """Largest, over the outputs, of ``max |got - want| / max |want|``: the error relative to each
-    output's scale (an element-wise ratio would explode on values near zero).
-
-    Args:
-        want: reference outputs (fp32).
-        got: outputs to check, same order.
-        valid: the ``attention_mask`` (batch, sequence) of the inputs, or None. Per-token outputs
-            (leading dims batch, sequence) are then compared at real tokens only: a padding
-            position's state is undefined (a left-padded causal row attends to no real key, and
-            fp32 and fp16 masks round such rows differently), and no pooled output reads it.
-    """
-    if len(want) != len(got):
-        raise ValueError(f"{len(got)} outputs, expected {len(want)}")
-    worst = 0.0
-    keep = None if valid is None else np.asarray(valid) != 0
-    for a, b in zip(want, got):
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if a64.shape != b64.shape:
-            return float("inf")
-        if keep is not None and a64.shape[:2] == keep.shape:
-            a64, b64 = a64[keep], b64[keep]
-        scale = max(float(np.abs(a64).max(initial=0.0)), 1e-12)
-        diff = np.abs(a64 - b64)
-        if not np.all(np.isfinite(diff)):
-            return float("inf")
-        worst = max(worst, float(diff.max(initial=0.0)) / scale)
-    return worst
 
 
 def session_error(ref, sess, feeds: dict[str, np.ndarray]) -> float:

@@ -12,7 +12,7 @@ still computes what the manifest says it does.
   original weights or a hub, and run in onnxruntime (CPU).
 * **What is checked** (each row of the report): the dense model (it loads and runs), every budget's
   fp32 ONNX (max abs error <= ``atol``, 1e-4), the fp16 files where the manifest lists them
-  (relative error <= ``rtol_fp16``, 1e-2, see :func:`elastic_export.fp16.relative_error`), the int8
+  (relative error <= ``rtol_fp16``, 1e-2, see :func:`elastic_export.compare.relative_error`), the int8
   files where it lists them, each against its own fp32 file (min embedding cosine >=
   :data:`elastic_export.int8.INT8_MIN_COSINE`; the int8-qdq files likewise with
   :data:`elastic_export.int8_qdq.QDQ_MIN_COSINE`, on these random inputs: verify has no calibration

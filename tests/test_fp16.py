@@ -17,9 +17,10 @@ import torch
 from _helpers import masked_torch, prepared, run_onnx
 from conftest import tiny_encoder
 
+from elastic_export.compare import relative_error
 from elastic_export.errors import UserError
 from elastic_export.export import UNITS_KEY, export_dense
-from elastic_export.fp16 import FP16_RTOL, FP32_OPS, PRECISION_KEY, fp16_name, fp32_tail, relative_error, to_fp16
+from elastic_export.fp16 import FP16_RTOL, FP32_OPS, PRECISION_KEY, fp16_name, fp32_tail, to_fp16
 from elastic_export.inventory import build_inventory
 from elastic_export.passes import slice_model
 from elastic_export.plans import make_plans

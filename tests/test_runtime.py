@@ -409,7 +409,7 @@ def art16(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["per-budget", "elastic"])
 def test_fp16_precision_serves_the_fp16_files(art16, feeds, mode):
-    from elastic_export.fp16 import relative_error
+    from elastic_export.compare import relative_error
 
     m = json.loads((art16 / "manifest.json").read_text())
     rt16 = ElasticRuntime.from_dir(art16, mode=mode, precision="fp16", config=SessionConfig(threads=1))

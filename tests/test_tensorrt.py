@@ -553,7 +553,7 @@ def _ort(path: Path, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
 def test_engines_match_onnx(artifacts, tmp_path, precision, tol):
     import shutil
 
-    from elastic_export.fp16 import relative_error
+    from elastic_export.compare import relative_error
 
     d = Path(shutil.copytree(artifacts, tmp_path / precision))
     m = T.build_engines(d, precision=precision, min_batch=1, opt_batch=2, max_batch=4, max_tokens=16,
