@@ -304,6 +304,56 @@ def _unit_map(model: onnx.ModelProto, module: torch.nn.Module) -> list[dict]:
     return layers
 
 
+def _static_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """Every tensor's shape as shape inference sees it (None for a symbolic or unknown dim)."""
+    g = model.graph
+    dims = {t.name: list(t.dims) for t in g.initializer}
+    for v in [*g.input, *g.value_info, *g.output]:
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+            dims[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+    return dims
+
+
+def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Remove the nodes no other node (or subgraph) and no graph output reads, until none is left."""
+    while True:
+        read = _read_names(graph) | {o.name for o in graph.output}
+        dead = [n for n in graph.node if not set(n.output) & read]
+        if not dead:
+            return
+        for n in dead:
+            graph.node.remove(n)
+
+
+def _drop_empty_inputs(model: onnx.ModelProto) -> None:
+    """Drop the ``Concat`` inputs that are empty along its axis, with what only they read, so that the
+    dense export holds no 0-sized weight (no budget pass may leave one): ``DINOv3ViTModel`` without
+    register tokens concatenates a (batch, 0, D) expansion of its 0-sized ``register_tokens``.
+
+    Raises:
+        UserError: a 0-sized weight is still read after that (an unsupported pattern).
+    """
+    g = model.graph
+    if not any(0 in t.dims for t in g.initializer):
+        return
+    dims = _static_dims(onnx_io.infer_shapes(model))
+    for n in g.node:
+        if n.op_type != "Concat":
+            continue
+        axis = next(a.i for a in n.attribute if a.name == "axis")
+        keep = [i for i in n.input if not (i in dims and dims[i][axis if axis >= 0 else axis + len(dims[i])] == 0)]
+        if keep and len(keep) < len(n.input):
+            del n.input[:]
+            n.input.extend(keep)
+    _drop_dead_nodes(g)
+    read = _read_names(g)
+    for t in [t for t in g.initializer if 0 in t.dims]:
+        if t.name in read:
+            raise UserError(f"dense export: the 0-sized weight {t.name} is read other than by a Concat "
+                            "(unsupported pattern)")
+        g.initializer.remove(t)
+
+
 def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path, external: bool | None = None) -> onnx.ModelProto:
     """Export the rank-permuted dense model to ``path`` (opset 17, dynamic batch / sequence).
 
@@ -334,6 +384,7 @@ def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path, external:
                     opset_version=OPSET, do_constant_folding=True, dynamo=False,
                 )
         model = onnx.load(str(Path(tmp) / "model.onnx"))
+    _drop_empty_inputs(model)
     layers = _unit_map(model, module)
     del model.graph.value_info[:]
     set_units(model, layers)

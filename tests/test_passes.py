@@ -102,6 +102,30 @@ def test_verify_rejects_zero_sized_tensors():
         verify(helper.make_model(graph), "test")
 
 
+def _empty_tokens_model(op: str) -> onnx.ModelProto:
+    """x (B, 3, 4) joined (``op`` Concat) or added (Add) with a (B, 0, 4) expansion of a 0-sized
+    weight, as DINOv3 without register tokens exports its ``register_tokens``."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 3, 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(np.zeros((1, 0, 4), np.float32), "reg"),
+             numpy_helper.from_array(np.array([2, 1, 1], np.int64), "shape")]
+    nodes = [helper.make_node("Expand", ["reg", "shape"], ["regs"]),
+             helper.make_node("Concat", ["regs", "x"], ["y"], axis=1) if op == "Concat"
+             else helper.make_node("Add", ["regs", "x"], ["y"])]
+    return helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_dense_export_drops_empty_concat_inputs():
+    from elastic_export.export import _drop_empty_inputs
+
+    model = _empty_tokens_model("Concat")
+    _drop_empty_inputs(model)
+    assert [(n.op_type, list(n.input)) for n in model.graph.node] == [("Concat", ["x"])]
+    assert "reg" not in [t.name for t in model.graph.initializer]  # (the unit map drops unread ones later)
+    with pytest.raises(UserError, match="0-sized weight reg"):
+        _drop_empty_inputs(_empty_tokens_model("Add"))
+
+
 def test_unknown_pass_and_bad_counts(setup):
     enc, rk, dense, plan = setup
     with pytest.raises(KeyError):
