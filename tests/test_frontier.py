@@ -6,7 +6,8 @@ import itertools
 import math
 import random
 
-from elastic_export.frontier import pair_frontier, pareto_frontier, profile_frontier
+import elastic_export.frontier as fr
+from elastic_export.frontier import DENSE, Recommendation, pair_frontier, pareto_frontier, profile_frontier, recommend
 
 
 def _dominated(p, q) -> bool:
@@ -55,3 +56,43 @@ def test_pair_frontier_and_profile_frontier():
     got = profile_frontier(rows, quality, "fidelity_cosine")
     assert got == {"metric": "fidelity_cosine", "stat": "p90_ms",
                    "batches": {"1": [[0.3, "int8"], [0.0, "int8"], [0.0, "fp32"]], "8": [[0.0, "fp32"]]}}
+
+
+# --- recommendations read off the frontier ----------------------------------------------------------
+COST = {DENSE: 20.0, (0.1, "fp32"): 18.0, (0.3, "fp32"): 14.0, (0.6, "fp32"): 9.0,
+        (0.0, "int8"): 8.0, (0.3, "int8"): 6.0, (0.6, "int8"): 4.0, (0.6, "fp16"): 25.0}
+QUALITY = {DENSE: 0.80, (0.1, "fp32"): 0.797, (0.3, "fp32"): 0.785, (0.6, "fp32"): 0.74,
+           (0.0, "int8"): 0.794, (0.3, "int8"): 0.77, (0.6, "int8"): 0.70, (0.6, "fp16"): 0.81}
+
+
+def test_fastest_within_and_best_under():
+    # the frontier: 0.6 int8 (4 ms, .70) -> 0.3 int8 (6, .77) -> dense int8 (8, .794) -> 0.1 fp32 (18, .797)
+    #   -> dense (20, .80) -> 0.6 fp16 (25, .81: noise above dense, and slower)
+    assert fr.fastest_within(COST, QUALITY, 0.79) == (0.0, "int8")
+    assert fr.fastest_within(COST, QUALITY, 0.76) == (0.3, "int8")
+    assert fr.fastest_within(COST, QUALITY, 0.5) == (0.6, "int8")
+    assert fr.fastest_within(COST, QUALITY, 0.9) is None
+    assert fr.best_under(COST, QUALITY, 10.0) == (0.0, "int8")  # not 0.6 fp32 (9 ms, .74): int8 dense beats it
+    assert fr.best_under(COST, QUALITY, 5.0) == (0.6, "int8")
+    assert fr.best_under(COST, QUALITY, 3.0) is None
+    assert fr.best_under(COST, QUALITY, 1e9) == (0.6, "fp16")
+
+
+def test_recommend_defaults_relative_to_dense():
+    got = recommend(COST, QUALITY)
+    assert [(r.kind, r.share) for r in got] == [("quality", 0.01), ("quality", 0.05), ("latency", 0.5), ("latency", 0.75)]
+    floor1, floor5, half, three_q = got
+    assert floor1 == Recommendation("quality", 0.01, 0.792, (0.0, "int8"))  # >= 99 % of dense's 0.80
+    assert floor5.threshold == 0.76 and floor5.pair == (0.3, "int8")
+    assert half.threshold == 10.0 and half.pair == (0.0, "int8")
+    assert three_q.threshold == 15.0 and three_q.pair == (0.0, "int8")
+    # every pick is on the frontier and meets its goal
+    front = pair_frontier(COST, QUALITY)
+    for r in got:
+        assert r.pair in front
+        assert (QUALITY[r.pair] >= r.threshold) if r.kind == "quality" else (COST[r.pair] <= r.threshold)
+    # without a dense figure of a kind there is no goal of that kind
+    assert recommend({k: v for k, v in COST.items() if k != DENSE}, QUALITY)[-1].kind == "quality"
+    assert recommend(COST, {k: v for k, v in QUALITY.items() if k != DENSE})[0].kind == "latency"
+    assert recommend(COST, QUALITY, drops=(0.2,), shares=(0.1,)) == [
+        Recommendation("quality", 0.2, 0.64, (0.6, "int8")), Recommendation("latency", 0.1, 2.0, None)]
