@@ -334,7 +334,8 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
               help="Token cap (the manifest's token count when smaller).")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Inputs per onnxruntime run.")
 @click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory (default: the model source in the manifest).")
-@click.option("--out", default=None, type=click.Path(), help="Write the results as JSON.")
+@click.option("--out", default=None, type=click.Path(),
+              help="Write the results as JSON here [default: DIR/eval.json in every DIR, where report finds them].")
 @click.option("--plot", default=None, type=click.Path(), help="Write a PNG of every metric vs GFLOPs.")
 @click.option("--precision", default="all", show_default=True, metavar="LIST",
               help="all (every precision each DIR was exported with) or a comma list of fp32, fp16, int8, int8-qdq; "
@@ -342,18 +343,21 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
 def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, tokenizer, out, plot, precision):
     """Evaluate the exported ONNX of the dense model and every budget of each artifact DIR:
     fidelity (cosine to the dense output), retrieval recall@1/@10 against a dense index and
-    symmetric (text), k-NN accuracy (images)."""
-    from elastic_export.evaluation import check_output_path, evaluate, format_table, plot_results, write_results
+    symmetric (text), k-NN accuracy (images). Without --out the results go to DIR/eval.json of every
+    DIR (that DIR's result first), so `elastic-export report DIR` shows them."""
+    from elastic_export.evaluation import check_output_path, default_outputs, evaluate, format_table, plot_results, write_results
 
-    check_output_path(out, "--out")
+    outs = {Path(out): None} if out else default_outputs(dirs)
+    for path in outs:
+        check_output_path(path, "--out" if out else "eval: the default output (choose another with --out FILE)")
     check_output_path(plot, "--plot")
     results = evaluate(list(dirs), pairs=pairs, images=images, max_pairs=max_pairs, split=split,
                        max_length=max_length, batch_size=batch_size, tokenizer=tokenizer, echo=_echo,
                        precisions=None if precision == "all" else [p.strip() for p in precision.split(",")])
     click.echo(format_table(results))
-    if out:
-        write_results(out, results)
-        click.echo(f"wrote {out}")
+    for path, own in outs.items():
+        write_results(path, results, first=own)
+        click.echo(f"wrote {path}")
     if plot:
         plot_results(results, plot)
         click.echo(f"wrote {plot}")

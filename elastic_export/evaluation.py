@@ -20,6 +20,12 @@ is never used. For the dense model and every budget of each directory:
   the class with the larger summed similarity); leave-one-out by default, or a per-class held-out
   fraction (``split``).
 
+Every figure is a mean over queries / inputs; each row also holds its 95 % percentile bootstrap band
+(``ci95``, :func:`bootstrap_ci`: 1,000 resamples of those queries / inputs, seed 0, the same
+resamples for every budget) and each result the sample count per metric (``samples``).
+``elastic-export eval DIR`` without ``--out`` writes :data:`EVAL_RESULTS` into every DIR, where
+``elastic-export report`` finds it.
+
 The default retrieval set is :func:`elastic_export.retrieval_data.heldout_pairs` (standard-library
 docstrings, disjoint from the calibration text).
 """
@@ -43,6 +49,21 @@ from elastic_export.precision import FILE_KEYS
 
 TEXT_METRICS = ("fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10")
 IMAGE_METRICS = ("fidelity_cosine", "knn@1", "knn@10")
+NEIGHBOUR_OVERLAP = "neighbour_overlap@10"  # the main job's quick eval (elastic_export.quick_eval); not retrieval
+#: what each metric key is called wherever a person reads it (report, terminal): the quick eval's
+#: neighbour overlap (dense = 1.0 by construction) is never called recall
+METRIC_LABELS = {
+    "fidelity_cosine": "fidelity (cosine to dense fp32)",
+    "recall@1": "retrieval recall@1 (dense index)", "recall@10": "retrieval recall@10 (dense index)",
+    "sym_recall@1": "retrieval recall@1 (symmetric)", "sym_recall@10": "retrieval recall@10 (symmetric)",
+    "knn@1": "k-NN accuracy@1", "knn@10": "k-NN accuracy@10",
+    NEIGHBOUR_OVERLAP: "neighbour overlap@10 (vs dense)",
+}
+CI_KEY = "ci95"  # a result row's {metric: [low, high]}: the bootstrap band of every quality figure
+SAMPLES_KEY = "samples"  # a result's {metric: how many queries / inputs each figure averages}
+BOOTSTRAP = {"resamples": 1000, "level": 0.95, "seed": 0, "interval": "percentile",
+             "over": "the figure's own samples (queries, inputs), resampled with replacement"}
+EVAL_RESULTS = "eval.json"  # `elastic-export eval DIR` without --out writes DIR/eval.json (the report reads it)
 DEFAULT_PAIRS = 1000
 SYNTHETIC_IMAGES = 64
 SYNTHETIC_SEED = 12345  # not the calibration seed: held-out synthetic inputs
@@ -330,20 +351,68 @@ def _normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
+def metric_label(metric: str) -> str:
+    """The name a person reads for a metric key (:data:`METRIC_LABELS`; unknown keys as they are)."""
+    return METRIC_LABELS.get(metric, metric)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity."""
+    return (_normalize(a) * _normalize(b)).sum(1)
+
+
 def mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
     """Mean row-wise cosine similarity."""
-    return float((_normalize(a) * _normalize(b)).sum(1).mean())
+    return float(cosines(a, b).mean())
 
 
-def recall_at(queries: np.ndarray, docs: np.ndarray, ks: tuple[int, ...] = (1, 10), chunk: int = 1024) -> dict[int, float]:
-    """Recall@k of doc i for query i by cosine similarity (strictly better documents push it down)."""
+def bootstrap_ci(values: np.ndarray, resamples: int = BOOTSTRAP["resamples"], level: float = BOOTSTRAP["level"],
+                 seed: int = BOOTSTRAP["seed"], chunk: int = 200) -> list[float]:
+    """Percentile bootstrap interval of the mean of ``values`` (one per query / input).
+
+    The resampled indices depend only on ``seed`` and ``len(values)``: every budget of one data set is
+    resampled the same way (a paired bootstrap), and the band is the same from run to run.
+
+    Args:
+        values: per-sample figures (a hit 0/1, a cosine, an overlap share).
+        resamples: bootstrap samples of the mean.
+        level: the central share of them the band holds.
+        seed: the generator's seed.
+        chunk: resamples drawn at a time (bounds the memory for large data sets).
+
+    Returns:
+        ``[low, high]`` (both the value itself with fewer than 2 samples).
+    """
+    v = np.asarray(values, dtype=np.float64).ravel()
+    if len(v) < 2:
+        return [float(v.mean()), float(v.mean())] if len(v) else [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    means = np.concatenate([v[rng.integers(0, len(v), (min(chunk, resamples - s), len(v)))].mean(1)
+                            for s in range(0, resamples, chunk)])
+    tail = 100 * (1 - level) / 2
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return [float(lo), float(hi)]
+
+
+def summarise(samples: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Per metric: the mean of its per-sample figures and the bootstrap band (:func:`bootstrap_ci`)."""
+    return ({m: float(np.mean(v)) for m, v in samples.items()}, {m: bootstrap_ci(v) for m, v in samples.items()})
+
+
+def own_ranks(queries: np.ndarray, docs: np.ndarray, chunk: int = 1024) -> np.ndarray:
+    """Per query i: how many documents score strictly higher than doc i (cosine similarity)."""
     q, d = _normalize(queries), _normalize(docs)
     ranks = []
     for s in range(0, len(q), chunk):
         sims = q[s : s + chunk] @ d.T
         own = sims[np.arange(len(sims)), np.arange(s, s + len(sims))]
         ranks.append((sims > own[:, None]).sum(1))
-    r = np.concatenate(ranks)
+    return np.concatenate(ranks)
+
+
+def recall_at(queries: np.ndarray, docs: np.ndarray, ks: tuple[int, ...] = (1, 10), chunk: int = 1024) -> dict[int, float]:
+    """Recall@k of doc i for query i by cosine similarity (strictly better documents push it down)."""
+    r = own_ranks(queries, docs, chunk)
     return {k: float((r < k).mean()) for k in ks}
 
 
@@ -373,21 +442,28 @@ def split_indices(labels: np.ndarray, split: float, seed: int = 0) -> tuple[np.n
     return np.array(sorted(index)), np.array(sorted(query))
 
 
-def knn_accuracy(feats: np.ndarray, labels: np.ndarray, ks: tuple[int, ...] = (1, 10),
-                 split: float | None = None, seed: int = 0) -> dict[int, float]:
-    """k-NN accuracy: leave-one-out (``split`` None) or a per-class held-out fraction."""
+def knn_hits(feats: np.ndarray, labels: np.ndarray, ks: tuple[int, ...] = (1, 10),
+             split: float | None = None, seed: int = 0) -> dict[int, np.ndarray]:
+    """Per query image, whether the k-NN vote is right: leave-one-out (``split`` None) or a per-class
+    held-out fraction as queries."""
     f = _normalize(feats)
     n_classes = int(labels.max()) + 1
     if split is None:
         sims = f @ f.T
         np.fill_diagonal(sims, -np.inf)  # an image is not its own neighbour
-        return {k: float((_vote(sims, labels, min(k, len(f) - 1), n_classes) == labels).mean()) for k in ks}
+        return {k: _vote(sims, labels, min(k, len(f) - 1), n_classes) == labels for k in ks}
     index, query = split_indices(labels, split, seed)
     if len(query) == 0 or len(index) == 0:
         raise UserError(f"--split {split}: leaves no query or no index image")
     sims = f[query] @ f[index].T
     idx_labels = labels[index]
-    return {k: float((_vote(sims, idx_labels, k, n_classes) == labels[query]).mean()) for k in ks}
+    return {k: _vote(sims, idx_labels, k, n_classes) == labels[query] for k in ks}
+
+
+def knn_accuracy(feats: np.ndarray, labels: np.ndarray, ks: tuple[int, ...] = (1, 10),
+                 split: float | None = None, seed: int = 0) -> dict[int, float]:
+    """k-NN accuracy: leave-one-out (``split`` None) or a per-class held-out fraction."""
+    return {k: float(h.mean()) for k, h in knn_hits(feats, labels, ks, split, seed).items()}
 
 
 # --- the harness --------------------------------------------------------------------------------
@@ -430,8 +506,9 @@ def evaluate(
         echo: progress messages.
 
     Returns:
-        ``{"datasets": ..., "settings": ..., "results": [{"dir", "method", "label", "modality",
-        "budgets": [{"sparsity", "precision", "achieved_sparsity", "gflops", "fidelity_cosine", ...}]}]}``.
+        ``{"datasets": ..., "settings": ..., "results": [{"dir", "method", "label", "modality", "model",
+        "samples": {metric: n}, "budgets": [{"sparsity", "precision", "achieved_sparsity", "gflops",
+        "fidelity_cosine", ..., "ci95": {metric: [low, high]}}]}]}`` (``ci95``: :func:`bootstrap_ci`).
 
     Raises:
         UserError: missing directory or manifest, bad pairs file, data of the wrong modality, ...
@@ -449,14 +526,14 @@ def evaluate(
         t0 = time.time()
         echo(f"evaluating {art.given} ({art.method}, {art.modality}, {len(art.models)} models)")
         if art.modality == "text":
-            budgets = _eval_text(art, pair_list, tokenizer, max_length, batch_size, token_cache, echo)
+            budgets, sizes = _eval_text(art, pair_list, tokenizer, max_length, batch_size, token_cache, echo)
         else:
-            budgets = _eval_image(art, folder, split, batch_size, image_cache, datasets, echo)
+            budgets, sizes = _eval_image(art, folder, split, batch_size, image_cache, datasets, echo)
         echo(f"  done in {time.time() - t0:.1f}s")
         results.append({"dir": art.given, "method": art.method, "label": label, "modality": art.modality,
-                        "model": art.manifest.model.source, "budgets": budgets})
+                        "model": art.manifest.model.source, SAMPLES_KEY: sizes, "budgets": budgets})
     settings = {"provider": "CPUExecutionProvider", "batch_size": batch_size, "max_length": max_length,
-                "knn": "leave-one-out" if split is None else {"split": split, "seed": 0}}
+                "knn": "leave-one-out" if split is None else {"split": split, "seed": 0}, "bootstrap": BOOTSTRAP}
     return {"datasets": datasets, "settings": settings, "results": results}
 
 
@@ -527,7 +604,8 @@ def _image_data(images: str | Path | None, split: float | None, any_image: bool,
 
 
 def _eval_text(art: Artifact, pairs: list[dict], tok_dir: str | None, max_length: int, batch_size: int,
-               cache: dict, echo) -> list[dict]:
+               cache: dict, echo) -> tuple[list[dict], dict[str, int]]:
+    """Every model's text metrics (rows with bootstrap bands) and the sample count of each metric."""
     names = [n for n in art.input_names if n in TEXT_INPUTS]
     if "input_ids" not in names or "attention_mask" not in names:
         raise UserError(f"{art.given}: text artifacts need input_ids and attention_mask inputs, have {art.input_names}")
@@ -544,28 +622,29 @@ def _eval_text(art: Artifact, pairs: list[dict], tok_dir: str | None, max_length
         cache[key] = tokenize(tok, texts, names, length, batch_size)
     tb = cache[key]
     n = len(pairs)
-    out, dense_d = [], None
+    out, dense_d, sizes = [], None, {}
     for i, model in enumerate(art.models):
         t0 = time.time()
         emb = encode_texts(_session(model["onnx"]), tb, want)
         q, d = emb[:n], emb[n:]
         if i == 0:
             dense_d, dense_all = d, emb
-        asym = recall_at(q, dense_d)
-        sym = recall_at(q, d)
+        asym, sym = own_ranks(q, dense_d), own_ranks(q, d)
+        values, ci = summarise({"fidelity_cosine": cosines(emb, dense_all), "recall@1": asym < 1,
+                                "recall@10": asym < 10, "sym_recall@1": sym < 1, "sym_recall@10": sym < 10})
         row = {"sparsity": model["sparsity"], "precision": model["precision"],
-               "achieved_sparsity": model["achieved_sparsity"], "gflops": model["gflops"],
-               "fidelity_cosine": mean_cosine(emb, dense_all),
-               "recall@1": asym[1], "recall@10": asym[10], "sym_recall@1": sym[1], "sym_recall@10": sym[10]}
+               "achieved_sparsity": model["achieved_sparsity"], "gflops": model["gflops"], **values, CI_KEY: ci}
         out.append(row)
+        sizes = {"fidelity_cosine": len(emb), **{m: n for m in values if m != "fidelity_cosine"}}
         echo(f"  sparsity {row['sparsity']:.2f} {row['precision']}: "
              f"fidelity {row['fidelity_cosine']:.4f}  R@1 {row['recall@1']:.3f}  R@10 {row['recall@10']:.3f}  "
              f"sym R@10 {row['sym_recall@10']:.3f}  ({time.time() - t0:.1f}s)")
-    return out
+    return out, sizes
 
 
 def _eval_image(art: Artifact, folder: Path | None, split: float | None, batch_size: int, cache: dict,
-                datasets: dict, echo) -> list[dict]:
+                datasets: dict, echo) -> tuple[list[dict], dict[str, int]]:
+    """Every model's image metrics (rows with bootstrap bands) and the sample count of each metric."""
     if "pixel_values" not in art.input_names:
         raise UserError(f"{art.given}: image artifacts need a pixel_values input, have {art.input_names}")
     want = next(([n] for n in IMAGE_EMBEDDINGS if n in art.output_names), ["last_hidden_state"])
@@ -584,28 +663,47 @@ def _eval_image(art: Artifact, folder: Path | None, split: float | None, batch_s
             cache[key] = (pixels, labels)
             datasets["images"].update(count=len(labels), classes=classes, failed_to_decode=failed)
     pixels, labels = cache[key]
-    out, dense = [], None
+    out, dense, sizes = [], None, {}
     for i, model in enumerate(art.models):
         t0 = time.time()
         feats = encode_images(_session(model["onnx"]), pixels, want, batch_size)
         if i == 0:
             dense = feats
+        samples = {"fidelity_cosine": cosines(feats, dense)}
+        if labels is not None:
+            hits = knn_hits(feats, labels, (1, 10), split)
+            samples.update({"knn@1": hits[1], "knn@10": hits[10]})
+        values, ci = summarise(samples)
         row = {"sparsity": model["sparsity"], "precision": model["precision"],
                "achieved_sparsity": model["achieved_sparsity"], "gflops": model["gflops"],
-               "fidelity_cosine": mean_cosine(feats, dense), "knn@1": None, "knn@10": None}
-        if labels is not None:
-            acc = knn_accuracy(feats, labels, (1, 10), split)
-            row["knn@1"], row["knn@10"] = acc[1], acc[10]
+               **{"fidelity_cosine": None, "knn@1": None, "knn@10": None, **values}, CI_KEY: ci}
         out.append(row)
+        sizes = {m: len(v) for m, v in samples.items()}
         knn = "" if labels is None else f"  kNN@1 {row['knn@1']:.3f}  kNN@10 {row['knn@10']:.3f}"
         echo(f"  sparsity {row['sparsity']:.2f} {row['precision']}: fidelity {row['fidelity_cosine']:.4f}{knn}  "
              f"({time.time() - t0:.1f}s)")
-    return out
+    return out, sizes
 
 
 # --- output -------------------------------------------------------------------------------------
-def write_results(path: str | Path, results: dict) -> Path:
-    """The results as JSON, written atomically (temporary file + rename)."""
+def default_outputs(dirs: list[str | Path]) -> dict[Path, str]:
+    """Where ``elastic-export eval`` without ``--out`` writes: ``DIR/eval.json`` (:data:`EVAL_RESULTS`)
+    of every directory, each mapped to that directory as given (its result goes first there)."""
+    return {Path(d) / EVAL_RESULTS: str(d) for d in dict.fromkeys(str(d) for d in dirs)}
+
+
+def write_results(path: str | Path, results: dict, first: str | None = None) -> Path:
+    """The results as JSON, written atomically (temporary file + rename).
+
+    Args:
+        path: the JSON file.
+        results: :func:`evaluate`'s results.
+        first: put the result of this directory (as given) first: the one the report's frontier and
+            recommendation read in that directory.
+    """
+    if first is not None:
+        own = [r for r in results["results"] if r.get("dir") == first]
+        results = {**results, "results": own + [r for r in results["results"] if r.get("dir") != first]}
 
     def write(tmp: str) -> None:
         Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
@@ -633,11 +731,42 @@ def by_precision(curves: list[dict]) -> list[dict]:
     return out
 
 
+def _sample_note(curves: list[dict], metric: str) -> str:
+    """``n = 64`` (or ``n = 64 / 1000`` where curves differ) for a metric's subplot title."""
+    ns = list(dict.fromkeys(c.get(SAMPLES_KEY, {}).get(metric) for c in curves
+                            if isinstance(c.get(SAMPLES_KEY), dict)))
+    ns = [str(n) for n in ns if isinstance(n, int)]
+    return f"n = {' / '.join(ns)}, 95 % bootstrap band" if ns else "n unknown, no band"
+
+
+def _curve(ax, c: dict, metric: str) -> tuple[float, float] | None:
+    """One curve of ``metric`` vs GFLOPs with its bootstrap band (where the rows hold one); returns
+    the dense point (GFLOPs, value) when the curve has it."""
+    rows = sorted((b for b in c["budgets"] if isinstance(b, dict) and isinstance(b.get(metric), (int, float))
+                   and isinstance(b.get("gflops"), (int, float))), key=lambda b: float(b["gflops"]))
+    if not rows:
+        return None
+    x, y = [float(b["gflops"]) for b in rows], [float(b[metric]) for b in rows]
+    line = ax.plot(x, y, marker="o", markersize=3.5, label=c["label"])[0]
+    bands = [(b.get(CI_KEY) or {}).get(metric) for b in rows]
+    if all(isinstance(v, list) and len(v) == 2 for v in bands):
+        lo, hi = [float(v[0]) for v in bands], [float(v[1]) for v in bands]
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.errorbar(x, y, yerr=[[max(0.0, a - b) for a, b in zip(y, lo)], [max(0.0, b - a) for a, b in zip(y, hi)]],
+                    fmt="none", ecolor=line.get_color(), elinewidth=0.8, capsize=2.5, alpha=0.8)
+    dense = [(xi, yi) for xi, yi, b in zip(x, y, rows) if float(b.get("sparsity") or 0.0) == 0.0
+             and b.get("precision", "fp32") == "fp32"]
+    return dense[0] if dense else None
+
+
 def quality_figure(curves: list[dict], metrics: list[str], width: float = 4.6, height: float = 3.6):
-    """One subplot per metric, metric vs GFLOPs, one curve per method, dense marked with a star.
+    """One subplot per metric, metric vs GFLOPs, one curve per method with its 95 % bootstrap band
+    (rows' ``ci95``), the dense fp32 model starred and its value a dotted line (a point above it
+    whose band reaches it is noise, not a gain); sample counts (``samples``) in the titles.
 
     Args:
-        curves: ``{"label", "budgets": [{"sparsity", "gflops", metric: value}]}``.
+        curves: ``{"label", "samples": {metric: n}, "budgets": [{"sparsity", "gflops", metric: value,
+            "ci95": {metric: [low, high]}}]}`` (``samples`` and ``ci95`` optional).
         metrics: the metrics to plot.
         width: inches per subplot.
         height: inches per subplot.
@@ -651,20 +780,12 @@ def quality_figure(curves: list[dict], metrics: list[str], width: float = 4.6, h
     FigureCanvasAgg(fig)
     axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(metrics))]
     for ax, metric in zip(axes, metrics):
-        dense_done = False
-        for c in curves:
-            pts = sorted((float(b["gflops"]), float(b[metric]), float(b.get("sparsity") or 0.0) == 0.0)
-                         for b in c["budgets"] if isinstance(b, dict) and isinstance(b.get(metric), (int, float))
-                         and isinstance(b.get("gflops"), (int, float)))
-            if not pts:
-                continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3.5, label=c["label"])
-            for x, y, is_dense in pts:
-                if is_dense:
-                    ax.plot([x], [y], linestyle="none", marker="*", markersize=12, color="black", zorder=5,
-                            label=None if dense_done else "dense")
-                    dense_done = True
-        ax.set_title(metric, fontsize="medium")
+        dense = [d for d in (_curve(ax, c, metric) for c in curves) if d is not None]
+        if dense:
+            ax.axhline(dense[0][1], color="gray", linestyle=":", linewidth=1)
+            ax.plot([dense[0][0]], [dense[0][1]], linestyle="none", marker="*", markersize=12, color="black",
+                    zorder=5, label="dense")
+        ax.set_title(f"{metric_label(metric)}\n{_sample_note(curves, metric)}", fontsize="medium")
         ax.set_xlabel("GFLOPs")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize="small")

@@ -18,7 +18,7 @@ from conftest import _perturb
 
 from elastic_export.cli import main
 from elastic_export.errors import UserError
-from elastic_export.evaluation import evaluate, knn_accuracy, plot_results, recall_at
+from elastic_export.evaluation import EVAL_RESULTS, bootstrap_ci, evaluate, knn_accuracy, plot_results, recall_at
 from elastic_export.loader import default_model_path
 from elastic_export.pipeline import Options, run
 from elastic_export.retrieval_data import candidate_pairs, heldout_pairs, write_pairs_jsonl
@@ -171,6 +171,24 @@ def test_recall_and_knn_on_handmade_vectors():
     assert acc[1] == 1.0
 
 
+def test_bootstrap_band_holds_the_mean_and_narrows_with_more_samples():
+    rng = np.random.default_rng(1)
+    hits = rng.random(4000) < 0.8
+    widths = []
+    for n in (50, 200, 800, 3200):
+        lo, hi = bootstrap_ci(hits[:n])
+        assert lo <= hits[:n].mean() <= hi and 0.0 <= lo < hi <= 1.0
+        widths.append(hi - lo)
+    assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0] / 4  # ~ 1 / sqrt(n)
+    assert bootstrap_ci(hits[:200]) == bootstrap_ci(hits[:200])  # a fixed seed: the same band every run
+    assert bootstrap_ci(np.ones(30)) == [1.0, 1.0] and bootstrap_ci([0.25]) == [0.25, 0.25]
+    values = rng.normal(size=300)
+    assert bootstrap_ci(values, chunk=7) == bootstrap_ci(values, chunk=1000)  # chunking changes nothing
+    lo, hi = bootstrap_ci(values, level=0.5)
+    wide = bootstrap_ci(values, level=0.99)
+    assert wide[0] < lo < hi < wide[1]
+
+
 # --- text artifacts --------------------------------------------------------------------------------
 def test_text_eval_metrics(text_eval, text_dirs):
     res, _, _ = text_eval
@@ -186,10 +204,16 @@ def test_text_eval_metrics(text_eval, text_dirs):
             for key in ("recall@1", "recall@10", "sym_recall@1", "sym_recall@10"):
                 assert 0.0 <= b[key] <= 1.0
             assert b["recall@1"] <= b["recall@10"] and b["sym_recall@1"] <= b["sym_recall@10"]
+            for key, (lo, hi) in b["ci95"].items():  # every figure has its band, holding it
+                assert lo - 1e-9 <= b[key] <= hi + 1e-9
+            assert set(b["ci95"]) == {"fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10"}
+        assert r["samples"] == {"fidelity_cosine": 80, "recall@1": 40, "recall@10": 40, "sym_recall@1": 40,
+                                "sym_recall@10": 40}  # every query and document; the queries
         dense = budgets[0]
         assert dense["fidelity_cosine"] == pytest.approx(1.0, abs=1e-5)
         assert dense["recall@1"] == dense["sym_recall@1"] and dense["recall@10"] == dense["sym_recall@10"]
         assert budgets[-1]["fidelity_cosine"] < dense["fidelity_cosine"] - 1e-4
+    assert res["settings"]["bootstrap"]["resamples"] == 1000 and res["settings"]["bootstrap"]["level"] == 0.95
 
 
 def test_text_eval_files_and_table(text_eval):
@@ -206,13 +230,24 @@ def test_text_eval_files_and_table(text_eval):
     assert again["results"][0]["budgets"] == res["results"][0]["budgets"]
 
 
-def test_cli_prints_table(text_dirs, pairs_file, capsys):
+def test_cli_prints_table_and_writes_into_each_dir_by_default(text_dirs, pairs_file, capsys, tmp_path):
+    from _helpers import link_copy
+
+    a, b = link_copy(text_dirs[0], tmp_path / "a"), link_copy(text_dirs[1], tmp_path / "b")
     with pytest.raises(SystemExit) as e:
-        main(["eval", str(text_dirs[1]), "--pairs", str(pairs_file), "--max-pairs", "8"])
+        main(["eval", str(a), str(b), "--pairs", str(pairs_file), "--max-pairs", "8"])
     assert e.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["dir/method", "sparsity", "GFLOPs", "fidelity", "R@1", "R@10", "sym", "R@10"]
-    assert len(lines) == 4 and lines[1].split()[1] == "dense" and "magnitude" in lines[1]
+    assert len(lines) == 9 and lines[1].split()[1] == "dense" and "random" in lines[1] and "magnitude" in lines[4]
+    assert lines[-2:] == [f"wrote {a / EVAL_RESULTS}", f"wrote {b / EVAL_RESULTS}"]
+    in_a, in_b = (json.loads((d / EVAL_RESULTS).read_text()) for d in (a, b))
+    assert [r["dir"] for r in in_a["results"]] == [str(a), str(b)]  # each directory's own result first
+    assert [r["dir"] for r in in_b["results"]] == [str(b), str(a)] and in_b["results"][1] == in_a["results"][0]
+    with pytest.raises(SystemExit) as e:  # an explicit --out: that file only
+        main(["eval", str(a), "--pairs", str(pairs_file), "--max-pairs", "8", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 0 and (tmp_path / "x.json").is_file()
+    assert json.loads((a / EVAL_RESULTS).read_text()) == in_a
 
 
 # --- image artifacts -------------------------------------------------------------------------------
@@ -225,6 +260,9 @@ def test_image_eval_knn(vit_dir, image_folder, tmp_path):
     for b in budgets:
         assert 0.0 <= b["knn@1"] <= 1.0 and 0.0 <= b["knn@10"] <= 1.0
         assert "recall@1" not in b
+        assert set(b["ci95"]) == {"fidelity_cosine", "knn@1", "knn@10"}
+        assert all(lo - 1e-9 <= b[k] <= hi + 1e-9 for k, (lo, hi) in b["ci95"].items())
+    assert res["results"][0]["samples"] == {"fidelity_cosine": 20, "knn@1": 20, "knn@10": 20}
     assert budgets[0]["fidelity_cosine"] == pytest.approx(1.0, abs=1e-5)
     assert budgets[-1]["fidelity_cosine"] < budgets[0]["fidelity_cosine"] - 1e-4
     png = plot_results(res, tmp_path / "img.png")
@@ -273,14 +311,19 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, text_dirs, capsys):
         ["eval", str(text_dirs[0]), "--pairs", str(tmp_path / "none.jsonl")],
         ["eval", str(text_dirs[0]), "--out", str(tmp_path)],  # a directory, refused before any work
         ["eval", str(text_dirs[0]), "--max-pairs", "1"],
+        ["eval", str(tmp_path / "taken")],  # the default output DIR/eval.json cannot be written
     ]
+    (tmp_path / "taken" / "eval.json").mkdir(parents=True)  # a directory where the file would go
+    shutil.copy(text_dirs[0] / "manifest.json", tmp_path / "taken" / "manifest.json")
     for argv in cases:
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    assert sorted(os.listdir(tmp_path / "taken")) == ["eval.json", "manifest.json"]
+    assert not os.listdir(tmp_path / "taken" / "eval.json")
 
 
 def test_image_embedding_prefers_the_projection():
