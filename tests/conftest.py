@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -45,27 +46,25 @@ def _timm_glu_packed():
 def _bert(cls_name: str, cfg_name: str, **kw):
     import transformers
 
-    cfg = getattr(transformers, cfg_name)(
-        vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=72, **kw,
-    )
-    return getattr(transformers, cls_name)(cfg, add_pooling_layer=False)
+    base = dict(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=72)
+    return getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**{**base, **kw}), add_pooling_layer=False)
 
 
-def _hf_vit():
+def _hf_vit(pooler: bool = True, **kw):
     from transformers import ViTConfig, ViTModel
 
-    cfg = ViTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-                    image_size=32, patch_size=8)
-    return ViTModel(cfg)
+    base = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=32,
+                patch_size=8)
+    return ViTModel(ViTConfig(**{**base, **kw}), add_pooling_layer=pooler)
 
 
-def _dinov2(swiglu: bool):
+def _dinov2(swiglu: bool, **kw):
     from transformers import Dinov2Config, Dinov2Model
 
-    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, mlp_ratio=2,
-                       image_size=32, patch_size=8, use_swiglu_ffn=swiglu, layerscale_value=0.5)
-    return Dinov2Model(cfg)
+    base = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, mlp_ratio=2, image_size=32, patch_size=8,
+                use_swiglu_ffn=swiglu, layerscale_value=0.5)
+    return Dinov2Model(Dinov2Config(**{**base, **kw}))
 
 
 def _timm_named(name: str, **kw):
@@ -77,20 +76,20 @@ def _timm_named(name: str, **kw):
     return timm.create_model(name, pretrained=False, **base)
 
 
-def _distilbert():
+def _distilbert(**kw):
     from transformers import DistilBertConfig, DistilBertModel
 
-    cfg = DistilBertConfig(vocab_size=512, dim=32, n_layers=3, n_heads=4, hidden_dim=64, max_position_embeddings=72)
-    return DistilBertModel(cfg)
+    base = dict(vocab_size=512, dim=32, n_layers=3, n_heads=4, hidden_dim=64, max_position_embeddings=72)
+    return DistilBertModel(DistilBertConfig(**{**base, **kw}))
 
 
-def _mpnet():
+def _mpnet(**kw):
     from transformers import MPNetConfig, MPNetModel
 
     # 32 buckets: MPNetEncoder.compute_position_bias always bucketises into 32, whatever the config says
-    cfg = MPNetConfig(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-                      max_position_embeddings=72, relative_attention_num_buckets=32)
-    return MPNetModel(cfg)
+    base = dict(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=72, relative_attention_num_buckets=32)
+    return MPNetModel(MPNetConfig(**{**base, **kw}))
 
 
 def _clip_text(projection: bool, **kw):
@@ -102,11 +101,12 @@ def _clip_text(projection: bool, **kw):
     return (transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel)(cfg)
 
 
-def _clip_vision(projection: bool):
+def _clip_vision(projection: bool, **kw):
     import transformers
 
-    cfg = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                                        intermediate_size=64, image_size=32, patch_size=8, projection_dim=24)
+    base = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=32,
+                patch_size=8, projection_dim=24)
+    cfg = transformers.CLIPVisionConfig(**{**base, **kw})
     return (transformers.CLIPVisionModelWithProjection if projection else transformers.CLIPVisionModel)(cfg)
 
 
@@ -130,26 +130,25 @@ def _modernbert(**kw):
     return ModernBertModel(ModernBertConfig(**{**base, **kw}))
 
 
-def _dinov3(gated: bool):
+def _dinov3(gated: bool, **kw):
     from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-    cfg = DINOv3ViTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-                          image_size=32, patch_size=8, num_register_tokens=2, layerscale_value=0.5,
-                          use_gated_mlp=gated, key_bias=gated)
-    return DINOv3ViTModel(cfg)
+    base = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=32,
+                patch_size=8, num_register_tokens=2, layerscale_value=0.5, use_gated_mlp=gated, key_bias=gated)
+    return DINOv3ViTModel(DINOv3ViTConfig(**{**base, **kw}))
 
 
-def _siglip(tower: str, version: int = 1):
+def _siglip(tower: str, version: int = 1, **kw):
     import transformers
 
     prefix = "Siglip" if version == 1 else "Siglip2"
+    base = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64)
     if tower == "vision":
-        cfg = transformers.SiglipVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                                              intermediate_size=64, image_size=32, patch_size=8)
+        cfg = transformers.SiglipVisionConfig(**{**base, "image_size": 32, "patch_size": 8, **kw})
         return transformers.SiglipVisionModel(cfg)
-    cfg = getattr(transformers, f"{prefix}TextConfig")(
-        vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=40, projection_size=24, pad_token_id=1, eos_token_id=1, bos_token_id=None)
+    cfg = getattr(transformers, f"{prefix}TextConfig")(**{
+        **base, "vocab_size": 512, "max_position_embeddings": 40, "projection_size": 24, "pad_token_id": 1,
+        "eos_token_id": 1, "bos_token_id": None, **kw})
     return getattr(transformers, f"{prefix}TextModel")(cfg)
 
 
@@ -164,6 +163,11 @@ def _eva_postnorm():
                norm_layer=RmsNorm)
 
 
+def _with(build: Callable[..., torch.nn.Module], *args: Any, **fixed: Any) -> Callable[..., torch.nn.Module]:
+    """``build(*args, **fixed)`` as a builder that takes config overrides (``**kw`` over ``fixed``)."""
+    return lambda **kw: build(*args, **{**fixed, **kw})
+
+
 # name -> (builder, extras)
 TINY = {
     "timm-vit": (lambda: _timm(), {}),
@@ -172,35 +176,35 @@ TINY = {
     "timm-vit-swiglu": (_timm_swiglu, {}),
     "timm-vit-glu-packed": (_timm_glu_packed, {}),
     "timm-vit-gap": (lambda: _timm(class_token=False, global_pool="avg", num_classes=0), {}),
-    "hf-bert": (lambda: _bert("BertModel", "BertConfig"), {"pooling": "mean", "normalize": True}),
-    "hf-roberta": (lambda: _bert("RobertaModel", "RobertaConfig", pad_token_id=1), {}),
-    "hf-xlm-roberta": (lambda: _bert("XLMRobertaModel", "XLMRobertaConfig", pad_token_id=1), {"pooling": "cls"}),
+    "hf-bert": (_with(_bert, "BertModel", "BertConfig"), {"pooling": "mean", "normalize": True}),
+    "hf-roberta": (_with(_bert, "RobertaModel", "RobertaConfig", pad_token_id=1), {}),
+    "hf-xlm-roberta": (_with(_bert, "XLMRobertaModel", "XLMRobertaConfig", pad_token_id=1), {"pooling": "cls"}),
     "timm-deit-distilled": (lambda: _timm_named("deit_tiny_distilled_patch16_224"), {}),
     "timm-deit3": (lambda: _timm_named("deit3_small_patch16_224", init_values=0.5), {}),
     "hf-distilbert": (_distilbert, {"pooling": "mean"}),
     "hf-mpnet": (_mpnet, {"pooling": "mean", "normalize": True}),
-    "hf-clip-text": (lambda: _clip_text(False), {}),
-    "hf-clip-text-proj": (lambda: _clip_text(True, eos_token_id=2), {"normalize": True}),
-    "hf-clip-vision": (lambda: _clip_vision(False), {}),
-    "hf-clip-vision-proj": (lambda: _clip_vision(True), {}),
+    "hf-clip-text": (_with(_clip_text, False), {}),
+    "hf-clip-text-proj": (_with(_clip_text, True, eos_token_id=2), {"normalize": True}),
+    "hf-clip-vision": (_with(_clip_vision, False), {}),
+    "hf-clip-vision-proj": (_with(_clip_vision, True), {}),
     "hf-vit": (_hf_vit, {}),
-    "hf-dinov2": (lambda: _dinov2(False), {}),
-    "hf-dinov2-swiglu": (lambda: _dinov2(True), {}),
+    "hf-dinov2": (_with(_dinov2, False), {}),
+    "hf-dinov2-swiglu": (_with(_dinov2, True), {}),
     "hf-modernbert": (_modernbert, {"pooling": "mean", "normalize": True}),
-    "hf-qwen3": (lambda: _decoder("Qwen3"), {"pooling": "lasttoken", "normalize": True}),
-    "hf-qwen2": (lambda: _decoder("Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), {}),
-    "hf-llama": (lambda: _decoder("Llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True), {}),
-    "hf-mistral": (lambda: _decoder("Mistral", sliding_window=8), {"pooling": "mean"}),
+    "hf-qwen3": (_with(_decoder, "Qwen3"), {"pooling": "lasttoken", "normalize": True}),
+    "hf-qwen2": (_with(_decoder, "Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), {}),
+    "hf-llama": (_with(_decoder, "Llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True), {}),
+    "hf-mistral": (_with(_decoder, "Mistral", sliding_window=8), {"pooling": "mean"}),
     # timm Eva: EVA02 (fused qkv, q/v biases stored apart, packed GluMlp, RoPE); timm DINOv3 with
     # separate q/k/v, SwiGLU, layer scale and 4 registers; post-norm blocks with AttentionRope
     "timm-eva02": (lambda: _timm_named("eva02_tiny_patch14_224", mlp_ratio=4 * 2 / 3), {}),
     "timm-eva-dinov3": (lambda: _timm_named("vit_small_plus_patch16_dinov3_qkvb", qkv_fused=False), {}),
     "timm-eva-postnorm": (_eva_postnorm, {}),
-    "hf-dinov3": (lambda: _dinov3(False), {}),  # RoPE, 2 registers, layer scale, plain MLP
-    "hf-dinov3-gated": (lambda: _dinov3(True), {}),  # gated (SwiGLU) MLP, key bias
-    "hf-siglip-vision": (lambda: _siglip("vision"), {}),  # attention-pooling head, no class token
-    "hf-siglip-text": (lambda: _siglip("text"), {}),
-    "hf-siglip2-text": (lambda: _siglip("text", 2), {}),
+    "hf-dinov3": (_with(_dinov3, False), {}),  # RoPE, 2 registers, layer scale, plain MLP
+    "hf-dinov3-gated": (_with(_dinov3, True), {}),  # gated (SwiGLU) MLP, key bias
+    "hf-siglip-vision": (_with(_siglip, "vision"), {}),  # attention-pooling head, no class token
+    "hf-siglip-text": (_with(_siglip, "text"), {}),
+    "hf-siglip2-text": (_with(_siglip, "text", 2), {}),
 }
 
 
@@ -214,22 +218,28 @@ TIMM_SAVED = {
 }
 
 
-def save_tiny(model_class: type, path) -> None:
+def save_tiny(model_class: type, path, **overrides: Any) -> None:
     """Save a tiny model of ``model_class`` (a registered adapter's class) as the directory a user
     would pass to ``--model``: ``save_pretrained`` for Hugging Face models, timm's ``save_for_hf``
-    layout for timm models."""
+    layout for timm models. ``overrides`` change the tiny config: timm model kwargs over
+    :data:`TIMM_SAVED`'s, or the keyword arguments of the class's first :data:`TINY` builder
+    (Hugging Face config attributes; ``_hf_vit`` also takes ``pooler``)."""
     if model_class.__name__ in TIMM_SAVED:
         import timm
         from timm.models import save_for_hf
 
         name, kw = TIMM_SAVED[model_class.__name__]
         torch.manual_seed(0)
-        save_for_hf(_perturb(timm.create_model(name, pretrained=False, **kw), seed=1), path, safe_serialization=True)
+        model = timm.create_model(name, pretrained=False, **{**kw, **overrides})
+        save_for_hf(_perturb(model, seed=1), path, safe_serialization=True)
         return
     for tiny_name, (builder, _) in TINY.items():
         torch.manual_seed(0)
         module = builder()
         if type(module) is model_class:
+            if overrides:
+                torch.manual_seed(0)
+                module = builder(**overrides)
             _perturb(module, seed=1).save_pretrained(path)
             return
     raise KeyError(f"no TINY model of class {model_class.__name__}")
