@@ -178,27 +178,41 @@ def _run_main_job(**kw) -> None:
         click.echo(f"wrote {Path(opts.out) / 'report.html'}")
 
 
+def _budget_rows(manifest: Any) -> list[str]:
+    """The budget table's lines: one row per budget (and precision, where the quick eval measured
+    several), with the quick eval's quality and p50 latency where it ran, and its legend."""
+    from elastic_export.quick_eval import table_columns
+
+    qe = table_columns(manifest)
+    head, cells, legend = qe if qe is not None else ([], {}, [])
+    precisions = list(dict.fromkeys(p for _, p in cells)) or ["fp32"]
+    many = len(precisions) > 1
+    rows = [["budget"] + (["precision"] if many else []) + ["achieved", "GFLOPs", "params", "max err", "file"] + head]
+    d = manifest.dense
+    entries = [("dense", "0.0000", d, None, 0.0)] + [(f"{b.sparsity:.2f}", f"{b.achieved_sparsity:.4f}", b,
+                                                      b.max_abs_error, b.sparsity) for b in manifest.budgets]
+    for prec in precisions:
+        for name, achieved, e, err, s in entries:
+            err = "-" if err is None or prec != "fp32" else f"{err:.1e}"
+            rows.append([name] + ([prec] if many else []) + [achieved, f"{e.gflops:.3f}", f"{e.params / 1e6:.2f}M", err,
+                        str(e.file(prec) or "-")] + cells.get((round(float(s), 6), prec), ["-"] * len(head)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] + legend
+
+
 def _print_budget_table(manifest: Any, out: Path) -> None:
     from elastic_export import int8_qdq
     from elastic_export.manifest import MANIFEST, as_manifest
 
     manifest = as_manifest(manifest)
-    rows = [("budget", "achieved", "GFLOPs", "params", "max err", "file")]
-    d = manifest.dense
-    rows.append(("dense", "0.0000", f"{d.gflops:.3f}", f"{d.params / 1e6:.2f}M", "-", d.onnx))
-    for b in manifest.budgets:
-        err = "-" if b.max_abs_error is None else f"{b.max_abs_error:.1e}"
-        rows.append((f"{b.sparsity:.2f}", f"{b.achieved_sparsity:.4f}", f"{b.gflops:.3f}",
-                     f"{b.params / 1e6:.2f}M", err, b.onnx))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for line in _budget_rows(manifest):
+        click.echo(line)
     e = manifest.elastic
     if e:
         err = "" if e.max_abs_error is None else f", max err {e.max_abs_error:.1e}"
         dense = "" if e.dense_index is None else f"; {e.dense_index} = dense"
         click.echo(f"elastic graph: {e.onnx} (input {e.budget_input} = index into the budgets above{dense}{err})")
-    files = [d, *manifest.budgets]
+    files = [manifest.dense, *manifest.budgets]
     for prec, field, worst_of, what in (("fp16", "fp16_max_rel_error", max, "max relative error vs fp32 {:.1e}"),
                                         ("int8", "int8_min_cosine", min, "min embedding cosine vs fp32 {:.4f}"),
                                         (int8_qdq.PRECISION, int8_qdq.COSINE_KEY, min,

@@ -251,10 +251,21 @@ def measure_profile(rt: Any, feeds_by_batch: Mapping[int, Mapping[str, np.ndarra
                 t0 = time.perf_counter()
                 rt.run(feeds, sparsity=s, precision=p)
                 times.append((time.perf_counter() - t0) * 1e3)
-            p50, p90, p99 = np.percentile(times, [50, 90, 99])
-            rows.setdefault(p, {}).setdefault(int(b), {})[s] = {"p50_ms": float(p50), "p90_ms": float(p90),
-                                                                "p99_ms": float(p99)}
+            rows.setdefault(p, {}).setdefault(int(b), {})[s] = percentile_stats(times)
+    return profile_of(rt, rows, quality, quality_metric)
+
+
+def percentile_stats(times_ms: Iterable[float]) -> dict[str, float]:
+    """p50 / p90 / p99 (:data:`STATS`) of timed runs in ms."""
+    return dict(zip(STATS, (float(v) for v in np.percentile(list(times_ms), [50, 90, 99]))))
+
+
+def profile_of(rt: Any, rows: dict[str, Rows], quality: Mapping[Pair, float] | None = None,
+               quality_metric: str | None = None) -> LatencyProfile:
+    """A profile of ``rt``'s backend and provider from measured rows (precision -> batch -> sparsity
+    -> stats) and optional quality figures per pair."""
     q: dict[str, dict[float, float]] = {}
     for (s, p), v in (quality or {}).items():
         q.setdefault(p, {})[key(s)] = float(v)
+    rows = dict(rows)
     return LatencyProfile(rt.backend, rt.provider, rows.pop("fp32", {}), rows, q, quality_metric)

@@ -62,14 +62,80 @@ def test_heldout_images_continue_the_synthetic_stream():
     assert "synthetic" in desc["source"]
 
 
-def test_neighbour_recall():
+def test_neighbour_overlap():
     rng = np.random.default_rng(0)
     index = rng.normal(size=(40, 8))
-    assert quick_eval.neighbour_recall(index, index) == 1.0
-    assert quick_eval.neighbour_recall(index * 3.0, index) == 1.0  # cosine: scale does not matter
-    assert quick_eval.neighbour_recall(rng.normal(size=(40, 8)), index) < 0.6
-    close = quick_eval.neighbour_recall(index + 0.05 * rng.normal(size=index.shape), index)
+    assert quick_eval.neighbour_overlap(index, index) == 1.0
+    assert quick_eval.neighbour_overlap(index * 3.0, index) == 1.0  # cosine: scale does not matter
+    assert quick_eval.neighbour_overlap(rng.normal(size=(40, 8)), index) < 0.6
+    close = quick_eval.neighbour_overlap(index + 0.05 * rng.normal(size=index.shape), index)
     assert 0.6 < close < 1.0 or close == 1.0
+    per_query = quick_eval.neighbour_overlaps(close * index, index)
+    assert per_query.shape == (40,) and set(np.unique(per_query)) <= {i / 10 for i in range(11)}
+
+
+class _CountingRuntime:
+    """Stands in for an ElasticRuntime: records the order pairs run in, takes no time to speak of."""
+
+    def __init__(self, pairs):
+        self.pairs, self.calls = list(pairs), []
+
+    def run(self, feeds, sparsity, precision):
+        self.calls.append((sparsity, precision))
+
+
+def test_timing_interleaves_rounds_with_a_rotating_start():
+    pairs = [(0.0, "fp32"), (0.3, "fp32"), (0.6, "fp32")]
+    rt = _CountingRuntime(pairs)
+    times = quick_eval.time_interleaved(rt, {}, seconds=1e9, min_rounds=2, max_rounds=4)
+    assert all(len(v) == 4 for v in times.values()) and all(t >= 0 for v in times.values() for t in v)
+    rounds = [rt.calls[i:i + 3] for i in range(0, 12, 3)]
+    assert [r[0] for r in rounds] == [pairs[0], pairs[1], pairs[2], pairs[0]]  # every position in turn
+    assert all(sorted(r) == pairs for r in rounds)  # every pair once per round
+    # a time bound already spent: min_rounds, no more
+    rt = _CountingRuntime(pairs)
+    times = quick_eval.time_interleaved(rt, {}, seconds=0.0, min_rounds=2, max_rounds=9)
+    assert all(len(v) == 2 for v in times.values())
+
+
+def test_median_spread():
+    assert quick_eval.median_spread([5.0]) == float("inf")
+    assert quick_eval.median_spread([4.0] * 10) == 0.0
+    wide = quick_eval.median_spread([1.0, 10.0, 2.0, 9.0, 5.0])
+    assert wide > quick_eval.median_spread([4.9, 5.1, 5.0, 5.0, 4.95])
+    assert quick_eval.median_spread([10.0 + (i % 3) * 0.01 for i in range(25)]) < quick_eval.SPEED_PRECISION
+
+
+def _legacy(entry: dict) -> dict:
+    """A quick_eval entry as the main job wrote it before the rename: the overlap called recall@10,
+    no bands, sample counts or machine, a plain repeat count."""
+    rows = [{("recall@10" if k == quick_eval.OVERLAP else k): v for k, v in r.items() if k != "ci95"}
+            for r in entry["rows"]]
+    speed = {k: v for k, v in entry["speed"].items() if k not in ("machine", "schedule", "seconds")}
+    return {"heldout": entry["heldout"], "metric": entry["metric"], "speed": {**speed, "repeats": 3},
+            "seconds": entry["seconds"], "rows": rows}
+
+
+def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
+    import shutil
+
+    from elastic_export.cli import _budget_rows
+    from elastic_export.manifest import Manifest
+
+    out, m, _ = text_art
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    raw = json.loads((old / MANIFEST).read_text())
+    raw[quick_eval.ENTRY] = _legacy(raw[quick_eval.ENTRY])
+    (old / MANIFEST).write_text(json.dumps(raw))
+    manifest = Manifest.load(old)
+    qe = quick_eval.entry_of(manifest)
+    want = [r[quick_eval.OVERLAP] for r in m[quick_eval.ENTRY]["rows"]]
+    assert [r[quick_eval.OVERLAP] for r in qe["rows"]] == want and not any("recall@10" in r for r in qe["rows"])
+    assert qe["samples"] == {"fidelity_cosine": quick_eval.HELDOUT, quick_eval.OVERLAP: quick_eval.HELDOUT}
+    res = quick_eval.as_eval_result(manifest, "old-dir")
+    assert res["results"][0]["dir"] == "old-dir"
+    assert "3 runs" in _budget_rows(manifest)[-1] and "interleaved" not in _budget_rows(manifest)[-1]
 
 
 def test_main_job_records_quality_and_speed_of_every_pair(text_art):
@@ -84,13 +150,22 @@ def test_main_job_records_quality_and_speed_of_every_pair(text_art):
     gflops = {0.0: m["dense"]["gflops"], **{b["sparsity"]: b["gflops"] for b in m["budgets"]}}
     for r in qe["rows"]:
         assert r["gflops"] == gflops[r["sparsity"]]
-        assert -1.0 <= r["fidelity_cosine"] <= 1.0 + 1e-6 and 0.0 <= r["recall@10"] <= 1.0
+        assert -1.0 <= r["fidelity_cosine"] <= 1.0 + 1e-6 and 0.0 <= r[quick_eval.OVERLAP] <= 1.0
+        assert "recall@10" not in r  # the overlap is not retrieval recall, and is not called so
+        for metric in ("fidelity_cosine", quick_eval.OVERLAP):  # the band holds the figure
+            lo, hi = r["ci95"][metric]
+            assert lo - 1e-9 <= r[metric] <= hi + 1e-9
         assert set(r["speed"]) == {"1", "8"}
         for b, st in r["speed"].items():
             assert 0 < st["p50_ms"] <= st["p90_ms"] <= st["p99_ms"]
             assert st["throughput"] == pytest.approx(int(b) / (st["p50_ms"] / 1e3))
     dense = qe["rows"][0]
-    assert dense["fidelity_cosine"] == pytest.approx(1.0) and dense["recall@10"] == 1.0
+    assert dense["fidelity_cosine"] == pytest.approx(1.0) and dense[quick_eval.OVERLAP] == 1.0
+    assert qe["samples"] == {"fidelity_cosine": quick_eval.HELDOUT, quick_eval.OVERLAP: quick_eval.HELDOUT}
+    speed = qe["speed"]
+    assert set(speed["repeats"]) == {"1", "8"} and speed["schedule"] == "interleaved rounds"
+    assert all(quick_eval.MIN_ROUNDS <= n <= quick_eval.MAX_ROUNDS for n in speed["repeats"].values())
+    assert speed["machine"]["logical_cpus"] >= 1 and speed["machine"]["onnxruntime"] and speed["machine"]["cpu"]
     assert qe["rows"][2]["fidelity_cosine"] < 1.0 - 1e-4  # the sparsest fp32 budget differs from dense
     assert all(math.isfinite(r["fidelity_cosine"]) for r in qe["rows"])
 
@@ -127,7 +202,7 @@ def test_image_model_quick_eval(tmp_path):
                                       elastic_graph=False, report=False), **QUIET)
     rows = m[quick_eval.ENTRY]["rows"]
     assert [(r["sparsity"], r["precision"]) for r in rows] == [(0.0, "fp32"), (0.5, "fp32")]
-    assert rows[0]["fidelity_cosine"] == pytest.approx(1.0) and "recall@10" not in rows[0]
+    assert rows[0]["fidelity_cosine"] == pytest.approx(1.0) and quick_eval.OVERLAP not in rows[0]
     assert "synthetic" in m[quick_eval.ENTRY]["heldout"]["source"]
 
 
@@ -150,3 +225,25 @@ def test_no_quick_eval_flag_and_failure_only_warns(bert_dir, tmp_path, capsys, m
                      echo=said.append)
     assert m[quick_eval.ENTRY] is None and (tmp_path / "warned" / "budget_s050.onnx").is_file()
     assert any("quick eval skipped" in s and "timer exploded" in s for s in said)
+
+
+def test_terminal_table_shows_quality_and_p50_per_pair(bert_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(bert_dir), "--budgets", "0.3,0.6", "--method", "magnitude", "--seq-len", "16",
+              "--precision", "fp32,int8", "--no-verify", "--no-elastic-graph", "--no-report", "--out", str(out)])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("budget "))
+    assert lines[top].split() == ["budget", "precision", "achieved", "GFLOPs", "params", "max", "err", "file",
+                                  "fidelity", "overlap@10", "p50", "ms", "b1", "p50", "ms", "b8"]
+    rows = [line.split() for line in lines[top + 1:top + 7]]
+    assert [(r[0], r[1]) for r in rows] == [(b, p) for p in ("fp32", "int8") for b in ("dense", "0.30", "0.60")]
+    qe = json.loads((out / MANIFEST).read_text())[quick_eval.ENTRY]
+    for cells, r in zip(rows, qe["rows"]):  # the manifest's figures, rounded as printed
+        assert cells[-4:] == [f"{r['fidelity_cosine']:.4f}", f"{r[quick_eval.OVERLAP]:.3f}",
+                              f"{r['speed']['1']['p50_ms']:.1f}", f"{r['speed']['8']['p50_ms']:.1f}"]
+    assert rows[3][6] == "dense.int8.onnx" and rows[3][5] == "-"  # the int8 file, no fp32 error on it
+    legend = lines[top + 7:top + 9]
+    assert "neighbour overlap@10 (vs dense)" in legend[0] and "not retrieval recall" in legend[0]
+    assert "interleaved runs" in legend[1] and "p50" in legend[1]
