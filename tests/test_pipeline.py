@@ -186,3 +186,25 @@ def test_readme_serve_on_the_default_run(default_run, tmp_path):
     assert code == 0 and "stopped" in rest
     t = load_manifest(tmp_path / "elastic-out")["triton"]
     assert {m["platform"] for m in t["models"]} == {"python"} and len(t["models"]) == 7
+
+
+def test_docs_runtime_snippet_on_the_default_run(default_run, tmp_path, monkeypatch):
+    """docs/runtime.md's first snippet, run literally on the quick start's ``elastic-out``."""
+    import re
+
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elastic-out").symlink_to(default_run[0])
+    doc = (Path(__file__).parents[1] / "docs" / "runtime.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", doc, re.S)[0]
+    ns: dict = {}
+    exec(compile(code, "docs/runtime.md", "exec"), ns)
+    rt = ns["rt"]
+    assert rt.sparsities == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6] and ns["s"] in rt.sparsities
+    np.testing.assert_allclose(ns["emb"], rt.encode(["How do I open a file?"], sparsity=0.4), atol=1e-6)
+    assert set(ns["out"]) == set(rt.output_names)
+    readme = (Path(__file__).parents[1] / "README.md").read_text().split("## Runtime\n")[1]
+    ns2: dict = {}
+    exec(compile(re.findall(r"```python\n(.*?)```", readme, re.S)[0], "README.md", "exec"), ns2)
+    np.testing.assert_allclose(ns2["emb"], ns["emb"], atol=1e-6)

@@ -231,3 +231,16 @@ def test_subsets_and_bad_pairs(art, feeds):
                           ({"mode": "elastic", "precisions": ("fp32", "int8")}, "no int8 twin")):
         with pytest.raises(UserError, match=match):
             ElasticRuntime.from_dir(art, config=ONE, **kwargs)
+
+
+def test_docs_runtime_pairs_snippet(art, tmp_path, monkeypatch):
+    """docs/runtime.md, "Budget × precision": its snippet run literally on a directory with twins."""
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elastic-out-pairs").symlink_to(art)
+    doc = (Path(__file__).parents[1] / "docs" / "runtime.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", doc.split("## Budget × precision")[1], re.S)[0]
+    ns: dict = {}
+    exec(compile(code, "docs/runtime.md", "exec"), ns)
+    assert ns["rtp"].pairs[:2] == [(0.0, "fp32"), (0.0, "int8")] and ns["small"].sparsities == [0.0, BUDGETS[-1]]
