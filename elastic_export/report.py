@@ -4,14 +4,21 @@
 inline styles and ``data:`` images; every figure is an inline base64 PNG) with
 
 * the **budget table** from the manifest (sparsity, achieved, GFLOPs, params, files, engines);
-* **quality vs GFLOPs** of every ``elastic-export eval --out`` result found in DIR (``*.json`` with a
-  ``results`` list), one curve per method, the dense model marked;
+* **which pair to deploy**: for quality floors (the fastest pair within 1 % / 5 % of the dense fp32
+  quality) and latency targets (the best pair under 50 % / 75 % of the dense fp32 p50), at the
+  smallest and largest batch size, read from the frontier below (:func:`elastic_export.frontier.recommend`),
+  each pick with its quality band, p50 and speedup;
+* **quality vs GFLOPs** of every ``elastic-export eval`` result found in DIR (``*.json`` with a
+  ``results`` list, e.g. ``DIR/eval.json``, which ``eval DIR`` writes by default), one curve per
+  method with its 95 % bootstrap band and sample count, the dense model marked; metrics under the
+  names of :data:`elastic_export.evaluation.METRIC_LABELS` (the quick eval's "neighbour overlap@10
+  (vs dense)" is never called recall);
 * **where sparsity goes**: the kept fraction of MLP neurons and of attention heads per block at each
   budget, for the directory's ranking and, side by side, for every other ranking file in DIR
   (``*.safetensors``; their plans are made with the same budgets and ``align``);
 * **speed vs budget** from ``elastic-export bench`` results in DIR (JSON of format
   ``elastic-export-bench/1``, e.g. ``DIR/bench.json``);
-* **quality vs speed**: quality against measured latency p90 (each batch size) and throughput, one
+* **quality vs speed**: quality against measured latency p50 (each batch size) and throughput, one
   curve per precision, the Pareto frontier ringed (:mod:`elastic_export.frontier`);
 * without eval / bench results in DIR, the quality and speed sections show the manifest's
   ``quick_eval`` entry (the main job measures it by default: :mod:`elastic_export.quick_eval`);
@@ -35,12 +42,13 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic_export.errors import UserError
-from elastic_export.evaluation import by_precision, quality_figure
+from elastic_export.evaluation import CI_KEY, EVAL_RESULTS, NEIGHBOUR_OVERLAP, SAMPLES_KEY, metric_label
 from elastic_export.fileio import atomic_write, check_creatable
 from elastic_export.manifest import LATENCY_PROFILE, MANIFEST, REPORT, Manifest, resolve
 
 BENCH_FORMAT = "elastic-export-bench/1"
-QUALITY_METRICS = ("fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10", "knn@1", "knn@10")
+QUALITY_METRICS = ("fidelity_cosine", NEIGHBOUR_OVERLAP, "recall@1", "recall@10", "sym_recall@1", "sym_recall@10",
+                   "knn@1", "knn@10")
 _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 _STYLE = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px auto;max-width:1200px;
@@ -113,12 +121,13 @@ def find_results(directory: Path) -> Found:
     return found
 
 
-def add_quick_eval(found: Found, manifest: Manifest) -> None:
-    """Where the directory has no eval (bench) result, show the manifest's quick eval as one."""
+def add_quick_eval(found: Found, manifest: Manifest, name: str = ".") -> None:
+    """Where the directory has no eval (bench) result, show the manifest's quick eval as one
+    (``name``: the directory as the page names it)."""
     from elastic_export.quick_eval import as_bench_result, as_eval_result
 
     label = Path(f"{MANIFEST} (quick eval)")
-    if not found.evals and (res := as_eval_result(manifest)) is not None:
+    if not found.evals and (res := as_eval_result(manifest, name)) is not None:
         found.evals.append((label, res))
     if not found.benches and (res := as_bench_result(manifest)) is not None:
         found.benches.append((label, res))
@@ -345,7 +354,8 @@ def eval_curves(found: Found) -> list[dict]:
     """One curve per eval result of the directory (label, file, method, dir, budgets); a label that two
     results share gets its file name added."""
     curves = [{"label": str(r.get("label") or r.get("method") or r.get("dir")), "file": path.name,
-               "method": r.get("method"), "dir": r.get("dir"), "budgets": r["budgets"]}
+               "method": r.get("method"), "dir": r.get("dir"), "budgets": r["budgets"],
+               SAMPLES_KEY: r.get(SAMPLES_KEY) if isinstance(r.get(SAMPLES_KEY), dict) else {}}
               for path, data in found.evals for r in data["results"]]
     labels = [c["label"] for c in curves]
     for c in curves:
@@ -354,24 +364,60 @@ def eval_curves(found: Found) -> list[dict]:
     return curves
 
 
-def section_quality(found: Found) -> str:
-    """Quality vs GFLOPs of every eval result in the directory, one curve per method."""
-    if not found.evals:
-        return _absent("No evaluation results in this directory (run: elastic-export eval DIR --out DIR/eval.json).")
-    curves = eval_curves(found)
-    metrics = [m for m in QUALITY_METRICS if any(isinstance(b, dict) and isinstance(b.get(m), (int, float))
-                                                 for c in curves for b in c["budgets"])]
-    if not metrics:
-        return _absent("Evaluation results were found but hold no metric.")
-    out = [_png(quality_figure(by_precision(curves), metrics, width=4.2, height=3.3), "quality vs GFLOPs")]
+METRIC_NOTES = {
+    NEIGHBOUR_OVERLAP: "the share of the dense model's own 10 nearest held-out neighbours of each text that the "
+                       "pair finds (1.0 for dense by construction; not retrieval recall, and it falls much faster "
+                       "with the budget)",
+    "recall@10": "each query's own document among the 10 best of an index encoded by the dense model",
+    "fidelity_cosine": "mean cosine between the pair's embedding and the dense fp32 model's",
+}
+
+
+def _with_band(row: dict, metric: str) -> str:
+    """``0.8750 [0.8531, 0.8969]``: the figure and its bootstrap band where the row has one."""
+    v, band = row.get(metric), (row.get(CI_KEY) or {}).get(metric)
+    fmt = ".4f"
+    if isinstance(band, list) and len(band) == 2 and all(isinstance(x, (int, float)) for x in band):
+        return f"{_num(v, fmt)} <span class=\"meta\">[{_num(band[0], fmt)}, {_num(band[1], fmt)}]</span>"
+    return _num(v, fmt)
+
+
+def _samples_of(curves: list[dict], metric: str) -> str:
+    ns = list(dict.fromkeys(str(c[SAMPLES_KEY][metric]) for c in curves if isinstance(c[SAMPLES_KEY].get(metric), int)))
+    return f" (n = {' / '.join(ns)})" if ns else ""
+
+
+def _quality_meta(found: Found, metrics: list[str]) -> str:
+    """The caption: sources, data sets, what the metrics mean, how the bands are made."""
     sources = ", ".join(f"<code>{_e(p.name)}</code>" for p, _ in found.evals)
     sets = []
     for _, data in found.evals:
         for name, ds in (data.get("datasets") or {}).items():
             if isinstance(ds, dict):
                 sets.append(f"{_e(name)}: {_e(ds.get('source'))}" + (f" ({_e(ds['count'])})" if ds.get("count") else ""))
-    out.append(f'<p class="meta">From {sources}. Dense model: black star. Data: {"; ".join(sets) or "-"}.</p>')
-    head = ["method", "directory", "budget", "precision", "GFLOPs"] + metrics
+    notes = "; ".join(f"<b>{_e(metric_label(m))}</b>: {_e(METRIC_NOTES[m])}" for m in metrics if m in METRIC_NOTES)
+    return (f'<p class="meta">From {sources}. Data: {"; ".join(sets) or "-"}. {notes}. Bands and bracketed ranges: '
+            f"95 % percentile bootstrap over the figure's own queries / inputs (1,000 resamples, seed 0, the same "
+            f"resamples for every budget); n = how many each figure averages. The dense fp32 model is starred, its "
+            f"value dotted: a budget above that line whose band reaches it is noise, not a gain.</p>")
+
+
+def section_quality(found: Found) -> str:
+    """Quality vs GFLOPs of every eval result in the directory, one curve per method, with bands."""
+    from elastic_export.evaluation import by_precision, quality_figure
+
+    if not found.evals:
+        return _absent(f"No evaluation results in this directory (run: elastic-export eval DIR; it writes "
+                       f"DIR/{EVAL_RESULTS}).")
+    curves = eval_curves(found)
+    metrics = [m for m in QUALITY_METRICS if any(isinstance(b, dict) and isinstance(b.get(m), (int, float))
+                                                 for c in curves for b in c["budgets"])]
+    if not metrics:
+        return _absent("Evaluation results were found but hold no metric.")
+    out = [_png(quality_figure(by_precision(curves), metrics, width=4.2, height=3.4), "quality vs GFLOPs"),
+           _quality_meta(found, metrics)]
+    head = ["method", "directory", "budget", "precision", "GFLOPs"] + [metric_label(m) + _samples_of(curves, m)
+                                                                      for m in metrics]
     rows = []
     for c in curves:
         for b in c["budgets"]:
@@ -380,7 +426,7 @@ def section_quality(found: Found) -> str:
             s = b.get("sparsity")
             rows.append([_e(c["label"]), _e(c["dir"]), "dense" if s == 0.0 else _num(s, ".2f"),
                          _e(b.get("precision", "fp32")), _gflops(b.get("gflops"))]
-                        + [_num(b.get(m), ".4f") for m in metrics])
+                        + [_with_band(b, m) for m in metrics])
     out.append(_table(head, rows, left=(0, 1, 3)))
     return "\n".join(out)
 
@@ -411,6 +457,20 @@ def section_sparsity(manifest: Manifest, rankings: list[RankingInfo], notes: lis
     return "\n".join(out)
 
 
+def _machine_line(res: dict) -> str:
+    """``Machine: CPU, N logical CPUs (load average L), onnxruntime V; R timed runs per point, ...``."""
+    m, settings = res.get("machine") or {}, res.get("settings") or {}
+    load = m.get("load_average")
+    load = f" (load average {load[0]:.1f} when measured)" if isinstance(load, list) and load else ""
+    host = (f"Machine: {_e(m.get('cpu'))}, {_e(m.get('logical_cpus'))} logical CPUs{load}, onnxruntime "
+            f"{_e(m.get('onnxruntime'))}" if m else "Machine: not recorded (a result written before it was)")
+    runs = settings.get("repeats")
+    runs = (", ".join(f"{_e(v)} at batch {_e(b)}" for b, v in runs.items()) if isinstance(runs, dict) else _e(runs))
+    schedule = settings.get("schedule")
+    return (f"{host}; timed runs per point: {runs}" + (f" ({_e(schedule)})" if schedule else "")
+            + f", {_e(settings.get('seq_len') or '-')} tokens, threads {_e(settings.get('threads'))}.")
+
+
 def section_speed(found: Found) -> str:
     """Speed vs budget of every bench result in the directory."""
     if not found.benches:
@@ -421,15 +481,11 @@ def section_speed(found: Found) -> str:
         if not rows:
             out.append(_absent(f"{path.name}: no measurements."))
             continue
-        m = res.get("machine") or {}
         out.append(f"<h3><code>{_e(path.name)}</code>: {_e(res.get('backend'))} / {_e(res.get('provider'))}, "
                    f"{_e(res.get('runtime', ''))}</h3>")
         out.append(_png(speed_figure(res), f"speed vs budget ({path.name})"))
-        settings = res.get("settings") or {}
-        out.append(f'<p class="meta">Machine: {_e(m.get("cpu"))}, {_e(m.get("logical_cpus"))} logical CPUs, '
-                   f'onnxruntime {_e(m.get("onnxruntime"))}; {_e(settings.get("repeats"))} timed runs per point, '
-                   f'{_e(settings.get("seq_len") or "-")} tokens, threads {_e(settings.get("threads"))}. '
-                   f'Speedup is throughput over the dense model\'s; the dashed line is the FLOP ratio.</p>')
+        out.append(f'<p class="meta">{_machine_line(res)} Speedup is throughput over the dense model\'s; the dashed '
+                   f'line is the FLOP ratio.</p>')
         head = ["batch", "budget", "precision", "GFLOPs", "FLOP ratio", "p50 ms", "p90 ms", "p99 ms", "inputs/s", "speedup",
                 "switch ms"]
         cells = [[_e(r.get("batch")), "dense" if r.get("sparsity") == 0.0 else _num(r.get("sparsity"), ".2f"),
@@ -441,24 +497,45 @@ def section_speed(found: Found) -> str:
     return "\n".join(out)
 
 
-FRONTIER_METRICS = ("recall@10", "fidelity_cosine", "knn@10")  # the quality axis: the first one present
+FRONTIER_METRICS = ("recall@10", "knn@10", NEIGHBOUR_OVERLAP, "fidelity_cosine")  # the quality axis: the first present
+FRONTIER_STAT = "p50_ms"  # the latency the report's frontier and recommendations are over
 
 
-def frontier_inputs(found: Found) -> tuple[str, dict, list[dict], str] | None:
-    """(metric, quality per (sparsity, precision), speed rows, sources) for the frontier: the first eval
-    result's and the first bench result's (the quick eval's where the directory has none)."""
+@dataclass
+class FrontierData:
+    """What the frontier and the recommendations read: one quality figure (and band) per (sparsity,
+    precision) from the first eval result, the speed rows of the first bench result."""
+
+    metric: str
+    quality: dict[tuple[float, str], float]
+    bands: dict[tuple[float, str], list]
+    samples: int | None
+    rows: list[dict]
+    sources: str
+    quick: bool  # quality from the quick eval (no elastic-export eval result in the directory)
+
+
+def _pair_of(row: dict) -> tuple[float, str]:
+    return round(float(row["sparsity"]), 6), str(row.get("precision", "fp32"))
+
+
+def frontier_inputs(found: Found) -> FrontierData | None:
+    """The frontier's data: the first eval result's and the first bench result's (the quick eval's
+    where the directory has none); None without both or without a metric."""
     if not found.evals or not found.benches:
         return None
     (qpath, qdata), (bpath, bdata) = found.evals[0], found.benches[0]
-    budgets = [b for b in qdata["results"][0]["budgets"] if isinstance(b, dict)]
+    result = qdata["results"][0]
+    budgets = [b for b in result["budgets"] if isinstance(b, dict)]
     metric = next((m for m in FRONTIER_METRICS if any(isinstance(b.get(m), (int, float)) for b in budgets)), None)
     if metric is None:
         return None
-    quality = {(round(float(b["sparsity"]), 6), str(b.get("precision", "fp32"))): float(b[metric])
-               for b in budgets if isinstance(b.get(metric), (int, float))}
-    rows = [r for r in bdata["rows"] if isinstance(r, dict)
-            and (round(float(r["sparsity"]), 6), str(r.get("precision", "fp32"))) in quality]
-    return metric, quality, rows, f"quality from {qpath.name}, speed from {bpath.name}"
+    quality = {_pair_of(b): float(b[metric]) for b in budgets if isinstance(b.get(metric), (int, float))}
+    bands = {_pair_of(b): (b.get(CI_KEY) or {}).get(metric) for b in budgets if _pair_of(b) in quality}
+    rows = [r for r in bdata["rows"] if isinstance(r, dict) and _pair_of(r) in quality]
+    samples = (result.get(SAMPLES_KEY) or {}).get(metric)
+    return FrontierData(metric, quality, bands, samples if isinstance(samples, int) else None, rows,
+                        f"quality from {qpath.name}, speed from {bpath.name}", qpath.name.endswith("(quick eval)"))
 
 
 def _frontier_axes(ax, pts: list[tuple[float, float, tuple[float, str]]], lower_is_better: bool) -> list:
@@ -476,7 +553,7 @@ def _frontier_axes(ax, pts: list[tuple[float, float, tuple[float, str]]], lower_
 
 
 def frontier_figure(quality: dict, metric: str, rows: list[dict]):
-    """Quality vs latency p90 at each batch size and vs throughput at the largest, one curve per
+    """Quality vs latency p50 at each batch size and vs throughput at the largest, one curve per
     precision, the Pareto frontier marked; returns (figure, {batch: frontier pairs by latency})."""
     batches = sorted({int(r["batch"]) for r in rows})
     fig = _figure(4.4 * (len(batches) + 1), 3.6)
@@ -484,35 +561,86 @@ def frontier_figure(quality: dict, metric: str, rows: list[dict]):
     for i, batch in enumerate(batches + [batches[-1]]):
         ax = fig.add_subplot(1, len(batches) + 1, i + 1)
         mine = [r for r in rows if int(r["batch"]) == batch]
-        stat = "p90_ms" if i < len(batches) else "throughput"
-        pts = [(float(r[stat]), quality[(round(float(r["sparsity"]), 6), str(r.get("precision", "fp32")))],
-                (float(r["sparsity"]), str(r.get("precision", "fp32")))) for r in mine
-               if isinstance(r.get(stat), (int, float))]
-        front = _frontier_axes(ax, pts, lower_is_better=stat == "p90_ms")
-        if stat == "p90_ms":
+        stat = FRONTIER_STAT if i < len(batches) else "throughput"
+        pts = [(float(r[stat]), quality[_pair_of(r)], (float(r["sparsity"]), str(r.get("precision", "fp32"))))
+               for r in mine if isinstance(r.get(stat), (int, float))]
+        front = _frontier_axes(ax, pts, lower_is_better=stat == FRONTIER_STAT)
+        if stat == FRONTIER_STAT:
             fronts[batch] = front
-        ax.set_xlabel(f"latency p90 (ms), batch {batch}" if stat == "p90_ms" else f"throughput (inputs / s), batch {batch}")
-        ax.set_ylabel(metric)
+        ax.set_xlabel(f"latency p50 (ms), batch {batch}" if stat == FRONTIER_STAT
+                      else f"throughput (inputs / s), batch {batch}")
+        ax.set_ylabel(metric_label(metric))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     return fig, fronts
 
 
+def _pair_name(pair: tuple[float, str]) -> str:
+    return f"{'dense' if pair[0] == 0.0 else f'{pair[0]:g}'} {pair[1]}"
+
+
 def section_frontier(found: Found) -> str:
     """Quality vs measured latency and throughput per (budget, precision), with the Pareto frontier."""
-    got = frontier_inputs(found)
-    if got is None:
+    data = frontier_inputs(found)
+    if data is None:
         return _absent("Needs quality and speed figures (the main job's quick eval, or elastic-export eval and bench).")
-    metric, quality, rows, sources = got
-    if not rows:
-        return _absent(f"No (budget, precision) has both a quality and a speed figure ({sources}).")
-    fig, fronts = frontier_figure(quality, metric, rows)
+    if not data.rows:
+        return _absent(f"No (budget, precision) has both a quality and a speed figure ({data.sources}).")
+    fig, fronts = frontier_figure(data.quality, data.metric, data.rows)
     out = [_png(fig, "quality vs latency and throughput, Pareto frontier")]
-    out.append(f'<p class="meta">One curve per precision, points from dense to the sparsest budget; ringed and '
-               f'joined: the Pareto frontier (no other pair is both faster and better). {_e(sources)}.</p>')
-    cells = [[_e(b), " → ".join(f"{'dense' if s == 0.0 else f'{s:g}'} {_e(p)}" for s, p in front)]
-             for b, front in fronts.items()]
+    out.append(f'<p class="meta">Quality: {_e(metric_label(data.metric))}. One curve per precision, points from '
+               f'dense to the sparsest budget; ringed and joined: the Pareto frontier (no other pair is both faster '
+               f'and better). {_e(data.sources[:1].upper() + data.sources[1:])}.</p>')
+    cells = [[_e(b), " → ".join(_e(_pair_name(pair)) for pair in front)] for b, front in fronts.items()]
     out.append(_table(["batch", "frontier, fastest to best"], cells, left=(1,)))
+    return "\n".join(out)
+
+
+def _recommend_rows(data: FrontierData, batch: int) -> list[list[str]]:
+    """The recommendation table's rows at one batch size (quality floors, then latency targets)."""
+    from elastic_export.frontier import DENSE, recommend
+
+    cost = {_pair_of(r): float(r[FRONTIER_STAT]) for r in data.rows
+            if int(r["batch"]) == batch and isinstance(r.get(FRONTIER_STAT), (int, float))}
+    if DENSE not in cost or DENSE not in data.quality:
+        return []
+    rows = []
+    for rec in recommend(cost, data.quality):
+        if rec.kind == "quality":
+            goal = f"fastest pair within {rec.share * 100:g} % of dense quality (≥ {rec.threshold:.4f})"
+        else:
+            goal = f"best quality under {rec.threshold:.1f} ms ({rec.share * 100:g} % of dense fp32's {cost[DENSE]:.1f} ms)"
+        if rec.pair is None:
+            fastest = min(cost, key=cost.get)
+            rows.append([_e(goal), _e(batch), f"none: the fastest pair, {_e(_pair_name(fastest))}, takes "
+                         f"{cost[fastest]:.1f} ms", "-", "-", "-"])
+            continue
+        pick = {"sparsity": rec.pair[0], CI_KEY: {data.metric: data.bands.get(rec.pair)}, data.metric: data.quality[rec.pair]}
+        rows.append([_e(goal), _e(batch), f"<b>{_e(_pair_name(rec.pair))}</b>", _with_band(pick, data.metric),
+                     _num(cost[rec.pair], ".1f"), f"{cost[DENSE] / cost[rec.pair]:.2f}×"])
+    return rows
+
+
+def section_recommend(found: Found) -> str:
+    """Which (budget, precision) to deploy for a quality floor or a latency target, read from the frontier."""
+    data = frontier_inputs(found)
+    if data is None or not data.rows:
+        return _absent("Needs quality and speed figures (the main job's quick eval, or elastic-export eval and bench).")
+    batches = sorted({int(r["batch"]) for r in data.rows})
+    rows = [r for b in dict.fromkeys([batches[0], batches[-1]]) for r in _recommend_rows(data, b)]
+    if not rows:
+        return _absent(f"The dense fp32 model has no quality and speed figure to measure the goals against ({data.sources}).")
+    n = f", n = {data.samples}" if data.samples else ""
+    out = [f'<p class="meta">Read from the frontier below: quality is <b>{_e(metric_label(data.metric))}</b>'
+           f'{_e(n)} with its 95 % bootstrap band; latency is p50 ms; "within 1 %" means at least 99 % of the dense '
+           f'fp32 figure. A pick whose band reaches below the floor may miss it on other data. '
+           f'{_e(data.sources[:1].upper() + data.sources[1:])}.</p>']
+    if data.quick:
+        out.append(f'<p class="meta">Quality here is the quick eval\'s proxy on {_e(data.samples or "few")} held-out '
+                   f'samples; for task quality run <code>elastic-export eval DIR</code> (it writes '
+                   f'<code>DIR/{_e(EVAL_RESULTS)}</code>), then <code>elastic-export report DIR</code> again.</p>')
+    out.append(_table(["goal", "batch", "deploy", "quality [95 % band]", "p50 ms", "vs dense fp32"], rows,
+                      left=(0, 2)))
     return "\n".join(out)
 
 
@@ -571,7 +699,7 @@ def render_report(directory: str | Path, name: str | None = None) -> str:
         raise UserError(f"{directory}: no such directory")
     manifest = Manifest.load(directory)
     found = find_results(directory)
-    add_quick_eval(found, manifest)
+    add_quick_eval(found, manifest, str(name or directory))
     rankings, notes = find_rankings(directory, manifest)
     model, d = manifest.model, manifest.dense
     title = f"elastic-export report: {model.source}"
@@ -583,6 +711,7 @@ def render_report(directory: str | Path, name: str | None = None) -> str:
                f"{_e(manifest.tool or '')}")
     sections = [
         ("budgets", "Budgets", lambda: section_budgets(manifest)),
+        ("recommend", "Which pair to deploy", lambda: section_recommend(found)),
         ("quality", "Quality vs GFLOPs", lambda: section_quality(found)),
         ("sparsity", "Where sparsity goes", lambda: section_sparsity(manifest, rankings, notes)),
         ("speed", "Speed vs budget", lambda: section_speed(found)),

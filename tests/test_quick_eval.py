@@ -121,6 +121,7 @@ def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
 
     from elastic_export.cli import _budget_rows
     from elastic_export.manifest import Manifest
+    from elastic_export.report import render_report
 
     out, m, _ = text_art
     old = tmp_path / "old"
@@ -136,6 +137,9 @@ def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
     res = quick_eval.as_eval_result(manifest, "old-dir")
     assert res["results"][0]["dir"] == "old-dir"
     assert "3 runs" in _budget_rows(manifest)[-1] and "interleaved" not in _budget_rows(manifest)[-1]
+    page = render_report(old)
+    assert "neighbour overlap@10 (vs dense)" in page and "Machine: not recorded" in page
+    assert "could not be drawn" not in page
 
 
 def test_main_job_records_quality_and_speed_of_every_pair(text_art):

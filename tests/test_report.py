@@ -5,18 +5,15 @@ pipeline, evaluated, benchmarked and ranked a second way, its page rendered in h
 from __future__ import annotations
 
 import base64
-import fcntl
+import html
 import json
-import os
 import re
-import select
 import shutil
 import struct
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from _devtools import DevTools, find_chromium
 
 from elastic_export import pipeline
 from elastic_export.cli import main
@@ -26,8 +23,7 @@ from elastic_export.retrieval_data import heldout_pairs, write_pairs_jsonl
 
 QUIET = dict(echo=lambda s: None)
 BUDGETS = (0.3, 0.6)
-SECTIONS = ("budgets", "quality", "sparsity", "speed", "frontier", "provenance")
-CHROMIUM = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+SECTIONS = ("budgets", "recommend", "quality", "sparsity", "speed", "frontier", "provenance")
 
 
 def cli(args: list[str], capsys) -> tuple[int, str, str]:
@@ -80,12 +76,13 @@ def exported(work, model) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def full(work, exported) -> Path:
-    """The magnitude directory with everything a report shows: eval results of both directories,
-    bench.json, and the random ranking as a second ranking file; report re-rendered by the CLI."""
+    """The magnitude directory with everything a report shows: eval results of both directories
+    (``eval`` without ``--out``: DIR/eval.json), bench.json, and the random ranking as a second
+    ranking file; report re-rendered by the CLI."""
     main_dir, other = exported
     pairs = write_pairs_jsonl(work / "pairs.jsonl", heldout_pairs(n=32))
     shutil.copy(other / "ranking.safetensors", main_dir / "ranking_random.safetensors")
-    for args in (["eval", str(main_dir), str(other), "--pairs", str(pairs), "--out", str(main_dir / "eval.json")],
+    for args in (["eval", str(main_dir), str(other), "--pairs", str(pairs)],
                  ["bench", str(main_dir), "--batches", "1,2", "--repeats", "2", "--warmup", "0"],
                  ["report", str(main_dir)]):
         with pytest.raises(SystemExit) as e:
@@ -123,6 +120,31 @@ def test_main_job_writes_the_report(exported):
     for b in m["budgets"]:
         assert b["onnx"] in page
     assert not [p for p in d.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
+
+
+def _section(page: str, anchor: str) -> str:
+    return page.split(f'<section id="{anchor}">')[1].split("</section>")[0]
+
+
+def _text(page: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r'<img [^>]*>', "", page)))
+
+
+def test_fresh_report_names_the_quick_eval_honestly(exported):
+    d, _ = exported
+    page = (d / REPORT).read_text()
+    text = _text(page)
+    assert "neighbour overlap@10 (vs dense)" in text and "retrieval recall@10 (dense index)" not in text
+    assert "recall@10" not in text  # the overlap is never called recall
+    quality = _section(page, "quality")
+    assert f'<td class="l">{d}</td>' in quality and '<td class="l">.</td>' not in quality  # the directory, not "."
+    assert "(n = 64)" in quality and re.search(r"\[\d\.\d{4}, \d\.\d{4}\]", quality)  # sample size and band
+    speed = _text(_section(page, "speed"))
+    assert "None" not in speed and re.search(r"Machine: .+, \d+ logical CPUs \(load average [\d.]+", speed)
+    assert re.search(r"timed runs per point: \d+ at batch 1, \d+ at batch 8 \(interleaved rounds\)", speed)
+    rec = _text(_section(page, "recommend"))
+    assert "fastest pair within 1 % of dense quality" in rec and "best quality under" in rec
+    assert "elastic-export eval DIR" in rec  # the proxy says how to get task quality
 
 
 def test_render_failure_keeps_artifacts(work, model, monkeypatch):
@@ -177,6 +199,33 @@ def test_full_report_has_every_section(full):
     assert re.search(r"<dd>\d+\.\d s</dd>", prov)  # the main job recorded how long ranking took
 
 
+def test_full_report_recommends_from_eval_and_bench(full):
+    from elastic_export.frontier import recommend
+
+    page = (full / REPORT).read_text()
+    rec = _section(page, "recommend")
+    assert "Quality from eval.json, speed from bench.json" in rec and "retrieval recall@10 (dense index)" in rec
+    assert "n = 32" in rec and "elastic-export eval DIR" not in rec  # task quality, no proxy note
+    ev, bench = (json.loads((full / f).read_text()) for f in ("eval.json", "bench.json"))
+    own = ev["results"][0]
+    assert own["dir"] == str(full)  # the directory's own result first: the one the frontier reads
+    quality = {(b["sparsity"], b["precision"]): b["recall@10"] for b in own["budgets"]}
+    cells = re.findall(r"<tr><td class=\"l\">([^<]+)</td><td>(\d+)</td><td class=\"l\">(?:<b>)?([^<]+)", rec)
+    assert len(cells) == 8  # 2 floors + 2 targets, at batch 1 and batch 2
+    for batch in (1, 2):
+        cost = {(r["sparsity"], r["precision"]): r["p50_ms"] for r in bench["rows"] if r["batch"] == batch}
+        want = recommend(cost, quality)
+        got = [c for c in cells if c[1] == str(batch)]
+        for r, (goal, _, pick) in zip(want, got):
+            assert (r.kind == "quality") == goal.startswith("fastest pair within")
+            name = "none" if r.pair is None else f"{'dense' if r.pair[0] == 0.0 else f'{r.pair[0]:g}'} {r.pair[1]}"
+            assert pick.startswith(name), (goal, pick, r)
+    text = _text(page)
+    assert "retrieval recall@10 (dense index)" in _text(_section(page, "quality"))
+    assert "neighbour overlap@10" not in text  # eval results in DIR: the quick eval is not shown
+    assert not re.search(r"(?<!retrieval )recall@10", text.replace("sym_recall@10", ""))
+
+
 def test_absent_and_broken_data_do_not_fail(full, tmp_path, capsys):
     d = tmp_path / "copy"
     shutil.copytree(full, d)
@@ -227,77 +276,9 @@ def test_write_report_out_is_a_directory(full, tmp_path):
 
 
 # --- in a real browser --------------------------------------------------------------------------
-class DevTools:
-    """Headless Chromium driven through the DevTools protocol over ``--remote-debugging-pipe``
-    (JSON messages separated by NUL bytes; the browser reads fd 3 and writes fd 4)."""
-
-    def __init__(self, binary: str, workdir: Path, timeout: float = 60.0):
-        self.timeout, self.events, self._id, self._buf = timeout, [], 0, b""
-        self.log = workdir / "chromium.log"
-        cmd_r, self._cmd_w = os.pipe()
-        self._out_r, out_w = os.pipe()
-        # the child's ends moved above fd 9, so bash's 3< / 4> redirections cannot clobber them
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (cmd_r, out_w)]
-        os.close(cmd_r)
-        os.close(out_w)
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                ["bash", "-c", f'exec "$0" "$@" 3<&{high[0]} 4>&{high[1]}', binary, "--headless", "--no-sandbox",
-                 "--disable-gpu", "--no-first-run", "--remote-debugging-pipe",
-                 f"--user-data-dir={workdir / 'profile'}", "about:blank"],
-                pass_fds=tuple(high), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        for fd in high:
-            os.close(fd)
-
-    def _recv(self) -> dict:
-        end = time.monotonic() + self.timeout
-        while b"\0" not in self._buf:
-            ready, _, _ = select.select([self._out_r], [], [], max(0.0, end - time.monotonic()))
-            if not ready:
-                raise TimeoutError("no message from chromium")
-            chunk = os.read(self._out_r, 1 << 16)
-            if not chunk:
-                raise EOFError(f"chromium closed the pipe: {self.log.read_text(errors='replace')[-2000:]}")
-            self._buf += chunk
-        msg, self._buf = self._buf.split(b"\0", 1)
-        return json.loads(msg)
-
-    def call(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
-        self._id += 1
-        msg = {"id": self._id, "method": method, "params": params or {}}
-        if session:
-            msg["sessionId"] = session
-        try:
-            os.write(self._cmd_w, json.dumps(msg).encode() + b"\0")
-        except BrokenPipeError:
-            raise EOFError(f"chromium is gone: {self.log.read_text(errors='replace')[-2000:]}")
-        while True:
-            reply = self._recv()
-            if reply.get("id") == self._id:
-                assert "error" not in reply, reply
-                return reply.get("result", {})
-            self.events.append(reply)
-
-    def wait_for(self, method: str) -> None:
-        while not any(e.get("method") == method for e in self.events):
-            self.events.append(self._recv())
-
-    def close(self) -> None:
-        try:
-            self.call("Browser.close")
-            self.proc.wait(timeout=20)
-        except Exception:  # noqa: BLE001 - make sure our own browser process is gone
-            self.proc.kill()
-            self.proc.wait()
-        finally:
-            os.close(self._cmd_w)
-            os.close(self._out_r)
-
-
 def _chromium() -> str:
-    for name in CHROMIUM:
-        if shutil.which(name):
-            return shutil.which(name)
+    if find_chromium():
+        return find_chromium()
     pytest.skip("chromium not found (Debian: apt-get install -y chromium; .ci/run installs it)")
 
 
