@@ -208,3 +208,18 @@ def test_docs_runtime_snippet_on_the_default_run(default_run, tmp_path, monkeypa
     ns2: dict = {}
     exec(compile(re.findall(r"```python\n(.*?)```", readme, re.S)[0], "README.md", "exec"), ns2)
     np.testing.assert_allclose(ns2["emb"], ns["emb"], atol=1e-6)
+
+
+def test_readme_python_api_snippet(default_run, tmp_path, monkeypatch):
+    """The README's Python API snippet, run literally after the quick start."""
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elastic-out").symlink_to(default_run[0])
+    readme = (Path(__file__).parents[1] / "README.md").read_text().split("## Python API\n")[1]
+    ns: dict = {}
+    exec(compile(re.findall(r"```python\n(.*?)```", readme, re.S)[0], "README.md", "exec"), ns)
+    assert [b.sparsity for b in ns["manifest"].budgets] == [0.25, 0.45]
+    assert (tmp_path / "results.json").is_file() and (tmp_path / "results.png").is_file()
+    onnx.checker.check_model(onnx.load(tmp_path / "b.onnx"))
+    assert len(ns["model"].graph.node) > 0
