@@ -57,6 +57,7 @@ h1{font-size:1.5em;margin-bottom:.2em} h2{border-bottom:1px solid #ddd;padding-b
 h3{font-size:1.05em;margin-bottom:.3em}
 table{border-collapse:collapse;font-size:.88em;margin:.6em 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:right;vertical-align:top}
+.n{white-space:nowrap}
 th{background:#f4f4f4} td.l,th.l{text-align:left}
 code{font-size:.92em;background:#f6f6f6;padding:0 3px;border-radius:3px}
 img{max-width:100%;height:auto;display:block;margin:.6em 0}
@@ -374,11 +375,13 @@ METRIC_NOTES = {
 
 
 def _with_band(row: dict, metric: str) -> str:
-    """``0.8750 [0.8531, 0.8969]``: the figure and its bootstrap band where the row has one."""
+    """``0.875 [0.853, 0.897]``: the figure and its bootstrap band where the row has one (fidelity
+    to 4 decimals, the rest to 3)."""
     v, band = row.get(metric), (row.get(CI_KEY) or {}).get(metric)
-    fmt = ".4f"
+    fmt = ".4f" if metric == "fidelity_cosine" else ".3f"
     if isinstance(band, list) and len(band) == 2 and all(isinstance(x, (int, float)) for x in band):
-        return f"{_num(v, fmt)} <span class=\"meta\">[{_num(band[0], fmt)}, {_num(band[1], fmt)}]</span>"
+        return (f"<span class=\"n\">{_num(v, fmt)} <span class=\"meta\">[{_num(band[0], fmt)}, "
+                f"{_num(band[1], fmt)}]</span></span>")
     return _num(v, fmt)
 
 
