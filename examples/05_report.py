@@ -2,9 +2,9 @@
 
     python examples/05_report.py DIR
 
-Writes ``DIR/report.html`` (self-contained: open it in any browser, no network needed). Put
-``elastic-export eval --out DIR/eval.json`` and ``elastic-export bench DIR`` results in DIR first
-to fill the quality and speed sections.
+Writes ``DIR/report.html`` (self-contained: open it in any browser, no network needed). Run
+``elastic-export eval DIR`` (it writes ``DIR/eval.json``) and ``elastic-export bench DIR`` first to
+replace the main job's quick eval in the quality, speed and recommendation sections.
 """
 
 import argparse
