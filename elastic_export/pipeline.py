@@ -85,8 +85,8 @@ class Options:
     seed: int = 0
     verify: bool = True
     trust_remote_code: bool = False
-    tower: str | None = None  # "text" / "vision": one tower of a dual-encoder directory (CLIP, SigLIP)
     revision: str | None = None  # hub ids: branch, tag or commit
+    tower: str | None = None  # "text" / "vision": one tower of a dual-encoder directory (CLIP, SigLIP)
     precision: str = "fp32"  # comma list: fp16 / int8 also write a twin of every ONNX file (elastic_export.fp16, .int8)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
     ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
@@ -408,6 +408,8 @@ def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventor
     encoder = load_encoder(opts.model, revision=opts.revision, pretrained=opts.pretrained, seq_len=opts.seq_len,
                            image_size=opts.image_size, trust_remote_code=opts.trust_remote_code, tower=opts.tower)
     inventory = build_inventory(encoder)
+    if encoder.revision:
+        echo(f"{encoder.repo_id}: hub commit {encoder.revision}")
     echo(f"{encoder.architecture}: {len(inventory.layers)} blocks, N={inventory.tokens} tokens, "
          f"{inventory.total_flops / 1e9:.3f} GFLOPs ({inventory.prunable_flops / 1e9:.3f} prunable), "
          f"{inventory.total_params / 1e6:.2f}M params")
@@ -415,8 +417,6 @@ def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventor
     if opts.ort_optimize and onnx_io.needs_external(inventory.total_params * 4, opts.external_data):
         raise UserError(EXTERNAL_REFUSAL.format(src=DENSE_FILE))
     check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
-    if encoder.revision:
-        echo(f"{encoder.repo_id}: hub commit {encoder.revision}")
     return encoder, inventory
 
 
