@@ -4,7 +4,7 @@ One ranking (default ``fisher``, built once on the default calibration text, or 
 is exported with every alignment K: each layer's kept neuron count becomes a multiple of K (heads
 are never aligned). For every budget:
 
-* **quality** from the exported ONNX files (``elastic_export.evaluation.evaluate``, default
+* **quality** from the exported ONNX files (``elastic_export.measure.evaluation.evaluate``, default
   held-out pairs from standard-library docstrings, not the calibration text): fidelity (mean
   cosine of the budget's sentence embedding to the dense one) and recall@10 of queries encoded by
   the budget against a dense index;
@@ -34,20 +34,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from ort_speed import bench_dirs, build_artifacts, busy_warning, log, machine  # noqa: E402
 
-from elastic_export.budgets import parse_budgets  # noqa: E402
-from elastic_export.errors import UserError  # noqa: E402
-from elastic_export.evaluation import evaluate  # noqa: E402
-from elastic_export.retrieval_data import heldout_pairs  # noqa: E402
+from elastic_export.core.budgets import parse_budgets  # noqa: E402
+from elastic_export.core.errors import UserError  # noqa: E402
+from elastic_export.data.retrieval_data import heldout_pairs  # noqa: E402
+from elastic_export.measure.evaluation import evaluate  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def make_ranking(work: Path, method: str, given: str | None, rebuild: bool) -> tuple[str, str]:
     """(ranking file, its method): ``given``, or one built once with ``method`` on MiniLM."""
-    from elastic_export.inventory import build_inventory
-    from elastic_export.loader import load_encoder
+    from elastic_export.models.inventory import build_inventory
+    from elastic_export.models.loader import load_encoder
     from elastic_export.pipeline import Options, rank_encoder
-    from elastic_export.ranking import load_ranking, save_ranking
+    from elastic_export.ranking.file import load_ranking, save_ranking
 
     if given:
         return given, str(load_ranking(given).meta.get("method"))

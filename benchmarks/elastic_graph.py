@@ -44,9 +44,9 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
-from elastic_export.budgets import parse_budgets  # noqa: E402
-from elastic_export.fileio import atomic_write  # noqa: E402
-from elastic_export.manifest import load_manifest, resolve  # noqa: E402
+from elastic_export.core.budgets import parse_budgets  # noqa: E402
+from elastic_export.core.fileio import atomic_write  # noqa: E402
+from elastic_export.core.manifest import load_manifest, resolve  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -44,7 +44,7 @@ def log(msg: str) -> None:
 
 def preflight() -> list[str]:
     """What is missing for this check (empty: good to go)."""
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
     from elastic_export.targets.tensorrt import cuda_device_count, import_tensorrt
 
     missing = []
@@ -60,8 +60,8 @@ def preflight() -> list[str]:
 
 def export(work: Path, args: argparse.Namespace, need_fp16_onnx: bool) -> Path:
     """The artifact directory (reused when it holds these budgets at this alignment)."""
-    from elastic_export.budgets import parse_budgets
-    from elastic_export.manifest import load_manifest
+    from elastic_export.core.budgets import parse_budgets
+    from elastic_export.core.manifest import load_manifest
     from elastic_export.pipeline import Options, run
 
     out = work / "artifacts"
@@ -82,7 +82,7 @@ def export(work: Path, args: argparse.Namespace, need_fp16_onnx: bool) -> Path:
 
 def engines(art: Path, args: argparse.Namespace) -> dict:
     """Build (or reuse) the fp16 engines; returns the manifest."""
-    from elastic_export.manifest import load_manifest
+    from elastic_export.core.manifest import load_manifest
     from elastic_export.targets.tensorrt import build_engines
 
     m = load_manifest(art)
@@ -102,7 +102,7 @@ def _median_ms(xs: list[float]) -> float:
 
 
 def measure_trt(art: Path, m: dict, args: argparse.Namespace) -> dict[str, dict]:
-    from elastic_export.compare import relative_error
+    from elastic_export.checks.compare import relative_error
     from elastic_export.targets.tensorrt import load_engine
 
     entries = [("dense", m["dense"])] + [(f"{b['sparsity']:.2f}", b) for b in m["budgets"]]

@@ -5,7 +5,7 @@ second opinion) this measures the same budgets as sliced PyTorch modules: the mo
 ViT-B/16, random init: speed depends on shapes, not values) is ranked (``random``), planned at the
 budgets with ``--align`` (default 64, tensor-core friendly widths) exactly as the exporter plans
 them, and every budget is built as a physically sliced copy of the rank-permuted model
-(``elastic_export.reference.sliced_copy``, the torch twin of the per-budget ONNX; the test suite
+(``elastic_export.ranking.reference.sliced_copy``, the torch twin of the per-budget ONNX; the test suite
 checks the two agree within 1e-4). All modules are loaded at once, in ``--dtype`` (fp16 default),
 and measured one by one:
 
@@ -105,15 +105,15 @@ def build(args: argparse.Namespace):
     """(encoder, [(label, plan-or-None, sliced module)]) for the dense model and every budget."""
     import torch
 
-    from elastic_export.adapters import find_blocks
-    from elastic_export.budgets import parse_budgets
-    from elastic_export.export import permuted_module
-    from elastic_export.inventory import build_inventory
-    from elastic_export.loader import load_encoder
-    from elastic_export.plans import make_plans
-    from elastic_export.ranking import Ranking
-    from elastic_export.reference import prefix_keep, sliced_copy
-    from elastic_export.scoring import METHODS
+    from elastic_export.core.budgets import parse_budgets
+    from elastic_export.export.dense import permuted_module
+    from elastic_export.models.adapters import find_blocks
+    from elastic_export.models.inventory import build_inventory
+    from elastic_export.models.loader import load_encoder
+    from elastic_export.ranking.file import Ranking
+    from elastic_export.ranking.plans import make_plans
+    from elastic_export.ranking.reference import prefix_keep, sliced_copy
+    from elastic_export.ranking.scoring import METHODS
 
     torch.manual_seed(args.seed)
     enc = load_encoder(args.model, pretrained=False, seq_len=args.seq_len)
@@ -132,7 +132,7 @@ def build(args: argparse.Namespace):
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from elastic_export.compare import relative_error
+    from elastic_export.checks.compare import relative_error
 
     dtype = getattr(torch, DTYPES[args.dtype])
     cuda_graphs = args.device.startswith("cuda") and args.cuda_graphs

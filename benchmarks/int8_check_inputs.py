@@ -18,8 +18,8 @@ import logging
 import tempfile
 from pathlib import Path
 
+import elastic_export.checks.verify as V
 import elastic_export.pipeline as P
-import elastic_export.verify as V
 
 RESULTS = Path(__file__).parent / "results"
 

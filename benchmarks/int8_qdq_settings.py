@@ -1,4 +1,4 @@
-"""Choose the calibration settings of ``elastic_export.int8_qdq`` (``--precision int8-qdq``) by measurement.
+"""Choose the calibration settings of ``elastic_export.precision.int8_qdq`` (``--precision int8-qdq``) by measurement.
 
 On the embedded all-MiniLM-L6-v2, an artifact directory (``--dir``: the main job's output with the
 dense model and budgets; default: a fresh ``magnitude`` run with budgets 0.3 and 0.6) is quantized
@@ -18,7 +18,7 @@ reference, batches of 8, length-bucketed) less every 4th sample, which is held o
   samples, on held-out retrieval texts (``heldout_pairs``: other text than the calibration source),
   and on the random-token check inputs of ``verify`` (batch 2 x 32 tokens, seeds 0 and 1);
 * latency: batch 8 at 128 tokens, onnxruntime CPU EP, 2 intra-op threads, median of ``--repeats``
-  runs; fp32 and the dynamic int8 file (``elastic_export.int8``) alongside. Rough on a shared machine.
+  runs; fp32 and the dynamic int8 file (``elastic_export.precision.int8``) alongside. Rough on a shared machine.
 
 Usage:
     python benchmarks/int8_qdq_settings.py [--dir DIR] [--repeats 15] [--work DIR]
@@ -41,9 +41,9 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.bench import machine, time_calls  # noqa: E402
-from elastic_export.int8 import embedding, quantize  # noqa: E402
-from elastic_export.int8_qdq import quantize_qdq, split_heldout  # noqa: E402
+from elastic_export.measure.bench import machine, time_calls  # noqa: E402
+from elastic_export.precision.int8 import embedding, quantize  # noqa: E402
+from elastic_export.precision.int8_qdq import quantize_qdq, split_heldout  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SETTINGS = [("MinMax", False, False), ("MinMax", True, False), ("MinMax", True, True), ("Percentile", True, True)]
@@ -74,10 +74,10 @@ def inputs(manifest: dict) -> dict[str, list[dict]]:
     """The feed sets measured: held-out calibration samples, retrieval texts, verify's random tokens."""
     import onnx
 
-    from elastic_export.calibration import load_calibration
-    from elastic_export.loader import load_encoder
-    from elastic_export.retrieval_data import heldout_pairs
-    from elastic_export.verify import sample_inputs
+    from elastic_export.checks.verify import sample_inputs
+    from elastic_export.data.calibration import load_calibration
+    from elastic_export.data.retrieval_data import heldout_pairs
+    from elastic_export.models.loader import load_encoder
 
     enc = load_encoder(None)
     data = split_heldout(load_calibration(enc, None, size=256, batch_size=8, seed=0).batches)
@@ -153,7 +153,7 @@ def markdown(res: dict) -> str:
                      f"{r['heldout_calib_min']:.4f} / {r['heldout_calib_mean']:.4f} | "
                      f"{r['heldout_texts_min']:.4f} / {r['heldout_texts_mean']:.4f} | "
                      f"{r['verify_random_min']:.4f} / {r['verify_random_mean']:.4f} | {r['batch8_ms']} |")
-    lines += ["", f"Chosen: {res['chosen']}. See the docstring of `elastic_export/int8_qdq.py`."]
+    lines += ["", f"Chosen: {res['chosen']}. See the docstring of `elastic_export/precision/int8_qdq.py`."]
     return "\n".join(lines) + "\n"
 
 

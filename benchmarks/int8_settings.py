@@ -1,11 +1,11 @@
-"""Choose the dynamic-quantization settings of ``elastic_export.int8`` by measurement.
+"""Choose the dynamic-quantization settings of ``elastic_export.precision.int8`` by measurement.
 
 On the embedded all-MiniLM-L6-v2 (``load_encoder(None)``), the main job (``magnitude`` ranking, no
 elastic graph) writes the dense ONNX and one budget; each is quantized with every combination of
 ``per_channel`` and ``reduce_range`` (int8 weights on MatMul / Gemm, ``QInt8``). For each file:
 
 * accuracy: the min and mean cosine of ``sentence_embedding`` vs the fp32 file on held-out texts
-  (queries and docs of ``elastic_export.retrieval_data.heldout_pairs``, not calibration text),
+  (queries and docs of ``elastic_export.data.retrieval_data.heldout_pairs``, not calibration text),
   tokenized to at most 128 tokens, run 8 at a time. Exact (deterministic).
 * latency: batch 8 (the first 8 texts, padded to 128 tokens), onnxruntime CPU EP, 2 intra-op
   threads; median of ``--repeats`` runs after warm-up. Rough on a shared machine.
@@ -30,8 +30,8 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.bench import machine, time_calls  # noqa: E402
-from elastic_export.int8 import embedding, min_cosine, quantize  # noqa: E402
+from elastic_export.measure.bench import machine, time_calls  # noqa: E402
+from elastic_export.precision.int8 import embedding, min_cosine, quantize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SETTINGS = [(pc, rr) for pc in (False, True) for rr in (False, True)]
@@ -50,7 +50,7 @@ def build(work: Path, budget: float) -> Path:
 
 def text_feeds(texts: list[str], names: list[str], batch: int, pad: bool = False) -> list[dict[str, np.ndarray]]:
     """Tokenized batches of ``texts`` (MiniLM tokenizer, <= 128 tokens) restricted to ``names``."""
-    from elastic_export.loader import load_encoder
+    from elastic_export.models.loader import load_encoder
 
     tok = load_encoder(None).tokenizer
     out = []
@@ -110,7 +110,7 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['file']} | {r['precision']} | {r['per_channel']} | {r['reduce_range']} | {r['mb']} | "
                      f"{r['min_cosine']:.5f} | {r['mean_cosine']:.5f} | {r['batch8_ms']} |")
-    lines += ["", f"Chosen: {res['chosen']}. See the docstring of `elastic_export/int8.py` for why."]
+    lines += ["", f"Chosen: {res['chosen']}. See the docstring of `elastic_export/precision/int8.py` for why."]
     return "\n".join(lines) + "\n"
 
 
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
-    from elastic_export.retrieval_data import heldout_pairs
+    from elastic_export.data.retrieval_data import heldout_pairs
 
     work = Path(args.work or tempfile.mkdtemp(prefix="int8-settings-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ A work directory is reused when it holds the requested budgets (or more) with th
 alignment and ranking method. ``--interleave`` suits a busy machine (see ``measure_interleaved``).
 
 ``--variants fused`` also times the onnxruntime-transformer-optimised copy of every graph
-(``elastic_export.ort_optimize``). Writes ``RESULTS/NAME.json`` and ``RESULTS/NAME.md``.
+(``elastic_export.precision.ort_optimize``). Writes ``RESULTS/NAME.json`` and ``RESULTS/NAME.md``.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.bench import busy_warning, machine, time_calls  # noqa: E402
-from elastic_export.budgets import parse_budgets  # noqa: E402
-from elastic_export.errors import UserError  # noqa: E402
-from elastic_export.loader import DEFAULT_MODEL  # noqa: E402
-from elastic_export.manifest import load_manifest, resolve  # noqa: E402
+from elastic_export.core.budgets import parse_budgets  # noqa: E402
+from elastic_export.core.errors import UserError  # noqa: E402
+from elastic_export.core.manifest import load_manifest, resolve  # noqa: E402
+from elastic_export.measure.bench import busy_warning, machine, time_calls  # noqa: E402
+from elastic_export.models.loader import DEFAULT_MODEL  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 INTERLEAVED = " (graphs interleaved run by run; no memory arena, no thread spinning)"
@@ -150,7 +150,7 @@ def file_digest(path: Path) -> str:
 
 def fused_copy(path: Path) -> Path:
     """The onnxruntime-transformer-optimised copy of ``path`` (made once, verified)."""
-    from elastic_export.ort_optimize import optimize_onnx, optimized_name
+    from elastic_export.precision.ort_optimize import optimize_onnx, optimized_name
 
     out = path.with_name(optimized_name(path.name))
     if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from rank_scaling import machine  # noqa: E402
 
-from elastic_export.frontier import pareto_frontier  # noqa: E402
+from elastic_export.measure.frontier import pareto_frontier  # noqa: E402
 
 BATCHES = (1, 8, 32)
 TARGET = {"sparsity": 0.6, "precision": "int8", "batch": 8, "speedup": 4.0, "recall_kept": 0.95}

@@ -74,13 +74,13 @@ def child(args: argparse.Namespace) -> dict:
     """Rank one model in this process; return the measurements."""
     import torch
 
-    from elastic_export import distributed as ddp
-    from elastic_export.calibration import load_calibration
-    from elastic_export.inventory import build_inventory
-    from elastic_export.loader import load_encoder
-    from elastic_export.rank_options import ElasticConfig
-    from elastic_export.scoring import METHODS
-    from elastic_export.soft_ranking import optimise_ranking
+    from elastic_export.data.calibration import load_calibration
+    from elastic_export.models.inventory import build_inventory
+    from elastic_export.models.loader import load_encoder
+    from elastic_export.ranking import distributed as ddp
+    from elastic_export.ranking.options import ElasticConfig
+    from elastic_export.ranking.scoring import METHODS
+    from elastic_export.ranking.soft_ranking import optimise_ranking
 
     t0 = time.perf_counter()
     enc = load_encoder(model_path(args.child), seq_len=args.seq_len)

@@ -1,7 +1,7 @@
 """Ranking quality on the real all-MiniLM-L6-v2: every ranking method, sparsity 0.05..0.60.
 
 For each method the ranking is built on the default calibration text (the Python reference,
-``pydoc_data.topics``), the artifacts are exported, and ``elastic_export.evaluation`` evaluates the
+``pydoc_data.topics``), the artifacts are exported, and ``elastic_export.measure.evaluation`` evaluates the
 ONNX files on a held-out retrieval set built from standard-library docstrings (not the calibration
 text): asymmetric recall@1/@10 against a dense index, symmetric recall, fidelity (cosine to dense).
 
@@ -27,13 +27,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.budgets import parse_budgets  # noqa: E402
-from elastic_export.evaluation import evaluate, plot_results, write_results  # noqa: E402
-from elastic_export.inventory import build_inventory  # noqa: E402
-from elastic_export.loader import load_encoder  # noqa: E402
+from elastic_export.core.budgets import parse_budgets  # noqa: E402
+from elastic_export.data.retrieval_data import heldout_pairs  # noqa: E402
+from elastic_export.measure.evaluation import evaluate, plot_results, write_results  # noqa: E402
+from elastic_export.models.inventory import build_inventory  # noqa: E402
+from elastic_export.models.loader import load_encoder  # noqa: E402
 from elastic_export.pipeline import Options, rank_encoder, run  # noqa: E402
-from elastic_export.ranking import save_ranking  # noqa: E402
-from elastic_export.retrieval_data import heldout_pairs  # noqa: E402
+from elastic_export.ranking.file import save_ranking  # noqa: E402
 
 METHODS = ["elastic", "initial", "fisher", "activation", "variance", "magnitude", "random"]
 RESULTS = Path(__file__).parent / "results"

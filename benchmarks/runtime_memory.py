@@ -59,9 +59,9 @@ KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}
 CHILD = r"""
 import json, sys, time
 import numpy as np
-from elastic_export.bench import sample_feeds
-from elastic_export.manifest import load_manifest
-from elastic_export.runtime import ElasticRuntime
+from elastic_export.measure.bench import sample_feeds
+from elastic_export.core.manifest import load_manifest
+from elastic_export.serving.runtime import ElasticRuntime
 from elastic_export.targets.onnxruntime import SessionConfig
 from pathlib import Path
 

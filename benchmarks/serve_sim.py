@@ -10,7 +10,7 @@ same offered load however busy the machine is (the service times themselves are 
 machine makes both slower alike).
 
 * **dense-only**: ``rt.set_budget(0.0)`` for every request.
-* **load-adaptive**: :class:`elastic_export.runtime.LoadAdaptivePolicy` with the measured p50
+* **load-adaptive**: :class:`elastic_export.serving.runtime.LoadAdaptivePolicy` with the measured p50
   service times; at every dispatch the server reports the queue depth and the arrival rate over
   the last ``--rate-window`` seconds (``rt.observe``), and the request runs at the policy's budget
   (``--high-utilization`` / ``--low-utilization``, the hysteresis band: the policy's own
@@ -46,7 +46,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_profile, measure_switch_cost  # noqa: E402
+from elastic_export.serving.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_profile, measure_switch_cost  # noqa: E402
 from elastic_export.targets.onnxruntime import SessionConfig  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from serve_sim import DEFAULT_ARTIFACTS, DEFAULT_PROFILE, arrivals, ensure_artifacts, parse_profile  # noqa: E402
 
-from elastic_export.manifest import Manifest  # noqa: E402
+from elastic_export.core.manifest import Manifest  # noqa: E402
 from elastic_export.targets.triton import build_repository  # noqa: E402
 from elastic_export.targets.tritonserver import TritonServer, free_port_block  # noqa: E402
 

@@ -38,15 +38,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import onnx  # noqa: E402
 
-from elastic_export.bench import machine  # noqa: E402
-from elastic_export.budgets import budget_tag, parse_budgets  # noqa: E402
-from elastic_export.export import export_dense  # noqa: E402
-from elastic_export.fileio import atomic_write  # noqa: E402
-from elastic_export.inventory import build_inventory  # noqa: E402
-from elastic_export.loader import load_encoder  # noqa: E402
+from elastic_export.core.budgets import budget_tag, parse_budgets  # noqa: E402
+from elastic_export.core.fileio import atomic_write  # noqa: E402
+from elastic_export.export.dense import export_dense  # noqa: E402
+from elastic_export.measure.bench import machine  # noqa: E402
+from elastic_export.models.inventory import build_inventory  # noqa: E402
+from elastic_export.models.loader import load_encoder  # noqa: E402
 from elastic_export.passes import BudgetSlicer, slice_model  # noqa: E402
 from elastic_export.pipeline import Options, rank_encoder  # noqa: E402
-from elastic_export.plans import make_plans  # noqa: E402
+from elastic_export.ranking.plans import make_plans  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

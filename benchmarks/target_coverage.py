@@ -126,8 +126,8 @@ def train_encoder(path: Path, steps: int, seed: int, model_args: dict) -> dict:
     import timm
     import torch
 
-    from elastic_export.loader import load_encoder
-    from elastic_export.preprocess import transform
+    from elastic_export.models.loader import load_encoder
+    from elastic_export.models.preprocess import transform
 
     if (path / ".trained.json").is_file():
         return json.loads((path / ".trained.json").read_text())

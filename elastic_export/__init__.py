@@ -2,4 +2,4 @@
 
 __version__ = "0.1.0"
 
-from elastic_export.errors import UserError  # noqa: E402,F401
+from elastic_export.core.errors import UserError  # noqa: E402,F401

@@ -1,4 +1,4 @@
-from elastic_export.cli import main
+from elastic_export.cli.main import main
 
 if __name__ == "__main__":
     main()

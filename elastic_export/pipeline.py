@@ -20,19 +20,13 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from elastic_export import __version__, int8_qdq, onnx_io, preprocess, st_layout, text
-from elastic_export.budgets import budget_tag
-from elastic_export.calibration import Calibration, load_calibration
-from elastic_export.compare import ATOL, compare_outputs
-from elastic_export.encoder import Encoder
-from elastic_export.errors import Interrupted, UserError, first_line
-from elastic_export.export import export_dense
-from elastic_export.fileio import OutputLock, check_creatable, umask
-from elastic_export.fp16 import add_fp16
-from elastic_export.int8 import add_int8, parse_precisions
-from elastic_export.inventory import Inventory, build_inventory
-from elastic_export.loader import load_encoder
-from elastic_export.manifest import (
+from elastic_export import __version__
+from elastic_export.checks.compare import ATOL, compare_outputs
+from elastic_export.core import onnx_io
+from elastic_export.core.budgets import budget_tag
+from elastic_export.core.errors import Interrupted, UserError, first_line
+from elastic_export.core.fileio import OutputLock, check_creatable, umask
+from elastic_export.core.manifest import (
     BUDGET_INPUT,
     DENSE_FILE,
     ELASTIC_FILE,
@@ -48,14 +42,24 @@ from elastic_export.manifest import (
     io_specs,
     write_manifest,
 )
-from elastic_export.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
+from elastic_export.data.calibration import Calibration, load_calibration
+from elastic_export.export.dense import export_dense
+from elastic_export.models import preprocess, text
+from elastic_export.models.encoder import Encoder
+from elastic_export.models.inventory import Inventory, build_inventory
+from elastic_export.models.loader import load_encoder
 from elastic_export.passes import BudgetSlicer, build_elastic_model, dense_counts
-from elastic_export.plans import BudgetPlan, check_align, make_plans
-from elastic_export.rank_options import cover_budgets, targets_spec
-from elastic_export.ranking import Ranking, load_ranking, make_meta, save_ranking
-from elastic_export.reference import hard_mask, ranked_keep
-from elastic_export.scoring import METHODS, NEEDS_DATA
-from elastic_export.soft_ranking import ElasticConfig, resume_hint
+from elastic_export.precision import int8_qdq
+from elastic_export.precision.fp16 import add_fp16
+from elastic_export.precision.int8 import add_int8, parse_precisions
+from elastic_export.precision.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
+from elastic_export.ranking.file import Ranking, load_ranking, make_meta, save_ranking
+from elastic_export.ranking.options import cover_budgets, targets_spec
+from elastic_export.ranking.plans import BudgetPlan, check_align, make_plans
+from elastic_export.ranking.reference import hard_mask, ranked_keep
+from elastic_export.ranking.scoring import METHODS, NEEDS_DATA
+from elastic_export.ranking.soft_ranking import ElasticConfig, resume_hint
+from elastic_export.serving import st_layout
 from elastic_export.targets.onnxruntime import cpu_session
 
 LAYOUTS = ("artifacts", st_layout.LAYOUT)
@@ -87,13 +91,13 @@ class Options:
     trust_remote_code: bool = False
     revision: str | None = None  # hub ids: branch, tag or commit
     tower: str | None = None  # "text" / "vision": one tower of a dual-encoder directory (CLIP, SigLIP)
-    precision: str = "fp32"  # comma list: fp16 / int8 also write a twin of every ONNX file (elastic_export.fp16, .int8)
+    precision: str = "fp32"  # comma list: fp16 / int8 also write a twin of every ONNX file (elastic_export.precision.fp16, .int8)
     elastic_graph: bool = True  # also one elastic ONNX whose budget_index input selects the budget
-    ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.ort_optimize)
+    ort_optimize: bool = False  # also onnxruntime-optimised copies (elastic_export.precision.ort_optimize)
     external_data: bool | None = None  # weights in NAME.onnx.data: True always, None above 2 GiB (onnx_io)
-    report: bool = True  # also DIR/report.html (elastic_export.report); a failure to render only warns
-    layout: str = "artifacts"  # "sentence-transformers": also DIR/sentence-transformers/ (elastic_export.st_layout)
-    quick_eval: bool = True  # quality and speed of every (budget, precision) (elastic_export.quick_eval); a failure only warns
+    report: bool = True  # also DIR/report.html (elastic_export.report.page); a failure to render only warns
+    layout: str = "artifacts"  # "sentence-transformers": also DIR/sentence-transformers/ (elastic_export.serving.st_layout)
+    quick_eval: bool = True  # quality and speed of every (budget, precision) (measure.quick_eval); a failure only warns
 
 
 def _twins(name: str, fp16: dict, int8: dict, qdq: dict) -> dict:
@@ -213,11 +217,11 @@ def masked_outputs(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, feeds: 
 
 
 def check_outputs(got: list[np.ndarray], want: list[np.ndarray], what: str) -> float:
-    """The max abs error of ``got`` against ``want`` (:func:`elastic_export.compare.compare_outputs`;
+    """The max abs error of ``got`` against ``want`` (:func:`elastic_export.checks.compare.compare_outputs`;
     the float32 difference, as the manifest has always recorded it).
 
     Raises:
-        RuntimeError: ``"{what} by {error}"`` above :data:`elastic_export.compare.ATOL`.
+        RuntimeError: ``"{what} by {error}"`` above :data:`elastic_export.checks.compare.ATOL`.
     """
     result = compare_outputs(got, want, ATOL, dtype=np.float32)
     if not result.ok:
@@ -241,7 +245,7 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
             and compared with the hard-masked torch model, the dense index with ``dense.onnx``
             (max abs error must be ≤ 1e-4).
         refs: :func:`masked_outputs` of every plan on ``feeds``.
-        precision: ``fp16`` also writes ``elastic.fp16.onnx`` (:func:`elastic_export.fp16.to_fp16`),
+        precision: ``fp16`` also writes ``elastic.fp16.onnx`` (:func:`elastic_export.precision.fp16.to_fp16`),
             checked at every index against the fp32 elastic graph (relative error ≤ 1e-2).
 
     Returns:
@@ -311,7 +315,7 @@ def write_st_layout(tmp: Path, out: Path, manifest: Manifest, echo: Callable[[st
 def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]) -> None:
     """Render ``directory/report.html`` (shown as ``out``); a failure only warns: it never costs the artifacts."""
     try:
-        from elastic_export.report import write_report
+        from elastic_export.report.page import write_report
 
         write_report(directory, name=str(out))
     except Exception as e:  # noqa: BLE001 - the report is a view of the artifacts, not one of them
@@ -320,9 +324,9 @@ def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]
 
 def quick_eval_or_warn(directory: Path, manifest: Manifest, encoder: Encoder, opts: Options,
                        echo: Callable[[str], None]) -> Manifest:
-    """Add the ``quick_eval`` entry (:mod:`elastic_export.quick_eval`) to the manifest in ``directory``;
+    """Add the ``quick_eval`` entry (:mod:`elastic_export.measure.quick_eval`) to the manifest in ``directory``;
     a failure only warns (the entry is then null): the measurements never cost the artifacts."""
-    from elastic_export.quick_eval import run_quick_eval
+    from elastic_export.measure.quick_eval import run_quick_eval
 
     try:
         entry = run_quick_eval(directory, manifest, encoder, opts.calib, opts.calib_size, opts.seed, echo)

@@ -8,7 +8,7 @@ Default: the embedded all-MiniLM-L6-v2 with the paper's optimised ranking (about
 
 import argparse
 
-from elastic_export.budgets import parse_budgets
+from elastic_export.core.budgets import parse_budgets
 from elastic_export.pipeline import Options, run
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

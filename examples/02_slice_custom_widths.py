@@ -14,10 +14,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from elastic_export.manifest import load_manifest, resolve
+from elastic_export.checks.verify import sample_inputs
+from elastic_export.core.manifest import load_manifest, resolve
+from elastic_export.core.unit_map import get_units
 from elastic_export.passes import BudgetSlicer
-from elastic_export.unit_map import get_units
-from elastic_export.verify import sample_inputs
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("directory", type=Path)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import onnx
 
-from elastic_export.manifest import load_manifest, resolve
-from elastic_export.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_switch_cost
+from elastic_export.checks.verify import sample_inputs
+from elastic_export.core.manifest import load_manifest, resolve
+from elastic_export.serving.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_switch_cost
 from elastic_export.targets.onnxruntime import SessionConfig
-from elastic_export.verify import sample_inputs
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("directory", type=Path)

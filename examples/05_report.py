@@ -10,7 +10,7 @@ replace the main job's quick eval in the quality, speed and recommendation secti
 import argparse
 from pathlib import Path
 
-from elastic_export.report import write_report
+from elastic_export.report.page import write_report
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("directory", type=Path)

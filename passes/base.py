@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from elastic_export.errors import UserError, first_line
+from elastic_export.core.errors import UserError, first_line
 
 
 @dataclass
@@ -62,7 +62,7 @@ def constants(graph: gs.Graph) -> dict[str, gs.Constant]:
 
 def verify(model: onnx.ModelProto, after: str) -> None:
     """The full check: ``onnx.checker`` accepts the model and no initializer is 0-sized."""
-    from elastic_export import onnx_io
+    from elastic_export.core import onnx_io
 
     try:
         onnx_io.check(model)
@@ -193,8 +193,8 @@ def _check_counts(units) -> None:
                         f"neuron counts and widths); {_FIX}")
 
 
-def _dense_units(dense: onnx.ModelProto) -> list[dict]:
-    from elastic_export.unit_map import get_units
+def dense_units(dense: onnx.ModelProto) -> list[dict]:
+    from elastic_export.core.unit_map import get_units
 
     try:
         units = get_units(dense)
@@ -278,10 +278,10 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
         full_check: ``onnx.checker`` and strict shape inference on the result (the expensive
             part: both serialise the weights). Every pass is checked in memory either way.
     """
+    from elastic_export.core.unit_map import set_units
     from elastic_export.passes import BUDGET_PIPELINE
-    from elastic_export.unit_map import set_units
 
-    ctx = _budget_context(_dense_units(dense), heads, neurons)
+    ctx = _budget_context(dense_units(dense), heads, neurons)
     out = run_passes(dense, names or BUDGET_PIPELINE, ctx, full_check=full_check)
     del out.graph.value_info[:]
     set_units(out, _sliced_units(ctx))
@@ -306,11 +306,11 @@ class BudgetSlicer:
     """
 
     def __init__(self, dense: onnx.ModelProto, names: list[str] | None = None, external: bool | None = None) -> None:
-        from elastic_export.onnx_io import model_skeleton
+        from elastic_export.core.onnx_io import model_skeleton
         from elastic_export.passes import BUDGET_PIPELINE
         from elastic_export.passes.serialize import TensorCache
 
-        self.units = _dense_units(dense)
+        self.units = dense_units(dense)
         self.names = list(names or BUDGET_PIPELINE)
         self._graph = gs.import_onnx(dense)
         check_unit_map(self._graph, self.units)
@@ -327,8 +327,8 @@ class BudgetSlicer:
             path: the ``.onnx`` file to write.
             full_check: also run ``onnx.checker`` with strict shape inference on the written file.
         """
+        from elastic_export.core.unit_map import set_units
         from elastic_export.passes.serialize import save_graph
-        from elastic_export.unit_map import set_units
 
         ctx = _budget_context(self.units, heads, neurons)
         graph = apply_passes(self._graph.copy(), self.names, ctx, check=True)

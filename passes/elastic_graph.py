@@ -34,11 +34,11 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from elastic_export import onnx_io
-from elastic_export.errors import UserError
-from elastic_export.manifest import BUDGET_INPUT
+from elastic_export.core import onnx_io
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import BUDGET_INPUT
 from elastic_export.passes.base import PassContext, constants, kv_kept, nodes_by_name, register_pass, run_passes
-from elastic_export.passes.head_reshapes import _shape_rank
+from elastic_export.passes.head_reshapes import shape_rank
 
 ELASTIC_KEY = "elastic_export.elastic"
 BUDGET = "elastic/budget"
@@ -261,7 +261,7 @@ def elastic_head_reshapes(graph: gs.Graph, ctx: ElasticContext) -> gs.Graph:
         for j, (p, n) in enumerate(split):
             node = nodes[p["reshape"]]
             cols = [zeros, zeros] + ([np.full_like(h, p["groups"])] if p["groups"] > 1 else []) + [n, np.full_like(h, d)]
-            rank = _shape_rank(node)
+            rank = shape_rank(node)
             if rank is not None and rank != len(cols):
                 raise RuntimeError(f"layer {i}: split reshape {node.name} has rank {rank}, expected {len(cols)}")
             node.inputs[1] = _select(graph, np.stack(cols, axis=1), f"elastic/l{i}/split_shape_{j}")
@@ -290,10 +290,10 @@ def build_elastic_model(dense: onnx.ModelProto, heads: list[list[int]], neurons:
     Raises:
         UserError: no budgets, tables of the wrong shape, or counts outside ``[0, count]``.
     """
-    from elastic_export.passes.base import _dense_units
-    from elastic_export.unit_map import UNITS_KEY
+    from elastic_export.core.unit_map import UNITS_KEY
+    from elastic_export.passes.base import dense_units
 
-    units = _dense_units(dense)
+    units = dense_units(dense)
     if not heads or len(heads) != len(neurons):
         raise UserError(f"need one head and one neuron plan per budget (got {len(heads)} and {len(neurons)})")
     for b, (hb, nb) in enumerate(zip(heads, neurons)):
@@ -323,9 +323,9 @@ def build_elastic_model(dense: onnx.ModelProto, heads: list[list[int]], neurons:
 def dense_counts(dense: onnx.ModelProto) -> tuple[list[int], list[int]]:
     """Per layer, every head and every neuron of the dense model: the table row of the elastic
     graph's dense index (sparsity 0.0), to append after the budgets' rows."""
-    from elastic_export.passes.base import _dense_units
+    from elastic_export.passes.base import dense_units
 
-    units = _dense_units(dense)
+    units = dense_units(dense)
     return [layer["heads"]["count"] for layer in units], [layer["neurons"]["count"] for layer in units]
 
 

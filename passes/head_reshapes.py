@@ -8,7 +8,7 @@ import onnx_graphsurgeon as gs
 from elastic_export.passes.base import PassContext, kv_kept, nodes_by_name, register_pass
 
 
-def _shape_rank(node: gs.Node) -> int | None:
+def shape_rank(node: gs.Node) -> int | None:
     shape = node.inputs[1]
     if isinstance(shape, gs.Constant):
         return int(np.asarray(shape.values).size)
@@ -38,7 +38,7 @@ def fix_head_reshapes(graph: gs.Graph, ctx: PassContext) -> gs.Graph:
         for p, n in split:
             node = nodes[p["reshape"]]
             dims = [0, 0] + ([p["groups"]] if p["groups"] > 1 else []) + [n, d]
-            rank = _shape_rank(node)
+            rank = shape_rank(node)
             if rank is not None and rank != len(dims):
                 raise RuntimeError(f"layer {i}: split reshape {node.name} has rank {rank}, expected {len(dims)}")
             node.inputs[1] = gs.Constant(f"{node.name}/heads_shape", np.array(dims, dtype=np.int64))

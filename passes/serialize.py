@@ -12,7 +12,7 @@ The file is an ordinary ONNX protobuf: fields may come in any order and a repeat
 elements may be appended anywhere (the protobuf encoding rules every parser follows), so
 ``onnx.load``, onnxruntime and TensorRT read it as they read ``onnx.save``'s output; the tests
 check that it loads back equal to ``gs.export_onnx`` of the same graph. A model whose weights pass
-protobuf's 2 GiB keeps them in ``NAME.onnx.data`` (ONNX external data, :mod:`elastic_export.onnx_io`):
+protobuf's 2 GiB keeps them in ``NAME.onnx.data`` (ONNX external data, :mod:`elastic_export.core.onnx_io`):
 the records then hold each tensor's offset and length, and the bytes stream to the data file.
 """
 
@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from elastic_export import onnx_io
+from elastic_export.core import onnx_io
 
 _MODEL_GRAPH = 7  # ModelProto.graph
 _GRAPH_INITIALIZER = 5  # GraphProto.initializer
@@ -150,7 +150,7 @@ def save_graph(graph: gs.Graph, skeleton: onnx.ModelProto, path: str | Path, cac
         path: the ``.onnx`` file.
         cache: serialised records of untouched weights, shared across calls.
         external: weights to ``path.data`` (ONNX external data): True, False, or None for
-            :func:`elastic_export.onnx_io.needs_external` by size (a protobuf holds at most 2 GiB).
+            :func:`elastic_export.core.onnx_io.needs_external` by size (a protobuf holds at most 2 GiB).
 
     Returns:
         True when an external data file was written.

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from elastic_export.errors import UserError, first_line
+from elastic_export.core.errors import UserError, first_line
 from elastic_export.targets.profiles import Profile
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
@@ -198,7 +198,7 @@ def cpu_session(model: Any, threads: int | None = None, options: Any = None):
 
     Args:
         model: an ONNX file (``str`` / ``Path``), its serialized bytes, or an ``onnx.ModelProto``. A
-            model whose weights are over :data:`elastic_export.onnx_io.INLINE_LIMIT` cannot be
+            model whose weights are over :data:`elastic_export.core.onnx_io.INLINE_LIMIT` cannot be
             serialized in one protobuf: it goes through a scratch file with external data, removed
             with the session.
         threads: intra-op threads (None: onnxruntime's default, or what ``options`` says).
@@ -214,7 +214,7 @@ def cpu_session(model: Any, threads: int | None = None, options: Any = None):
         options.intra_op_num_threads = threads
     scratch = None
     if hasattr(model, "SerializeToString"):  # an onnx.ModelProto (onnx itself is imported only here)
-        from elastic_export import onnx_io
+        from elastic_export.core import onnx_io
 
         if onnx_io.weight_bytes(model) >= onnx_io.INLINE_LIMIT:
             import tempfile

@@ -8,7 +8,7 @@
 
 Sessions come from :mod:`elastic_export.targets.onnxruntime` (``providers`` / ``config`` choose the
 provider; onnxruntime's TensorRT execution provider gets the manifest's shape range,
-:func:`tensorrt_ep_profile`). Registered as ``onnxruntime`` in :mod:`elastic_export.backends`.
+:func:`tensorrt_ep_profile`). Registered as ``onnxruntime`` in :mod:`elastic_export.serving.backends`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from elastic_export.backends import Backend, Budget, Loaded, manifest_sparsity
-from elastic_export.errors import UserError
-from elastic_export.manifest import BUDGET_INPUT, MANIFEST, Manifest, as_manifest
-from elastic_export.precision import FILE_KEYS
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import BUDGET_INPUT, MANIFEST, Manifest, as_manifest
+from elastic_export.core.precisions import FILE_KEYS
+from elastic_export.serving.backends import Backend, Budget, Loaded, manifest_sparsity
 from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, check_provider, make_session, shared_initializers
 from elastic_export.targets.profiles import Profile, compute_profile
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_export.errors import UserError
-from elastic_export.manifest import MANIFEST, Manifest, as_manifest
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import MANIFEST, Manifest, as_manifest
 
 DEFAULT_MIN_BATCH, DEFAULT_OPT_BATCH, DEFAULT_MAX_BATCH = 1, 32, 128
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")

@@ -23,7 +23,7 @@ string (Polygraphy's ``try_set_flag`` style):
 
 **INT8.** Explicit quantization only: the directory's QDQ files (``onnx_int8_qdq``, written by
 ``--precision int8-qdq``: int8 weights per output channel, symmetric int8 activations, Q/DQ on the
-weight MatMuls' inputs; :mod:`elastic_export.int8_qdq`) are parsed, never the fp32 ONNX with a
+weight MatMuls' inputs; :mod:`elastic_export.precision.int8_qdq`) are parsed, never the fp32 ONNX with a
 calibrator (TensorRT 11 has none, and the dynamic ``*.int8.onnx`` files use onnxruntime-only ops).
 Feature checks again (:func:`int8_mode`): where ``BuilderFlag.INT8`` exists (TensorRT 10) the network
 is parsed as before and the flag set, so the Q/DQ layers may run int8 kernels; otherwise (TensorRT 11,
@@ -41,7 +41,7 @@ older ``cuda.cudart``) for device memory and falls back to torch CUDA tensors on
 
 **Atomicity.** Engines are first written to temporary files in the directory; only when every
 engine has been built are they renamed to their final names and the manifest rewritten
-(atomically, :func:`elastic_export.manifest.write_manifest`). A failed build leaves the previous
+(atomically, :func:`elastic_export.core.manifest.write_manifest`). A failed build leaves the previous
 engines and manifest as they were.
 """
 
@@ -56,9 +56,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from elastic_export.errors import ERROR_CHARS, UserError, first_line
-from elastic_export.fileio import atomic_write, existing_dir
-from elastic_export.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.core.errors import ERROR_CHARS, UserError, first_line
+from elastic_export.core.fileio import atomic_write, existing_dir
+from elastic_export.core.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
 from elastic_export.targets.profiles import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MIN_BATCH,
@@ -233,7 +233,7 @@ def try_clear_flag(config: Any, flags: Any, name: str) -> bool:
 
 
 FP32_LAYER_TYPES = ("NORMALIZATION", "SOFTMAX", "REDUCE")
-"""Layer types kept in fp32 in builder-flag fp16 builds: the ops ``elastic_export.fp16`` keeps in fp32
+"""Layer types kept in fp32 in builder-flag fp16 builds: the ops ``elastic_export.precision.fp16`` keeps in fp32
 (norms, softmax, reductions: they accumulate, and LayerNorm after attention can overflow fp16)."""
 
 

@@ -37,12 +37,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from elastic_export.backends import TRITON_BUDGET_BACKENDS
-from elastic_export.budgets import budget_tag
-from elastic_export.errors import UserError, first_line
-from elastic_export.fileio import existing_dir, umask
-from elastic_export.manifest import LATENCY_PROFILE, MANIFEST, Manifest, as_manifest, resolve, write_manifest
-from elastic_export.policies import ROUTER_POLICIES
+from elastic_export.core.budgets import budget_tag
+from elastic_export.core.errors import UserError, first_line
+from elastic_export.core.fileio import existing_dir, umask
+from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.serving.backends import TRITON_BUDGET_BACKENDS
+from elastic_export.serving.policies import ROUTER_POLICIES
 from elastic_export.targets import triton_onnx_model as ort_model
 from elastic_export.targets import triton_router as router
 
@@ -55,7 +55,7 @@ READY_TIMEOUT_S = 300  # how long the router waits, at load, for its budget mode
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 PLATFORMS = TRITON_BUDGET_BACKENDS
 POLICIES = ROUTER_POLICIES
-assert router.POLICIES == POLICIES, "targets/triton_router.py spells the policies as elastic_export.policies does"
+assert router.POLICIES == POLICIES, "targets/triton_router.py spells the policies as elastic_export.serving.policies does"
 ORT_MODEL_FILE = "triton_onnx_model.py"  # the python-backend budget model, copied verbatim as its model.py
 SPARSITY_INPUT = router.SPARSITY_INPUT
 SERVED_OUTPUT = router.SERVED_OUTPUT
@@ -282,7 +282,7 @@ def _io(directory: Path, manifest: Manifest, models: Sequence[ServedModel]) -> t
         return [v.to_dict() for v in manifest.inputs], [v.to_dict() for v in manifest.outputs]
     import onnx
 
-    from elastic_export.manifest import io_specs
+    from elastic_export.core.manifest import io_specs
 
     g = onnx.load(str(resolve(directory, fp16[0].source)), load_external_data=False).graph
     return io_specs(g.input), io_specs(g.output)
@@ -309,8 +309,8 @@ def _check_onnx(path: Path, what: str) -> None:
 
 # --- building -------------------------------------------------------------------------------------
 def _data_files(model: Path) -> list[Path]:
-    """The external data file of an ONNX file, if it has one (:func:`elastic_export.onnx_io.files`)."""
-    from elastic_export import onnx_io
+    """The external data file of an ONNX file, if it has one (:func:`elastic_export.core.onnx_io.files`)."""
+    from elastic_export.core import onnx_io
 
     return onnx_io.files(model)[1:]
 
@@ -490,7 +490,7 @@ def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[s
     if plan.profile is not None:
         shutil.copyfile(plan.profile, staging / plan.name / "1" / router.PROFILE_FILE)
     if plan.tokenizer is not None:
-        from elastic_export.text import copy_tokenizer
+        from elastic_export.models.text import copy_tokenizer
 
         copy_tokenizer(plan.tokenizer, staging / plan.name / "1" / router.TOKENIZER_DIR)
     (staging / plan.name / "1" / "model.py").write_text(router_source())
@@ -528,9 +528,9 @@ def write_repository(directory: Path, plan: RepositoryPlan, configs: dict[str, s
 
 
 def _tokenizer_folder(directory: Path, manifest: Manifest) -> Path | None:
-    """Where the text input's tokenizer files are (:func:`elastic_export.text.tokenizer_folder`); None
+    """Where the text input's tokenizer files are (:func:`elastic_export.models.text.tokenizer_folder`); None
     for a model without text inputs or without a ``tokenizer.json`` anywhere."""
-    from elastic_export.text import tokenizer_folder
+    from elastic_export.models.text import tokenizer_folder
 
     if "input_ids" not in [v.name for v in manifest.inputs]:
         return None

@@ -5,8 +5,8 @@ triton`` (:func:`elastic_export.targets.triton.build_repository`); it is also an
 the package (``elastic_export.targets.triton_router``), linted and unit-tested. Its core imports the
 standard library and numpy only, plus Triton's in-server ``triton_python_backend_utils`` when that
 exists. Two features import more, only when the config asks for them: load-adaptive routing
-(``policy: adaptive``) imports :mod:`elastic_export.policies`, and the ``text`` input imports
-:mod:`elastic_export.text` (the ``tokenizers`` library); ``elastic-export serve`` runs the server with
+(``policy: adaptive``) imports :mod:`elastic_export.serving.policies`, and the ``text`` input imports
+:mod:`elastic_export.models.text` (the ``tokenizers`` library); ``elastic-export serve`` runs the server with
 the project's own Python, where both are installed.
 
 Everything that differs between repositories lives in the router's ``config.pbtxt``: its
@@ -266,16 +266,16 @@ def _ewma(table: Dict[float, float], key: float, value: float, weight: float = 0
 
 
 class AdaptiveRouting:
-    """The project's :class:`~elastic_export.policies.LoadAdaptivePolicy` fed with what the router
+    """The project's :class:`~elastic_export.serving.policies.LoadAdaptivePolicy` fed with what the router
     observes. Queue depth: the requests already in flight when one arrives. Service times, where the
     directory's latency profile has every served budget at batch 1: the profile's p50, scaled by the
     router's own measurements (:attr:`LoadMonitor.service_ms`, :meth:`calibrated_service`), so that
     the arrival rate x service time (utilisation) steers the level too. With an SLO, a budget whose
     measured latency (queueing included) exceeds 80 % of it counts as a full queue, so the policy
-    steps to a faster budget at once. Imports :mod:`elastic_export.policies`."""
+    steps to a faster budget at once. Imports :mod:`elastic_export.serving.policies`."""
 
     def __init__(self, config: RouterConfig, profile_path: Optional[str]):
-        from elastic_export.policies import LoadAdaptivePolicy
+        from elastic_export.serving.policies import LoadAdaptivePolicy
 
         pairs = [(s, config.precision) for s in config.sparsities]
         service = _profile_service(profile_path, config) if profile_path and os.path.isfile(profile_path) else None
@@ -315,7 +315,7 @@ class AdaptiveRouting:
 
 def _profile_service(path: str, config: RouterConfig) -> Optional[Dict[Any, float]]:
     """p50 ms at batch 1 of every served budget from a latency profile, or None when it lacks one."""
-    from elastic_export.latency_profile import load_profile
+    from elastic_export.core.latency_profile import load_profile
 
     profile = load_profile(path)
     b = profile.batch_for(1)
@@ -419,7 +419,7 @@ class TritonPythonModel:
                          if self.config.policy == "adaptive" else None)
         self.tokenizer = None
         if self.config.text:
-            from elastic_export.text import TextEncoder
+            from elastic_export.models.text import TextEncoder
 
             self.tokenizer = TextEncoder.from_dir(os.path.join(here, TOKENIZER_DIR), self.config.inputs)
         self.metrics = (RouterMetrics(args.get("model_name", "router"), self.config.sparsities)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from elastic_export.errors import UserError
+from elastic_export.core.errors import UserError
 
 STUB = "triton_python_backend_stub"
 READY_TIMEOUT_S = 300.0
@@ -372,7 +372,7 @@ def ensure_repository(directory: Path, budget_backend: str, policy: str | None, 
     Returns:
         The manifest's ``triton`` entry.
     """
-    from elastic_export.manifest import Manifest
+    from elastic_export.core.manifest import Manifest
     from elastic_export.targets.triton import build_repository
 
     entry = Manifest.load(directory).triton
@@ -401,7 +401,7 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
     Raises:
         UserError: no server, a busy port, a model that does not load, or a server that dies.
     """
-    from elastic_export.fileio import existing_dir
+    from elastic_export.core.fileio import existing_dir
 
     d = existing_dir(directory)
     install = find_server()

@@ -4,7 +4,7 @@ Each budget's ``engine`` (and the dense model's, where built; without it the bud
 loaded with :func:`elastic_export.targets.tensorrt.load_engine`; the engines carry their own
 precision and are listed under the label ``fp32``. TensorRT is imported only when this backend
 checks or loads (never by the registry or the command line's option parsing). Per-budget mode only.
-Registered as ``tensorrt`` in :mod:`elastic_export.backends`.
+Registered as ``tensorrt`` in :mod:`elastic_export.serving.backends`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import importlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from elastic_export.backends import Backend, Budget, Loaded, manifest_sparsity, serialized
-from elastic_export.errors import UserError
-from elastic_export.manifest import MANIFEST, Manifest
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import MANIFEST, Manifest
+from elastic_export.serving.backends import Backend, Budget, Loaded, manifest_sparsity, serialized
 
 MODULE = "elastic_export.targets.tensorrt"
 

@@ -13,12 +13,12 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from elastic_export.export import export_dense
-from elastic_export.inventory import build_inventory
-from elastic_export.plans import make_plans
-from elastic_export.ranking import Ranking
-from elastic_export.reference import hard_mask, ranked_keep
-from elastic_export.scoring import METHODS
+from elastic_export.export.dense import export_dense
+from elastic_export.models.inventory import build_inventory
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.plans import make_plans
+from elastic_export.ranking.reference import hard_mask, ranked_keep
+from elastic_export.ranking.scoring import METHODS
 from elastic_export.targets import tritonserver as TS
 
 

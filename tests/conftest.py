@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from elastic_export.loader import load_encoder, wrap_module  # noqa: E402
+from elastic_export.models.loader import load_encoder, wrap_module  # noqa: E402
 
 
 def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:

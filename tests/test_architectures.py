@@ -16,10 +16,10 @@ from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import TINY, tiny_encoder
 from onnx import numpy_helper
 
-from elastic_export.adapters import ADAPTERS
-from elastic_export.adapters.base import BLOCK_DESCRIBERS
-from elastic_export.export import get_units, permuted_module
-from elastic_export.loader import load_encoder
+from elastic_export.export.dense import get_units, permuted_module
+from elastic_export.models.adapters import ADAPTERS
+from elastic_export.models.adapters.base import BLOCK_DESCRIBERS
+from elastic_export.models.loader import load_encoder
 from elastic_export.passes import slice_model
 
 
@@ -171,7 +171,7 @@ def test_load_saved_directory(name, tmp_path):
 @pytest.mark.parametrize("name,positions", [("hf-clip-text-proj", 40), ("hf-bert", 72), ("hf-mpnet", 70)])
 def test_default_seq_len_fits_the_model(name, positions, tmp_path):
     """Without --seq-len, N is 128 or the model's position count where that is smaller (CLIP: 77)."""
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     tiny_encoder(name).module.save_pretrained(tmp_path)
     assert load_encoder(str(tmp_path)).seq_len == min(128, positions)
@@ -215,7 +215,7 @@ def test_eva_outputs_and_tokens(name, prefix):
 def test_eva_separate_biases_are_sliced_with_their_heads(tmp_path):
     """EVA stores the fused qkv's bias apart (q_bias, a zero k_bias buffer, v_bias): the torch slicer
     cuts each part, and the exported graph carries their concatenation as the qkv bias."""
-    from elastic_export.reference import sliced_copy
+    from elastic_export.ranking.reference import sliced_copy
 
     enc = tiny_encoder("timm-eva02")
     attn = enc.module.blocks[0].attn
@@ -241,8 +241,8 @@ def test_eva_separate_biases_are_sliced_with_their_heads(tmp_path):
 def test_eva_options_that_cannot_be_sliced_are_refused(name, kw, match):
     import timm
 
-    from elastic_export.errors import UserError
-    from elastic_export.loader import wrap_module
+    from elastic_export.core.errors import UserError
+    from elastic_export.models.loader import wrap_module
 
     tiny = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4, num_classes=0)
     model = timm.create_model(name, pretrained=False, **tiny, **kw)
@@ -275,7 +275,7 @@ def test_siglip_vision_pools_with_its_head():
 
 
 def wrap_module_of(module):
-    from elastic_export.loader import wrap_module
+    from elastic_export.models.loader import wrap_module
 
     return wrap_module(module)
 
@@ -301,7 +301,7 @@ def test_siglip_text_embedding_is_the_last_position(name):
 def test_siglip2_naflex_vision_is_refused():
     from transformers import Siglip2VisionConfig, Siglip2VisionModel
 
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     cfg = Siglip2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
                               patch_size=8, num_patches=16)
@@ -343,7 +343,7 @@ def dual_dir(request, tmp_path_factory):
 
 
 def test_dual_encoder_needs_tower(dual_dir):
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     kind, _, path = dual_dir
     with pytest.raises(UserError, match="choose one with --tower text or --tower vision") as e:
@@ -371,7 +371,7 @@ def test_dual_encoder_tower_outputs(dual_dir):
 
 
 def test_tower_on_a_single_encoder_is_refused(tmp_path):
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     tiny_encoder("hf-siglip-text").module.save_pretrained(tmp_path)
     with pytest.raises(UserError, match="not a text \\+ vision dual encoder; drop --tower"):
@@ -385,7 +385,7 @@ def test_tower_on_a_single_encoder_is_refused(tmp_path):
 def test_tower_through_the_cli(tmp_path, capsys):
     """The main job exports one tower (the manifest records it) and ``verify`` reloads that tower
     for its torch check; without ``--tower`` the CLI exits 2 with one line naming the flag."""
-    from elastic_export.cli import main
+    from elastic_export.cli.main import main
 
     path = tmp_path / "siglip"
     _dual("siglip").save_pretrained(path)
@@ -415,7 +415,7 @@ MPNET_ORDERS = [[3, 1, 0, 2], [0, 2, 3, 1], [2, 3, 1, 0]]  # a different head or
 
 def _mpnet_ranking(enc):
     """Heads ranked in MPNET_ORDERS, neurons by a seeded random score."""
-    from elastic_export.ranking import Ranking
+    from elastic_export.ranking.file import Ranking
 
     heads = [np.argsort(order).astype(np.float32) * -1.0 for order in MPNET_ORDERS]  # rank r -> score -r
     g = np.random.default_rng(0)
@@ -427,10 +427,10 @@ def _mpnet_ranking(enc):
 def test_mpnet_sliced_heads_read_their_own_position_bias_rows(kept, tmp_path):
     """Every layer keeps a different subset of heads, in a different order: the per-budget ONNX
     (each layer's bias-row Gather cut to its kept heads) equals the hard-masked dense model."""
-    from elastic_export.adapters import HEADS, NEURONS
-    from elastic_export.export import export_dense
+    from elastic_export.export.dense import export_dense
+    from elastic_export.models.adapters import HEADS, NEURONS
     from elastic_export.passes import slice_model
-    from elastic_export.reference import hard_mask
+    from elastic_export.ranking.reference import hard_mask
 
     enc = tiny_encoder("hf-mpnet")
     bias = enc.module.encoder.relative_attention_bias.weight.detach()
@@ -460,10 +460,10 @@ def test_mpnet_sliced_heads_read_their_own_position_bias_rows(kept, tmp_path):
 def test_mpnet_without_the_bias_gather_would_be_wrong(tmp_path):
     """Negative control: the same sliced weights reading the first k bias rows (what a layer gets
     without the per-layer gather) miss the hard-masked model by far more than 1e-4."""
-    from elastic_export.adapters import HEADS, NEURONS, find_blocks
-    from elastic_export.export import permuted_module
-    from elastic_export.plans import BudgetPlan
-    from elastic_export.reference import hard_mask, prefix_keep, sliced_copy
+    from elastic_export.export.dense import permuted_module
+    from elastic_export.models.adapters import HEADS, NEURONS, find_blocks
+    from elastic_export.ranking.plans import BudgetPlan
+    from elastic_export.ranking.reference import hard_mask, prefix_keep, sliced_copy
 
     enc = tiny_encoder("hf-mpnet")
     rk = _mpnet_ranking(enc)
@@ -516,7 +516,7 @@ def test_mpnet_missing_weights_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import MPNetForMaskedLM
 
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     enc = tiny_encoder("hf-mpnet")
     _save_as_masked_lm_config(enc.module, tmp_path)

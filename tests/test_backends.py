@@ -1,4 +1,4 @@
-"""The backend registry (elastic_export.backends): a backend added from outside the package (onnx's numpy
+"""The backend registry (elastic_export.serving.backends): a backend added from outside the package (onnx's numpy
 reference evaluator, below: one class and one registry line) runs through ElasticRuntime.from_dir, bench
 and the command line; the built-in ones are listed without importing them. Real tiny artifacts, no mocks."""
 
@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from test_runtime import _export
 
-from elastic_export.backends import (
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import resolve
+from elastic_export.serving.backends import (
     REGISTRY,
     Backend,
     Budget,
@@ -26,9 +28,7 @@ from elastic_export.backends import (
     register_backend,
     serialized,
 )
-from elastic_export.errors import UserError
-from elastic_export.manifest import resolve
-from elastic_export.runtime import ElasticRuntime, SessionConfig
+from elastic_export.serving.runtime import ElasticRuntime, SessionConfig
 
 NAME = "onnx-reference"
 BUDGETS = (0.3, 0.6)
@@ -82,8 +82,8 @@ def test_builtin_backends_listed_without_importing_them():
     (the package and the target module) only when the tensorrt backend checks or loads."""
     code = textwrap.dedent("""
         import json, sys
-        import elastic_export.cli
-        from elastic_export.backends import backend_names, get_backend
+        import elastic_export.cli.main
+        from elastic_export.serving.backends import backend_names, get_backend
         before = sorted(m for m in sys.modules if m.startswith("elastic_export.targets") or m == "tensorrt")
         trt = get_backend("tensorrt")
         after = sorted(m for m in sys.modules if m.startswith("elastic_export.targets") or m == "tensorrt")
@@ -137,8 +137,8 @@ def test_added_backend_refusals(registered, art):
 
 
 def test_added_backend_runs_through_bench_and_the_cli(registered, art, tmp_path, capsys):
-    from elastic_export.bench import BenchConfig, bench, latency_profile
-    from elastic_export.cli import main
+    from elastic_export.cli.main import main
+    from elastic_export.measure.bench import BenchConfig, bench, latency_profile
 
     config = BenchConfig(backend=NAME, batches=(1, 2), repeats=2, warmup=0)
     result, written = bench(art, config, out=tmp_path / "b.json", plot=False, profile=False)

@@ -33,7 +33,7 @@ def artifacts(tmp_path_factory):
 
 def cli(args: list[str], capsys) -> tuple[int, str, str]:
     """Run the console entry point in-process: (exit code, stdout, stderr)."""
-    from elastic_export.cli import main
+    from elastic_export.cli.main import main
 
     with pytest.raises(SystemExit) as exit_:
         main(args)
@@ -92,7 +92,7 @@ def test_bench_writes_json_plots_and_profile(artifacts, tmp_path, capsys):
         qual = [profile["quality"]["values"][p][str(float(s))] for s, p in front]
         assert lat == sorted(lat) and qual == sorted(qual) and front  # fastest first, quality rising
     # the runtime's latency-target policy reads it
-    from elastic_export.runtime import load_profile
+    from elastic_export.serving.runtime import load_profile
 
     loaded = load_profile(artifacts)
     assert loaded.latency(3, 0.5, "p90_ms") == profile["batches"]["3"]["0.5"]["p90_ms"]

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from elastic_export.budgets import budget_tag, parse_budgets
-from elastic_export.errors import UserError
+from elastic_export.core.budgets import budget_tag, parse_budgets
+from elastic_export.core.errors import UserError
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -12,9 +12,9 @@ import pytest
 from conftest import save_tiny
 from safetensors import safe_open
 
-from elastic_export.adapters import ADAPTERS
-from elastic_export.cli import main
-from elastic_export.manifest import MANIFEST
+from elastic_export.cli.main import main
+from elastic_export.core.manifest import MANIFEST
+from elastic_export.models.adapters import ADAPTERS
 
 CLASSES = sorted(ADAPTERS, key=lambda c: c.__name__)
 

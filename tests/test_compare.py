@@ -1,4 +1,4 @@
-"""The one output comparison (``elastic_export.compare``) and the one CPU session factory
+"""The one output comparison (``elastic_export.checks.compare``) and the one CPU session factory
 (``targets.onnxruntime.cpu_session``) that every in-package check goes through."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from elastic_export import onnx_io
-from elastic_export.compare import ATOL, compare_outputs, fmt_error, max_abs_error
+from elastic_export.checks.compare import ATOL, compare_outputs, fmt_error, max_abs_error
+from elastic_export.core import onnx_io
 from elastic_export.targets.onnxruntime import cpu_session
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,14 +13,14 @@ from _helpers import masked_torch, max_err, run_onnx, save_sentence_transformer
 from conftest import TINY, _perturb, tiny_encoder
 from onnx import numpy_helper
 
-from elastic_export.adapters import find_blocks
-from elastic_export.export import export_dense, get_units, permuted_module
-from elastic_export.inventory import build_inventory
-from elastic_export.loader import load_encoder
+from elastic_export.export.dense import export_dense, get_units, permuted_module
+from elastic_export.models.adapters import find_blocks
+from elastic_export.models.inventory import build_inventory
+from elastic_export.models.loader import load_encoder
 from elastic_export.passes import build_elastic_model, slice_model
-from elastic_export.plans import BudgetPlan, make_plans
-from elastic_export.ranking import Ranking
-from elastic_export.reference import prefix_keep, sliced_copy
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.plans import BudgetPlan, make_plans
+from elastic_export.ranking.reference import prefix_keep, sliced_copy
 
 DECODERS = ["hf-qwen3", "hf-qwen2", "hf-llama", "hf-mistral"]
 # layer 0 -> kv heads (0, 0, 1, 1); the orders below read kv 1 first in layers 1 and 2
@@ -215,7 +215,7 @@ def test_multi_head_llama_has_no_shared_heads(tmp_path):
 
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=4, intermediate_size=64, max_position_embeddings=72)
-    from elastic_export.loader import wrap_module
+    from elastic_export.models.loader import wrap_module
 
     torch.manual_seed(0)
     enc = wrap_module(_perturb(transformers.LlamaModel(cfg), 1), seq_len=16)
@@ -233,9 +233,9 @@ def test_multi_head_llama_has_no_shared_heads(tmp_path):
 def test_report_rebuilds_gqa_plans_from_ranking_meta():
     """The ranking file's metadata carries the kv heads, so plans rebuilt from it (the report's
     comparison of ranking files) equal the main job's exact plans."""
-    from elastic_export.manifest import Budget, Manifest
-    from elastic_export.ranking import make_meta
-    from elastic_export.report import _plans_for
+    from elastic_export.core.manifest import Budget, Manifest
+    from elastic_export.ranking.file import make_meta
+    from elastic_export.report.page import _plans_for
 
     enc = tiny_encoder("hf-llama")
     inv = build_inventory(enc)

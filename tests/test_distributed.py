@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_export.ranking import Ranking, load_ranking
+from elastic_export.ranking.file import Ranking, load_ranking
 
 TESTS = Path(__file__).resolve().parent
 RANK = ["--seq-len", "16", "--calib-size", "16", "--batch-size", "4", "--steps", "4", "--token-weight", "0.5"]
@@ -124,10 +124,10 @@ def _all_scores() -> dict[str, np.ndarray]:
     sys.path.insert(0, str(TESTS))
     from conftest import tiny_encoder
 
-    from elastic_export.calibration import load_calibration
-    from elastic_export.inventory import build_inventory
-    from elastic_export.scoring import METHODS
-    from elastic_export.soft_ranking import ElasticConfig
+    from elastic_export.data.calibration import load_calibration
+    from elastic_export.models.inventory import build_inventory
+    from elastic_export.ranking.scoring import METHODS
+    from elastic_export.ranking.soft_ranking import ElasticConfig
 
     torch.set_num_threads(1)
     out = {}
@@ -165,7 +165,7 @@ def test_scoring_methods_two_processes_match_one(tmp_path):
 
 
 if __name__ == "__main__":  # the torchrun worker
-    from elastic_export import distributed as ddp
+    from elastic_export.ranking import distributed as ddp
 
     with ddp.session("cpu"):
         scores = _all_scores()

@@ -11,8 +11,8 @@ import pytest
 from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import tiny_encoder
 
-from elastic_export.errors import UserError
-from elastic_export.export import get_units
+from elastic_export.core.errors import UserError
+from elastic_export.export.dense import get_units
 from elastic_export.passes import build_elastic_model, get_elastic, slice_model
 
 # prepared()'s ranking ranks layer 0's heads and the last layer's neurons below everything, so
@@ -205,8 +205,8 @@ def test_pipeline_writes_and_verifies_the_elastic_graph(tmp_path):
     """``pipeline.run`` writes elastic.onnx, checks every index, and lists it in the manifest;
     ``--no-elastic-graph`` leaves it out."""
     from elastic_export import pipeline
-    from elastic_export.cli import main
-    from elastic_export.manifest import load_manifest
+    from elastic_export.cli.main import main
+    from elastic_export.core.manifest import load_manifest
 
     model = tmp_path / "tiny-bert"
     tiny_encoder("hf-bert").module.save_pretrained(model)

@@ -6,14 +6,14 @@ import numpy as np
 import onnx
 from _helpers import masked_torch, max_err, prepared, run_onnx
 
-from elastic_export.adapters import find_blocks
-from elastic_export.export import get_units, permuted_module
-from elastic_export.inventory import build_inventory
+from elastic_export.export.dense import get_units, permuted_module
+from elastic_export.models.adapters import find_blocks
+from elastic_export.models.inventory import build_inventory
 from elastic_export.passes import slice_model
-from elastic_export.plans import make_plans
-from elastic_export.ranking import Ranking
-from elastic_export.reference import prefix_keep, sliced_copy
-from elastic_export.scoring import METHODS
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.plans import make_plans
+from elastic_export.ranking.reference import prefix_keep, sliced_copy
+from elastic_export.ranking.scoring import METHODS
 
 
 def _no_zero_sized_matmul(model: onnx.ModelProto) -> bool:
@@ -59,14 +59,14 @@ def test_dense_export_is_dynamic(tiny, tmp_path):
 
 def test_minilm_real_model(minilm, tmp_path):
     """The real pre-trained all-MiniLM-L6-v2 with the real one-shot ranking, four budgets."""
-    from elastic_export.calibration import load_calibration
+    from elastic_export.data.calibration import load_calibration
 
     inv = build_inventory(minilm)
     calib = load_calibration(minilm, size=8, batch_size=4)
     heads, neurons = METHODS["initial"](minilm, inv, calib)
     heads[2][:] = -1.0  # make sure one budget leaves layer 2 with no heads
     rk = Ranking(heads, neurons, {})
-    from elastic_export.export import export_dense
+    from elastic_export.export.dense import export_dense
 
     dense = export_dense(minilm, rk, tmp_path / "dense.onnx")
     plans = make_plans(rk, inv, [0.1, 0.3, 0.45, 0.6])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_export.errors import UserError, first_line
+from elastic_export.core.errors import UserError, first_line
 
 
 class _Silent(Exception):
@@ -32,7 +32,7 @@ def test_empty_message_through_a_loader_error_path(tmp_path, monkeypatch):
     """The ranking loader reports an unreadable file whose reader raised with no message."""
     import safetensors
 
-    from elastic_export.ranking import load_ranking
+    from elastic_export.ranking.file import load_ranking
 
     path = tmp_path / "r.safetensors"
     path.write_bytes(b"not a ranking")
@@ -65,7 +65,7 @@ def test_empty_message_through_the_hf_loader(tmp_path, monkeypatch):
     """A model directory whose config reader raises ``OSError()``."""
     import transformers
 
-    from elastic_export.loader import load_encoder
+    from elastic_export.models.loader import load_encoder
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", _raise_silent_os)
     with pytest.raises(UserError) as e:
@@ -77,7 +77,7 @@ def test_empty_message_through_the_timm_loader(monkeypatch):
     """A timm name whose constructor raises ``OSError()``."""
     import timm
 
-    from elastic_export.loader import load_encoder
+    from elastic_export.models.loader import load_encoder
 
     monkeypatch.setattr(timm, "create_model", _raise_silent_os)
     with pytest.raises(UserError) as e:
@@ -94,8 +94,8 @@ def test_empty_message_through_the_fp16_check(monkeypatch):
     import onnx
     from onnx import helper
 
-    from elastic_export import onnx_io
-    from elastic_export.fp16 import check_fp16_model
+    from elastic_export.core import onnx_io
+    from elastic_export.precision.fp16 import check_fp16_model
 
     monkeypatch.setattr(onnx_io, "check", lambda *a, **k: (_ for _ in ()).throw(onnx.checker.ValidationError("")))
     with pytest.raises(RuntimeError) as e:
@@ -107,7 +107,7 @@ def test_empty_message_through_the_quantizer(tmp_path, monkeypatch):
     """The int8 quantizer raising ``ValueError()``."""
     import onnxruntime.quantization
 
-    from elastic_export.int8 import quantize
+    from elastic_export.precision.int8 import quantize
 
     monkeypatch.setattr(onnxruntime.quantization, "quantize_dynamic", lambda *a, **k: (_ for _ in ()).throw(ValueError()))
     with pytest.raises(UserError) as e:
@@ -120,7 +120,7 @@ def test_empty_message_through_a_session_load(tmp_path, monkeypatch, opener):
     """onnxruntime failing to load a file with an empty message (targets.onnxruntime, eval)."""
     import onnxruntime
 
-    from elastic_export.evaluation import _session
+    from elastic_export.measure.evaluation import _session
     from elastic_export.targets.onnxruntime import make_session
 
     path = tmp_path / "m.onnx"
@@ -135,7 +135,7 @@ def test_empty_message_through_the_optimiser_source(tmp_path, monkeypatch):
     """An optimiser source that onnx cannot read, with an empty message."""
     import onnx
 
-    from elastic_export.ort_optimize import optimize_onnx
+    from elastic_export.precision.ort_optimize import optimize_onnx
 
     path = tmp_path / "m.onnx"
     path.write_bytes(b"x")

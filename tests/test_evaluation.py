@@ -16,12 +16,12 @@ import pytest
 import torch
 from conftest import _perturb
 
-from elastic_export.cli import main
-from elastic_export.errors import UserError
-from elastic_export.evaluation import EVAL_RESULTS, bootstrap_ci, evaluate, knn_accuracy, plot_results, recall_at
-from elastic_export.loader import default_model_path
+from elastic_export.cli.main import main
+from elastic_export.core.errors import UserError
+from elastic_export.data.retrieval_data import candidate_pairs, heldout_pairs, write_pairs_jsonl
+from elastic_export.measure.evaluation import EVAL_RESULTS, bootstrap_ci, evaluate, knn_accuracy, plot_results, recall_at
+from elastic_export.models.loader import default_model_path
 from elastic_export.pipeline import Options, run
-from elastic_export.retrieval_data import candidate_pairs, heldout_pairs, write_pairs_jsonl
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -139,7 +139,7 @@ def test_heldout_pairs_deterministic_and_sized(tmp_path):
     # the module's command line, in a fresh interpreter with another hash seed: the same bytes
     write_pairs_jsonl(tmp_path / "here.jsonl", a)
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    res = subprocess.run([sys.executable, "-m", "elastic_export.retrieval_data", "--n", "50",
+    res = subprocess.run([sys.executable, "-m", "elastic_export.data.retrieval_data", "--n", "50",
                           "--out", str(tmp_path / "there.jsonl")], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "there.jsonl").read_bytes() == (tmp_path / "here.jsonl").read_bytes()
@@ -148,7 +148,7 @@ def test_heldout_pairs_deterministic_and_sized(tmp_path):
 def test_heldout_pairs_disjoint_from_calibration_text():
     from pydoc_data.topics import topics
 
-    from elastic_export.calibration import default_texts
+    from elastic_export.data.calibration import default_texts
 
     calib = " ".join(" ".join(topics[k].split()) for k in sorted(topics))
     paragraphs = set(default_texts())
@@ -330,7 +330,7 @@ def test_image_embedding_prefers_the_projection():
     """A CLIP vision tower with projection is evaluated on ``image_embeds``, not ``pooler_output``."""
     import numpy as np
 
-    from elastic_export.evaluation import _pool_image
+    from elastic_export.measure.evaluation import _pool_image
 
     emb, pooled, tokens = np.ones((2, 4)), np.zeros((2, 8)), np.full((2, 5, 8), 3.0)
     assert _pool_image({"image_embeds": emb, "pooler_output": pooled, "last_hidden_state": tokens}) is emb

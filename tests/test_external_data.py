@@ -18,9 +18,9 @@ import pytest
 from conftest import save_tiny
 from transformers import BertModel, Qwen3Model
 
-from elastic_export import onnx_io
-from elastic_export.cli import main
-from elastic_export.manifest import MANIFEST
+from elastic_export.cli.main import main
+from elastic_export.core import onnx_io
+from elastic_export.core.manifest import MANIFEST
 
 
 def _run(args: list[str], capsys) -> tuple[int, str, str]:
@@ -121,7 +121,7 @@ def test_ort_optimize_with_external_data_is_refused_before_ranking(tmp_path, cap
 def test_save_graph_streams_big_weights_to_the_data_file(tmp_path):
     """save_graph(external=True): tensors of 1 KiB or more go to NAME.onnx.data at aligned offsets,
     smaller ones stay inline, and the file loads back to the same values."""
-    from elastic_export.onnx_io import model_skeleton
+    from elastic_export.core.onnx_io import model_skeleton
     from elastic_export.passes.serialize import save_graph
 
     x = gs.Variable("x", np.float32, (2, 64))

@@ -1,4 +1,4 @@
-"""FP16 artifacts (``elastic_export.fp16``, ``--precision fp16``).
+"""FP16 artifacts (``elastic_export.precision.fp16``, ``--precision fp16``).
 
 Every fp16 model here is a real mixed-precision ONNX file: checked by ``onnx.checker`` (full check),
 run by onnxruntime's CPU execution provider (it has fp16 kernels for every op the recipe leaves in
@@ -17,15 +17,15 @@ import torch
 from _helpers import masked_torch, prepared, run_onnx
 from conftest import tiny_encoder
 
-from elastic_export.compare import relative_error
-from elastic_export.errors import UserError
-from elastic_export.export import UNITS_KEY, export_dense
-from elastic_export.fp16 import FP16_RTOL, FP32_OPS, PRECISION_KEY, fp16_name, fp32_tail, to_fp16
-from elastic_export.inventory import build_inventory
+from elastic_export.checks.compare import relative_error
+from elastic_export.core.errors import UserError
+from elastic_export.export.dense import UNITS_KEY, export_dense
+from elastic_export.models.inventory import build_inventory
 from elastic_export.passes import slice_model
-from elastic_export.plans import make_plans
-from elastic_export.ranking import Ranking
-from elastic_export.scoring import METHODS
+from elastic_export.precision.fp16 import FP16_RTOL, FP32_OPS, PRECISION_KEY, fp16_name, fp32_tail, to_fp16
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.plans import make_plans
+from elastic_export.ranking.scoring import METHODS
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 # text (mean pooling + L2 normalisation), fused qkv + SwiGLU + classifier head, HF vision with

@@ -1,4 +1,4 @@
-"""The Pareto frontier over (cost, quality) points (elastic_export.frontier): pure functions."""
+"""The Pareto frontier over (cost, quality) points (elastic_export.measure.frontier): pure functions."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import itertools
 import math
 import random
 
-import elastic_export.frontier as fr
-from elastic_export.frontier import DENSE, Recommendation, pair_frontier, pareto_frontier, profile_frontier, recommend
+import elastic_export.measure.frontier as fr
+from elastic_export.measure.frontier import DENSE, Recommendation, pair_frontier, pareto_frontier, profile_frontier, recommend
 
 
 def _dominated(p, q) -> bool:

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic_export.compare import ATOL
-from elastic_export.fp16 import FP16_RTOL
-from elastic_export.int8 import INT8_MIN_COSINE
-from elastic_export.int8_qdq import QDQ_MIN_COSINE
+from elastic_export.checks.compare import ATOL
+from elastic_export.precision.fp16 import FP16_RTOL
+from elastic_export.precision.int8 import INT8_MIN_COSINE
+from elastic_export.precision.int8_qdq import QDQ_MIN_COSINE
 
 GOLDEN = Path(__file__).parent / "golden" / "minilm_magnitude.json"
 ARGS = ["--budgets", "0.3,0.6", "--method", "magnitude", "--precision", "fp32,fp16,int8,int8-qdq", "--no-quick-eval"]

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import save_tiny
 
-from elastic_export import hub
-from elastic_export.cli import main
-from elastic_export.errors import UserError
-from elastic_export.loader import default_model_path, load_encoder
-from elastic_export.manifest import MANIFEST
+from elastic_export.cli.main import main
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import MANIFEST
+from elastic_export.models import hub
+from elastic_export.models.loader import default_model_path, load_encoder
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 TIMM_REPO = "timm/vit_tiny_test.elastic"

@@ -12,13 +12,13 @@ import pytest
 from _helpers import prepared
 from conftest import save_tiny, tiny_encoder
 
-from elastic_export.cli import main
-from elastic_export.errors import UserError
-from elastic_export.int8 import INT8_MIN_COSINE, add_int8, int8_name, parse_precisions, quantize, session_min_cosine
-from elastic_export.manifest import MANIFEST
+from elastic_export.checks.verify import sample_inputs
+from elastic_export.cli.main import main
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import MANIFEST
 from elastic_export.passes import BudgetSlicer
-from elastic_export.runtime import ElasticRuntime, SessionConfig
-from elastic_export.verify import sample_inputs
+from elastic_export.precision.int8 import INT8_MIN_COSINE, add_int8, int8_name, parse_precisions, quantize, session_min_cosine
+from elastic_export.serving.runtime import ElasticRuntime, SessionConfig
 
 QUANT_OPS = {"DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul"}
 
@@ -128,7 +128,7 @@ def test_cli_unknown_precision(tmp_path, capsys, monkeypatch):
 
 def test_int8_cosine_of_mean_pooled_hidden_state():
     """Without an embedding output, the mask-weighted mean of ``last_hidden_state`` is compared."""
-    from elastic_export.int8 import embedding
+    from elastic_export.precision.int8 import embedding
 
     hidden = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
     mask = np.array([[1, 1, 0]])

@@ -13,10 +13,14 @@ from _helpers import prepared
 from conftest import save_tiny, tiny_encoder
 from onnx import numpy_helper
 
-from elastic_export.calibration import load_calibration
-from elastic_export.cli import main
-from elastic_export.errors import UserError
-from elastic_export.int8_qdq import (
+from elastic_export.checks.verify import sample_inputs
+from elastic_export.cli.main import main
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import MANIFEST
+from elastic_export.core.precisions import PRECISIONS
+from elastic_export.data.calibration import load_calibration
+from elastic_export.passes import BudgetSlicer
+from elastic_export.precision.int8_qdq import (
     MANIFEST_ENTRY,
     QDQ_MIN_COSINE,
     QDQ_SETTINGS,
@@ -25,11 +29,7 @@ from elastic_export.int8_qdq import (
     qdq_name,
     split_heldout,
 )
-from elastic_export.manifest import MANIFEST
-from elastic_export.passes import BudgetSlicer
-from elastic_export.precision import PRECISIONS
-from elastic_export.runtime import ElasticRuntime, SessionConfig
-from elastic_export.verify import sample_inputs
+from elastic_export.serving.runtime import ElasticRuntime, SessionConfig
 
 FP32_OPS = ("LayerNormalization", "Softmax", "Erf")  # norm, softmax, GELU: never fed by a DequantizeLinear
 

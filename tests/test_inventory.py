@@ -2,8 +2,8 @@
 
 import pytest
 
-from elastic_export.inventory import build_inventory, head_flops, neuron_flops
-from elastic_export.loader import load_encoder
+from elastic_export.models.inventory import build_inventory, head_flops, neuron_flops
+from elastic_export.models.loader import load_encoder
 
 
 def test_hand_numbers_vit_b16():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_export.errors import UserError
-from elastic_export.manifest import MANIFEST, Budget, Dense, Elastic, Manifest, load_manifest, write_manifest
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import MANIFEST, Budget, Dense, Elastic, Manifest, load_manifest, write_manifest
 
 GOLDEN = Path(__file__).parent / "golden" / "minilm_magnitude.json"
 

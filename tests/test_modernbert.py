@@ -17,15 +17,15 @@ from _helpers import masked_torch, max_err, run_onnx, save_sentence_transformer
 from conftest import _modernbert, _perturb, tiny_encoder
 from transformers.masking_utils import create_bidirectional_sliding_window_mask
 
-from elastic_export.adapters import HEADS, NEURONS
-from elastic_export.adapters.hf_modernbert import attention_window
-from elastic_export.export import export_dense
-from elastic_export.inventory import build_inventory
-from elastic_export.loader import load_encoder, wrap_module
+from elastic_export.export.dense import export_dense
+from elastic_export.models.adapters import HEADS, NEURONS
+from elastic_export.models.adapters.hf_modernbert import attention_window
+from elastic_export.models.inventory import build_inventory
+from elastic_export.models.loader import load_encoder, wrap_module
 from elastic_export.passes import slice_model
-from elastic_export.ranking import Ranking
-from elastic_export.reference import hard_mask, ranked_keep, sliced_copy
-from elastic_export.scoring import METHODS
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.reference import hard_mask, ranked_keep, sliced_copy
+from elastic_export.ranking.scoring import METHODS
 
 
 def _encoder(seq_len: int = 16, **config):
@@ -199,7 +199,7 @@ def test_saved_directory_loads_and_matches(tmp_path):
 
 
 def test_cli_main_job_and_verify(tmp_path, capsys):
-    from elastic_export.cli import main
+    from elastic_export.cli.main import main
 
     model, out = tmp_path / "model", tmp_path / "out"
     _save_sentence_transformer(tiny_encoder("hf-modernbert"), model)

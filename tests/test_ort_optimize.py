@@ -17,11 +17,12 @@ import pytest
 import torch
 from _helpers import max_err, run_onnx
 
-from elastic_export.errors import UserError
-from elastic_export.export import export_dense
-from elastic_export.inventory import build_inventory
-from elastic_export.loader import wrap_module
-from elastic_export.ort_optimize import (
+from elastic_export.core.errors import UserError
+from elastic_export.export.dense import export_dense
+from elastic_export.models.inventory import build_inventory
+from elastic_export.models.loader import wrap_module
+from elastic_export.passes import slice_model
+from elastic_export.precision.ort_optimize import (
     MANIFEST_KEY,
     optimize_artifacts,
     optimize_onnx,
@@ -29,10 +30,9 @@ from elastic_export.ort_optimize import (
     sample_feeds,
     uniform_heads,
 )
-from elastic_export.passes import slice_model
-from elastic_export.plans import make_plans
-from elastic_export.ranking import Ranking
-from elastic_export.scoring import METHODS
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.plans import make_plans
+from elastic_export.ranking.scoring import METHODS
 
 
 def _tiny_bert():
@@ -166,7 +166,7 @@ def test_timm_vit_is_optimised_and_exact(tmp_path):
 
 
 def test_optimize_artifacts_updates_manifest(tmp_path):
-    from elastic_export.manifest import load_manifest, resolve
+    from elastic_export.core.manifest import load_manifest, resolve
     from elastic_export.pipeline import Options, run
 
     out = tmp_path / "vit"
@@ -191,8 +191,8 @@ def test_cli_ort_optimize_writes_checked_copies(tmp_path):
     the manifest, each matching its source."""
     from conftest import tiny_encoder
 
-    from elastic_export.cli import main
-    from elastic_export.manifest import load_manifest
+    from elastic_export.cli.main import main
+    from elastic_export.core.manifest import load_manifest
 
     model = tmp_path / "tiny-bert"
     tiny_encoder("hf-bert").module.save_pretrained(model)

@@ -8,8 +8,8 @@ from _helpers import masked_torch, max_err, prepared, run_onnx
 from conftest import tiny_encoder
 from onnx import helper, numpy_helper
 
-from elastic_export.errors import UserError
-from elastic_export.export import get_units
+from elastic_export.core.errors import UserError
+from elastic_export.export.dense import get_units
 from elastic_export.passes import PASSES, BudgetSlicer, PassContext, run_passes, slice_model
 from elastic_export.passes.base import register_pass, verify, verify_graph
 
@@ -116,7 +116,7 @@ def _empty_tokens_model(op: str) -> onnx.ModelProto:
 
 
 def test_dense_export_drops_empty_concat_inputs():
-    from elastic_export.export import _drop_empty_inputs
+    from elastic_export.export.dense import _drop_empty_inputs
 
     model = _empty_tokens_model("Concat")
     _drop_empty_inputs(model)
@@ -175,7 +175,7 @@ def test_budget_slicer_refuses_bad_counts(setup, tmp_path):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.int32, np.bool_, np.uint8, np.float64])
 def test_save_graph_matches_graphsurgeon_export(tmp_path, dtype):
     """Streamed initializers of every dtype (and 0-d, empty-name-free) load back as gs.export_onnx writes them."""
-    from elastic_export.onnx_io import model_skeleton
+    from elastic_export.core.onnx_io import model_skeleton
     from elastic_export.passes.serialize import TensorCache, save_graph
 
     x = gs.Variable("x", np.float32, (2, 3))
@@ -202,7 +202,7 @@ def test_save_graph_matches_graphsurgeon_export(tmp_path, dtype):
 def _corrupt(dense, how: str):
     import json as _json
 
-    from elastic_export.export import UNITS_KEY
+    from elastic_export.export.dense import UNITS_KEY
 
     bad = onnx.ModelProto()
     bad.CopyFrom(dense)

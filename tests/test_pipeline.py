@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_encoder
 
 from elastic_export import pipeline
-from elastic_export.manifest import load_manifest
+from elastic_export.core.manifest import load_manifest
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -138,7 +138,7 @@ def test_failed_run_keeps_previous_output(tmp_path, monkeypatch):
 
 
 def test_manifest_paths_must_stay_inside(tmp_path):
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     m = {"format": "elastic-export/1", "model": {}, "inputs": [], "outputs": [], "ranking": {"file": "r"},
          "dense": {"onnx": "../outside.onnx"}, "budgets": []}
@@ -169,7 +169,7 @@ def test_readme_serve_on_the_default_run(default_run, tmp_path):
     the OS reports free instead of 8000), then the README's client example against it."""
     from _helpers import link_copy, serve_process, stop_process
 
-    from elastic_export.manifest import load_manifest
+    from elastic_export.core.manifest import load_manifest
 
     out, _ = default_run
     link_copy(out, tmp_path / "elastic-out")

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from elastic_export.errors import UserError
-from elastic_export.inventory import Inventory, LayerInventory
-from elastic_export.plans import make_plans
-from elastic_export.ranking import Ranking
+from elastic_export.core.errors import UserError
+from elastic_export.models.inventory import Inventory, LayerInventory
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.plans import make_plans
 
 
 def _inventory(layers=3, heads=4, neurons=64):

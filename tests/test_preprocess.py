@@ -11,11 +11,11 @@ import torch
 from conftest import tiny_encoder
 from PIL import Image
 
-from elastic_export.calibration import load_calibration
-from elastic_export.errors import UserError
-from elastic_export.evaluation import load_image_folder
-from elastic_export.loader import load_encoder
-from elastic_export.preprocess import PROCESSOR_FILE, artifact_entry
+from elastic_export.core.errors import UserError
+from elastic_export.data.calibration import load_calibration
+from elastic_export.measure.evaluation import load_image_folder
+from elastic_export.models.loader import load_encoder
+from elastic_export.models.preprocess import PROCESSOR_FILE, artifact_entry
 
 
 def _photo_folder(root, sizes=((61, 45), (40, 90))):

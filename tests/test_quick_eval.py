@@ -1,4 +1,4 @@
-"""The main job's quick eval (elastic_export.quick_eval): held-out data disjoint from the calibration
+"""The main job's quick eval (elastic_export.measure.quick_eval): held-out data disjoint from the calibration
 sample, quality and speed of every (budget, precision) in the manifest, the latency profile's quality
 block and frontier, and the runtime's latency-target policy reading them. Tiny real models, real
 onnxruntime; timings are only checked for presence and positivity."""
@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from conftest import tiny_encoder
 
-from elastic_export import pipeline, quick_eval
-from elastic_export.calibration import _spread, default_texts, synthetic_images
-from elastic_export.cli import main
-from elastic_export.manifest import MANIFEST
+from elastic_export import pipeline
+from elastic_export.cli.main import main
+from elastic_export.core.manifest import MANIFEST
+from elastic_export.data.calibration import default_texts, evenly_spaced, synthetic_images
+from elastic_export.measure import quick_eval
 
 QUIET = dict(echo=lambda s: None)
 BUDGETS = (0.3, 0.6)
@@ -41,7 +42,7 @@ def text_art(bert_dir):
 
 def test_heldout_texts_are_beyond_the_calibration_sample(tmp_path):
     texts = default_texts()
-    calib = set(_spread(texts, 256))  # what load_calibration takes from the built-in source
+    calib = set(evenly_spaced(texts, 256))  # what load_calibration takes from the built-in source
     held, desc = quick_eval.heldout_texts(None, 256)
     assert len(held) == quick_eval.HELDOUT == desc["samples"] and len(set(held)) == len(held)
     assert not set(held) & calib and set(held) <= set(texts)
@@ -49,7 +50,7 @@ def test_heldout_texts_are_beyond_the_calibration_sample(tmp_path):
     f.write_text("\n".join(f"passage number {i} about topic {i % 7}" for i in range(30)))
     held, desc = quick_eval.heldout_texts(str(f), 8)
     lines = f.read_text().splitlines()
-    assert len(held) == 22 and not set(held) & set(_spread(lines, 8)) and desc["source"] == str(f)
+    assert len(held) == 22 and not set(held) & set(evenly_spaced(lines, 8)) and desc["source"] == str(f)
     held, desc = quick_eval.heldout_texts(str(f), 30)  # the whole file calibrated: the fallback set
     assert held and not set(held) & set(lines) and "heldout_pairs" in desc["source"]
 
@@ -119,9 +120,9 @@ def _legacy(entry: dict) -> dict:
 def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
     import shutil
 
-    from elastic_export.cli import _budget_rows
-    from elastic_export.manifest import Manifest
-    from elastic_export.report import render_report
+    from elastic_export.cli.main import _budget_rows
+    from elastic_export.core.manifest import Manifest
+    from elastic_export.report.page import render_report
 
     out, m, _ = text_art
     old = tmp_path / "old"
@@ -175,7 +176,7 @@ def test_main_job_records_quality_and_speed_of_every_pair(text_art):
 
 
 def test_latency_profile_carries_quality_and_frontier(text_art):
-    from elastic_export.runtime import ElasticRuntime, LatencyTargetPolicy, load_profile
+    from elastic_export.serving.runtime import ElasticRuntime, LatencyTargetPolicy, load_profile
 
     out, m, _ = text_art
     prof = load_profile(out)

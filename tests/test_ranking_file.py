@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from elastic_export.errors import UserError
-from elastic_export.inventory import Inventory, LayerInventory, head_flops, neuron_flops
-from elastic_export.ranking import META_KEY, RANKING_VERSION, Ranking, load_ranking, make_meta, save_ranking
+from elastic_export.core.errors import UserError
+from elastic_export.models.inventory import Inventory, LayerInventory, head_flops, neuron_flops
+from elastic_export.ranking.file import META_KEY, RANKING_VERSION, Ranking, load_ranking, make_meta, save_ranking
 
 FINGERPRINT = "sha256:" + "ab" * 32
 COUNTS = [(4, 16), (4, 8), (2, 16)]  # (heads, neurons) per layer

@@ -7,13 +7,13 @@ import pytest
 import torch
 from conftest import tiny_encoder
 
-from elastic_export import soft_ranking
-from elastic_export.calibration import load_calibration
-from elastic_export.inventory import build_inventory
-from elastic_export.plans import make_plans
-from elastic_export.ranking import Ranking, make_meta, save_ranking
-from elastic_export.scoring import METHODS
-from elastic_export.soft_ranking import ElasticConfig, _Units, cutoffs, optimise_ranking
+from elastic_export.data.calibration import load_calibration
+from elastic_export.models.inventory import build_inventory
+from elastic_export.ranking import soft_ranking
+from elastic_export.ranking.file import Ranking, make_meta, save_ranking
+from elastic_export.ranking.plans import make_plans
+from elastic_export.ranking.scoring import METHODS
+from elastic_export.ranking.soft_ranking import ElasticConfig, _Units, cutoffs, optimise_ranking
 
 FAST = ElasticConfig(steps=6, targets_per_step=3, checkpoint_every=2, targets=(0.1, 0.3, 0.5, 0.7))
 
@@ -126,7 +126,7 @@ def test_resume_after_kill_gives_identical_ranking(tmp_path, monkeypatch):
 
 
 def test_resume_refuses_a_foreign_checkpoint(tmp_path, monkeypatch):
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     enc, inv, cal = _setup("hf-bert")
     ckpt = tmp_path / "ranking.checkpoint"
@@ -162,7 +162,7 @@ def test_loss_variants_reduce_the_loss(name, loss, token_weight):
 
 
 def test_kl_needs_logits():
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     enc, inv, cal = _setup("hf-bert")
     with pytest.raises(UserError, match="logits"):
@@ -192,7 +192,7 @@ def _class_folders(root: Path, names: list[str], per_class: int = 4) -> Path:
 
 def test_labelled_images_train_on_cross_entropy(tmp_path):
     """Class sub-folders that name the classifier's classes become labels; the ranking uses CE."""
-    from elastic_export.soft_ranking import loss_kind
+    from elastic_export.ranking.soft_ranking import loss_kind
 
     enc = tiny_encoder("timm-vit")  # 10 classes
     inv = build_inventory(enc)
@@ -208,7 +208,7 @@ def test_labelled_images_train_on_cross_entropy(tmp_path):
 
 
 def test_folders_that_name_no_class_give_no_labels(tmp_path):
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     enc = tiny_encoder("timm-vit")
     inv = build_inventory(enc)

@@ -5,12 +5,12 @@ import copy
 import numpy as np
 import torch
 
-from elastic_export.adapters import find_blocks
-from elastic_export.inventory import build_inventory
-from elastic_export.plans import make_plans
-from elastic_export.ranking import Ranking
-from elastic_export.reference import hard_mask, permute_units, prefix_keep, ranked_keep, sliced_copy
-from elastic_export.scoring import METHODS
+from elastic_export.models.adapters import find_blocks
+from elastic_export.models.inventory import build_inventory
+from elastic_export.ranking.file import Ranking
+from elastic_export.ranking.plans import make_plans
+from elastic_export.ranking.reference import hard_mask, permute_units, prefix_keep, ranked_keep, sliced_copy
+from elastic_export.ranking.scoring import METHODS
 
 
 def _ranking_with_empty_layers(enc, inv):

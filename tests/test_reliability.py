@@ -20,11 +20,11 @@ from conftest import tiny_encoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic_export.calibration import load_calibration
-from elastic_export.errors import UserError
-from elastic_export.fileio import OutputLock
-from elastic_export.manifest import FORMAT, MANIFEST, load_manifest
-from elastic_export.runtime import ElasticRuntime
+from elastic_export.core.errors import UserError
+from elastic_export.core.fileio import OutputLock
+from elastic_export.core.manifest import FORMAT, MANIFEST, load_manifest
+from elastic_export.data.calibration import load_calibration
+from elastic_export.serving.runtime import ElasticRuntime
 from elastic_export.targets.onnxruntime import SessionConfig
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
@@ -90,7 +90,7 @@ def test_second_writer_to_the_same_out_is_refused(tmp_path, bert_dir, art):
 
 def test_lock_of_a_killed_process_is_released(tmp_path):
     out = tmp_path / "out"
-    code = ("import sys, time; from elastic_export.fileio import OutputLock; "
+    code = ("import sys, time; from elastic_export.core.fileio import OutputLock; "
             f"l = OutputLock({str(out)!r}); l.acquire(); print('held', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
     try:
@@ -135,7 +135,7 @@ def uninterrupted(tmp_path_factory, bert_dir) -> bytes:
 # always arrives mid-ranking, however fast the machine (the run cannot finish first).
 _HOLD_AFTER_CHECKPOINT = """
 import runpy, sys, time
-import elastic_export.soft_ranking as sr
+import elastic_export.ranking.soft_ranking as sr
 _save = sr._save_checkpoint
 def _save_and_hold(*a, **k):
     _save(*a, **k)
@@ -434,7 +434,7 @@ def test_main_job_under_torchrun_is_refused(tmp_path, bert_dir):
 
 # --- security -------------------------------------------------------------------------------------
 def test_model_code_is_not_run_without_trust_remote_code(tmp_path):
-    from elastic_export.loader import load_encoder
+    from elastic_export.models.loader import load_encoder
 
     d = tmp_path / "custom"
     d.mkdir()

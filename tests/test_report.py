@@ -16,10 +16,10 @@ import pytest
 from _devtools import DevTools, find_chromium
 
 from elastic_export import pipeline
-from elastic_export.cli import main
-from elastic_export.loader import default_model_path
-from elastic_export.report import REPORT, render_report, write_report
-from elastic_export.retrieval_data import heldout_pairs, write_pairs_jsonl
+from elastic_export.cli.main import main
+from elastic_export.data.retrieval_data import heldout_pairs, write_pairs_jsonl
+from elastic_export.models.loader import default_model_path
+from elastic_export.report.page import REPORT, render_report, write_report
 
 QUIET = dict(echo=lambda s: None)
 BUDGETS = (0.3, 0.6)
@@ -148,7 +148,7 @@ def test_fresh_report_names_the_quick_eval_honestly(exported):
 
 
 def test_render_failure_keeps_artifacts(work, model, monkeypatch):
-    import elastic_export.report as report
+    import elastic_export.report.page as report
 
     def broken(*args, **kw):
         raise RuntimeError("renderer exploded")
@@ -200,7 +200,7 @@ def test_full_report_has_every_section(full):
 
 
 def test_full_report_recommends_from_eval_and_bench(full):
-    from elastic_export.frontier import recommend
+    from elastic_export.measure.frontier import recommend
 
     page = (full / REPORT).read_text()
     rec = _section(page, "recommend")
@@ -246,7 +246,7 @@ def test_absent_and_broken_data_do_not_fail(full, tmp_path, capsys):
 
 
 def test_ranking_of_another_model_is_skipped(full, tmp_path):
-    from elastic_export.ranking import load_ranking, save_ranking
+    from elastic_export.ranking.file import load_ranking, save_ranking
 
     d = tmp_path / "copy"
     shutil.copytree(full, d)
@@ -269,7 +269,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, words, capsys, tmp_path, monk
 
 
 def test_write_report_out_is_a_directory(full, tmp_path):
-    from elastic_export.errors import UserError
+    from elastic_export.core.errors import UserError
 
     with pytest.raises(UserError, match="is a directory"):
         write_report(full, out=tmp_path)

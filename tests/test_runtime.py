@@ -1,4 +1,4 @@
-"""elastic_export.runtime and elastic_export.targets.onnxruntime on real tiny artifacts (no mocks)."""
+"""elastic_export.serving.runtime and elastic_export.targets.onnxruntime on real tiny artifacts (no mocks)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import onnxruntime as ort
 import pytest
 from conftest import tiny_encoder
 
-from elastic_export.errors import UserError
-from elastic_export.runtime import (
+from elastic_export.core.errors import UserError
+from elastic_export.serving.runtime import (
     ElasticRuntime,
     FixedPolicy,
     LatencyProfile,
@@ -386,7 +386,7 @@ def test_runtime_imports_and_runs_without_torch(art):
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         import numpy as np
-        from elastic_export.runtime import ElasticRuntime
+        from elastic_export.serving.runtime import ElasticRuntime
         from elastic_export.targets.onnxruntime import SessionConfig
         rt = ElasticRuntime.from_dir({str(art)!r}, config=SessionConfig(threads=1))
         ids = np.array([[5, 17, 300, 9]], dtype=np.int64)
@@ -409,7 +409,7 @@ def art16(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["per-budget", "elastic"])
 def test_fp16_precision_serves_the_fp16_files(art16, feeds, mode):
-    from elastic_export.compare import relative_error
+    from elastic_export.checks.compare import relative_error
 
     m = json.loads((art16 / "manifest.json").read_text())
     rt16 = ElasticRuntime.from_dir(art16, mode=mode, precision="fp16", config=SessionConfig(threads=1))
@@ -443,10 +443,10 @@ def test_encode_texts_with_the_directory_tokenizer(minilm_small, tmp_path):
 
     from _helpers import link_copy
 
-    from elastic_export.errors import UserError
-    from elastic_export.manifest import load_manifest
-    from elastic_export.runtime import ElasticRuntime
-    from elastic_export.text import TextEncoder
+    from elastic_export.core.errors import UserError
+    from elastic_export.core.manifest import load_manifest
+    from elastic_export.models.text import TextEncoder
+    from elastic_export.serving.runtime import ElasticRuntime
 
     d = link_copy(minilm_small, tmp_path / "art")
     m = load_manifest(d)
@@ -459,7 +459,7 @@ def test_encode_texts_with_the_directory_tokenizer(minilm_small, tmp_path):
     assert feeds["attention_mask"][0].sum() < feeds["attention_mask"][1].sum()  # padded to the longest
     from sentence_transformers import SentenceTransformer
 
-    from elastic_export.text import model_folder
+    from elastic_export.models.text import model_folder
 
     st = SentenceTransformer(str(model_folder(m["model"]["source"])), device="cpu")
     assert np.abs(rt.encode(texts, sparsity=0.0) - st.encode(texts)).max() < 1e-4

@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from conftest import tiny_encoder
 
-from elastic_export.errors import UserError
-from elastic_export.runtime import (
+from elastic_export.core.errors import UserError
+from elastic_export.serving.runtime import (
     ElasticRuntime,
     FixedPolicy,
     LatencyProfile,

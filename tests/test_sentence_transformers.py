@@ -15,8 +15,8 @@ import pytest
 from _helpers import save_sentence_transformer
 from conftest import _perturb, tiny_encoder
 
-from elastic_export.cli import main
-from elastic_export.runtime import ElasticRuntime
+from elastic_export.cli.main import main
+from elastic_export.serving.runtime import ElasticRuntime
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park with a red ball", "hello world", "park",
          "the quick brown fox jumps over the lazy dog and the cat"]

@@ -11,9 +11,9 @@ from conftest import tiny_encoder
 from safetensors import safe_open
 
 from elastic_export import pipeline
-from elastic_export.cli import main
-from elastic_export.rank_options import DEFAULT_TARGETS, cover_budgets, targets_spec
-from elastic_export.ranking import META_KEY, Ranking
+from elastic_export.cli.main import main
+from elastic_export.ranking.file import META_KEY, Ranking
+from elastic_export.ranking.options import DEFAULT_TARGETS, cover_budgets, targets_spec
 
 # tiny and quick: 2 elastic steps on 8 calibration texts, nothing but the ONNX files
 FAST = ["--seq-len", "16", "--calib-size", "8", "--batch-size", "4", "--steps", "2", "--targets-per-step", "2",

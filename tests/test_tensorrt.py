@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from elastic_export.errors import UserError
-from elastic_export.manifest import FORMAT, load_manifest
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import FORMAT, load_manifest
 from elastic_export.targets import tensorrt as T
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -438,7 +438,7 @@ def test_build_engines_takes_a_config(tmp_path):
 # --- CLI without TensorRT -------------------------------------------------------------------------
 def _cli_without_tensorrt(*args: str) -> subprocess.CompletedProcess:
     code = ("import sys; sys.modules['tensorrt'] = None\n"
-            "from elastic_export.cli import main\n"
+            "from elastic_export.cli.main import main\n"
             f"main({list(args)!r})\n")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
 
@@ -485,7 +485,7 @@ import sys
 sys.modules['torch'] = None  # importing torch now raises ImportError
 sys.modules['tensorrt'] = None
 import elastic_export.targets.tensorrt as T
-from elastic_export.errors import UserError
+from elastic_export.core.errors import UserError
 p = T.compute_profile(T.Manifest.load({str(d)!r}), max_batch=4, opt_batch=2)
 assert p.shapes['input_ids'][2] == (4, 64), p
 assert T._torch_present() is False
@@ -553,7 +553,7 @@ def _ort(path: Path, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
 def test_engines_match_onnx(artifacts, tmp_path, precision, tol):
     import shutil
 
-    from elastic_export.compare import relative_error
+    from elastic_export.checks.compare import relative_error
 
     d = Path(shutil.copytree(artifacts, tmp_path / precision))
     m = T.build_engines(d, precision=precision, min_batch=1, opt_batch=2, max_batch=4, max_tokens=16,

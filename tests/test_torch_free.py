@@ -35,9 +35,9 @@ def test_cli_lists_and_parses_methods_without_importing_torch():
     code = textwrap.dedent("""
         import json, sys
         import click
-        from elastic_export import methods
-        from elastic_export.cli import cli, main
-        from elastic_export.errors import UserError
+        from elastic_export.ranking import methods
+        from elastic_export.cli.main import cli, main
+        from elastic_export.core.errors import UserError
         try:
             main(["--help"])
         except SystemExit as e:
@@ -54,7 +54,7 @@ def test_cli_lists_and_parses_methods_without_importing_torch():
     """)
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    from elastic_export import methods
+    from elastic_export.ranking import methods
 
     help_text, result = r.stdout.split("RESULT", 1)
     assert "Ranking method: " + ", ".join(methods.names()) in " ".join(help_text.split())
@@ -65,7 +65,7 @@ def test_cli_lists_and_parses_methods_without_importing_torch():
 
 
 def test_registry_entries_load_their_scoring_functions():
-    from elastic_export import methods, scoring
+    from elastic_export.ranking import methods, scoring
 
     assert methods.names() == ("activation", "elastic", "fisher", "initial", "magnitude", "random", "variance")
     for name in methods.names():
@@ -83,8 +83,8 @@ def test_registry_entries_load_their_scoring_functions():
 
 def test_a_registered_method_is_listed_loaded_and_ranked(monkeypatch):
     """Adding a method: one ``methods.register`` line naming ``module:function``; it is imported on first use."""
-    from elastic_export import methods, scoring
-    from elastic_export.inventory import build_inventory
+    from elastic_export.models.inventory import build_inventory
+    from elastic_export.ranking import methods, scoring
 
     monkeypatch.setattr(methods, "REGISTRY", dict(methods.REGISTRY))
     methods.register("reversed-random", "test_torch_free:_reversed_random", needs_data=False)
@@ -104,7 +104,7 @@ def test_a_registered_method_is_listed_loaded_and_ranked(monkeypatch):
 
 def _reversed_random(encoder, inventory, calibration=None, seed=0, **_):
     """A ranking method defined outside the package: the random scores, negated."""
-    from elastic_export.scoring import random_scores
+    from elastic_export.ranking.scoring import random_scores
 
     heads, neurons = random_scores(encoder, inventory, calibration, seed=seed)
     return [-h for h in heads], [-n for n in neurons]
@@ -117,7 +117,7 @@ def test_commands_run_without_torch(art):
     code = textwrap.dedent(f"""
         import json, sys
         sys.modules["torch"] = None  # importing torch now raises ImportError
-        from elastic_export.cli import main
+        from elastic_export.cli.main import main
         codes = []
         for args in {commands!r}:
             try:

@@ -24,8 +24,8 @@ import pytest
 from _helpers import link_copy  # noqa: E402
 from google.protobuf import text_format
 
-from elastic_export.errors import UserError
-from elastic_export.manifest import FORMAT, load_manifest
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import FORMAT, load_manifest
 from elastic_export.targets import triton as TR
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",

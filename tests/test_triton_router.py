@@ -255,7 +255,7 @@ def test_load_monitor_rate_and_service_times():
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
-    from elastic_export.latency_profile import save_profile
+    from elastic_export.core.latency_profile import save_profile
 
     profile = {"backend": "onnxruntime", "provider": "cpu",
                "batches": {"1": {"0.0": {"p50_ms": 4.0, "p90_ms": 5.0}, "0.5": {"p50_ms": 2.0, "p90_ms": 2.5}}}}

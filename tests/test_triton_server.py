@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from _helpers import READY_S, link_copy, serve_process, stop_process
 
-from elastic_export.errors import UserError
-from elastic_export.manifest import load_manifest
+from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import load_manifest
 from elastic_export.targets import tritonserver as TS
 
 httpclient = pytest.importorskip("tritonclient.http", reason="needs tritonclient[http] (pip install -e \".[test]\")")
@@ -117,7 +117,7 @@ def test_every_model_is_ready_and_the_endpoints_are_printed(served):
 def test_served_outputs_equal_the_runtime(served, protocol):
     """Every budget, asked for by input, by parameter, per row and by default, answers what
     ElasticRuntime.run answers for the same input (the same ONNX files run by onnxruntime)."""
-    from elastic_export.runtime import ElasticRuntime
+    from elastic_export.serving.runtime import ElasticRuntime
 
     d, port = served["dir"], served["port"]
     module = httpclient if protocol == "http" else grpcclient
@@ -145,7 +145,7 @@ def test_served_outputs_equal_the_runtime(served, protocol):
 
 
 def test_text_in_embedding_out(served):
-    from elastic_export.runtime import ElasticRuntime
+    from elastic_export.serving.runtime import ElasticRuntime
 
     d, port = served["dir"], served["port"]
     texts = ["How do I read a file in Python?", "The with statement closes it for you."]

@@ -1,9 +1,9 @@
-"""``elastic-export verify DIR`` (``elastic_export.verify``): every artifact of a directory against the
+"""``elastic-export verify DIR`` (``elastic_export.checks.verify``): every artifact of a directory against the
 hard-masked dense model derived from the directory's own dense.onnx.
 
 One tiny BERT directory (fp32 + fp16, one budget with no heads left) is exported once per module;
 each case copies it, damages the copy and runs the real console entry point
-(``elastic_export.cli.main``; one case as a subprocess, the rest in-process to stay fast).
+(``elastic_export.cli.main.main``; one case as a subprocess, the rest in-process to stay fast).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from _helpers import masked_torch, prepared, run_onnx
 from conftest import tiny_encoder
 from onnx import helper, numpy_helper
 
-from elastic_export.backends import get_backend
-from elastic_export.cli import main
-from elastic_export.verify import masked_dense
+from elastic_export.checks.verify import masked_dense
+from elastic_export.cli.main import main
+from elastic_export.serving.backends import get_backend
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

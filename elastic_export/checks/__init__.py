@@ -1,0 +1,1 @@
+"""Checks: the one output comparison with its stated bounds, and ``verify`` (every artifact of a directory re-checked)."""

@@ -1,0 +1,150 @@
+"""ONNX files of any size: weights inline below protobuf's 2 GiB, in one external data file above it.
+
+A ``ModelProto`` serialises to at most 2 GiB, so a model whose weights pass that (about 530M fp32
+parameters: Qwen3-Embedding-4B / 8B, ViT-g) keeps them in ``NAME.onnx.data`` beside ``NAME.onnx``
+(ONNX's external data format, one file per model; onnxruntime, TensorRT's parser and
+``onnx.load`` read it from the same folder). Every writer of a model file in this project goes
+through :func:`save`, every in-memory check through :func:`check`, and every copier of a model
+file through :func:`files`, so the size never needs a second code path elsewhere.
+
+``INLINE_LIMIT`` is a module attribute on purpose: the tests lower it to run the whole external-data
+path on tiny models; ``--external-data`` on the CLI forces it for any model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import onnx
+from onnx.external_data_helper import load_external_data_for_model
+
+PROTOBUF_LIMIT = 2**31 - 1  # bytes: one serialised ModelProto, weights inside, is at most this
+INLINE_LIMIT = PROTOBUF_LIMIT - 2**26  # weight bytes a file keeps inline (room left for nodes and metadata)
+SIZE_THRESHOLD = 1024  # bytes: smaller tensors stay inline even in an external-data file (onnx's default)
+DATA_SUFFIX = ".data"
+
+
+def data_name(onnx_name: str) -> str:
+    """File name of the external data of the model file ``onnx_name`` (``budget_0.30.onnx.data``)."""
+    return onnx_name + DATA_SUFFIX
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model's initializers (the part that can outgrow a protobuf)."""
+    return sum(t.ByteSize() for t in model.graph.initializer)
+
+
+def needs_external(nbytes: int, external: bool | None = None) -> bool:
+    """Whether weights of ``nbytes`` go to an external data file (``external``: force on / off; None: by size)."""
+    return bool(external) if external is not None else nbytes >= INLINE_LIMIT
+
+
+def files(path: str | Path) -> list[Path]:
+    """The model file and, when it has one, its external data file: what to copy, link or delete together."""
+    path = Path(path)
+    data = path.with_name(data_name(path.name))
+    return [path, data] if data.is_file() else [path]
+
+
+def external_like(path: str | Path) -> bool | None:
+    """For a twin of the model file ``path`` (fp16, int8): external data when ``path`` has it, else by size."""
+    return True if len(files(path)) > 1 else None
+
+
+def share_mode(path: str | Path) -> None:
+    """Give a data file the mode ``open`` would have (onnx writes external data as 0600)."""
+    from elastic_export.core.fileio import umask
+
+    Path(path).chmod(0o666 & ~umask())
+
+
+def write_via_scratch(directory: str | Path, name: str, write: Callable[[Path], None]) -> None:
+    """``write(path)`` into a scratch folder inside ``directory`` (quantizers leave helper files beside
+    their output), then move the model file ``name`` and its external data into ``directory``."""
+    directory = Path(directory)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        write(Path(scratch) / name)
+        for f in files(Path(scratch) / name):
+            share_mode(f)
+            f.replace(directory / f.name)
+
+
+def save(model: onnx.ModelProto, path: str | Path, external: bool | None = None) -> bool:
+    """Write ``model`` to ``path``; weights to ``path.data`` when :func:`needs_external`.
+
+    ``model`` is left as it was (onnx moves the weights out of the proto while writing them; they are
+    read back). Returns True when an external data file was written.
+    """
+    path = Path(path)
+    data = path.with_name(data_name(path.name))
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    if not needs_external(weight_bytes(model), external):
+        onnx.save(model, str(path))
+        return False
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=SIZE_THRESHOLD)
+    load_external_data_for_model(model, str(path.parent))
+    share_mode(data)
+    return True
+
+
+def model_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Everything of ``model`` but its graph (opsets, producer, metadata, functions)."""
+    skeleton = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name == "graph":
+            continue
+        repeated = getattr(field, "is_repeated", None)  # protobuf >= 6; older ones have label only
+        if repeated if repeated is not None else field.label == field.LABEL_REPEATED:
+            getattr(skeleton, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(skeleton, field.name).CopyFrom(value)
+        else:
+            setattr(skeleton, field.name, value)
+    return skeleton
+
+
+def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` for checking: initializers of ``SIZE_THRESHOLD`` bytes or more become graph
+    inputs of the same type and shape (small ones, such as reshape targets, stay), so the checker and
+    shape inference see the same graph without serialising gigabytes."""
+    g = model.graph
+    big = [t for t in g.initializer if t.ByteSize() >= SIZE_THRESHOLD]
+    names = {t.name for t in big}
+    out = model_skeleton(model)
+    out.graph.CopyFrom(onnx.helper.make_graph(
+        list(g.node), g.name,
+        list(g.input) + [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big],
+        list(g.output), [t for t in g.initializer if t.name not in names],
+        doc_string=g.doc_string, value_info=list(g.value_info)))
+    return out
+
+
+def infer_shapes(model: onnx.ModelProto, strict_mode: bool = False) -> onnx.ModelProto:
+    """``onnx.shape_inference.infer_shapes`` for a model of any size: a new model below the limit; above
+    it the shapes are inferred on :func:`weightless` and written into ``model``'s value_info, which is
+    returned."""
+    if weight_bytes(model) < INLINE_LIMIT:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=strict_mode)
+    inferred = onnx.shape_inference.infer_shapes(weightless(model), strict_mode=strict_mode).graph
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.value_info)
+    del model.graph.output[:]
+    model.graph.output.extend(inferred.output)
+    return model
+
+
+def check(model: onnx.ModelProto | str | Path, full_check: bool = False) -> None:
+    """``onnx.checker`` on a file (with its external data) or on a model of any size.
+
+    Raises:
+        onnx.checker.ValidationError / onnx.shape_inference.InferenceError: as ``onnx.checker``.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        onnx.checker.check_model(str(model), full_check=full_check)
+    elif weight_bytes(model) < INLINE_LIMIT:
+        onnx.checker.check_model(model, full_check=full_check)
+    else:
+        onnx.checker.check_model(weightless(model), full_check=full_check)

@@ -1,0 +1,1 @@
+"""Data in: calibration samples (with the held-out split) and retrieval pairs."""

@@ -1,0 +1,1 @@
+"""Measurement: retrieval evaluation, the main job's quick eval, latency benchmarks, the Pareto frontier."""

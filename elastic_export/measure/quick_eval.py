@@ -1,0 +1,415 @@
+"""The main job's quick evaluation: quality and speed of every (budget, precision), by default.
+
+After the artifacts are written (``--no-quick-eval`` skips this), every (sparsity, precision) pair is
+loaded once in an :class:`elastic_export.serving.runtime.ElasticRuntime` (CPU execution provider, as a
+server would load them) and
+
+* **quality** on a *held-out* slice of the calibration source: up to :data:`HELDOUT` samples that
+  the ranking did not see (the calibration draws ``--calib-size`` samples evenly spread over its
+  source, :func:`elastic_export.data.calibration.load_calibration`; the held-out ones are spread over
+  the rest, texts compared by value; synthetic images continue the calibration's random stream).
+  ``fidelity_cosine``: mean cosine between the pair's pooled output and the dense fp32 model's
+  (pooling as in ``elastic-export eval``). Text also ``neighbour_overlap@10`` ("neighbour overlap@10
+  (vs dense)"): each held-out text, encoded by the pair, queries an index of the held-out slice
+  encoded once by the dense fp32 model; the share of the dense model's own 10 nearest neighbours of
+  that text (itself excluded) among the pair's top 10 (:func:`neighbour_overlaps`; finding the text
+  itself is too easy to tell budgets apart). The dense model scores 1.0 by construction: it is
+  *not* query->document retrieval recall (``elastic-export eval``'s ``recall@10``), and falls much
+  faster with the budget. Entries written before the rename call it ``recall@10``
+  (:func:`entry_of` reads them). Each figure has its 95 % bootstrap band over the held-out samples
+  (``ci95``, :func:`elastic_export.measure.evaluation.bootstrap_ci`).
+* **speed**: p50 / p90 / p99 latency and throughput (inputs / s at the p50) at batch sizes
+  :data:`BATCHES`, in interleaved rounds (:func:`time_interleaved`: every pair once per round, so
+  a burst of load on a shared machine falls on all pairs alike; :data:`MIN_ROUNDS` to
+  :data:`MAX_ROUNDS` rounds within :data:`SPEED_SECONDS` per batch size, fewer once every p50 is
+  pinned to :data:`SPEED_PRECISION`), on the inputs ``elastic-export bench`` uses (the manifest's
+  token count N); onnxruntime's default threads without spin-waiting (``SessionConfig(spin=False)``:
+  with every pair loaded, idle sessions' spinning threads would otherwise take the CPU from the one
+  that runs). A first look: ``elastic-export bench`` measures longer.
+
+The results go to the manifest's ``quick_eval`` entry (field names below, defined once here)::
+
+    {"heldout": {"source", "samples", "excluded", ...}, "metric": "fidelity_cosine",
+     "samples": {"fidelity_cosine": 64, "neighbour_overlap@10": 64}, "bootstrap": {...},
+     "speed": {"provider": "cpu", "batches": [1, 8], "repeats": {"1": 14, "8": 3}, "warmup",
+               "schedule", "seconds", "threads", "spin", "seq_len", "machine": {"cpu", ...}}, "seconds",
+     "rows": [{"sparsity", "precision", "gflops", "fidelity_cosine", "neighbour_overlap@10",
+               "ci95": {"fidelity_cosine": [low, high], ...},
+               "speed": {"1": {"p50_ms", "p90_ms", "p99_ms", "throughput"}, "8": {...}}}, ...]}
+
+and to ``DIR/latency_profile.json`` (:mod:`elastic_export.core.latency_profile`): the measured rows, the
+``quality`` block (metric ``metric``: the runtime's latency-target policy then picks the
+highest-quality pair meeting a target with no separate eval run) and the ``frontier`` per batch
+(:mod:`elastic_export.measure.frontier`). ``elastic-export bench`` later replaces the rows with longer
+measurements and keeps the quality block.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from elastic_export.core.latency_profile import (
+    PRECISION_ORDER,
+    LatencyProfile,
+    Pair,
+    key,
+    percentile_stats,
+    profile_of,
+    save_profile,
+)
+from elastic_export.core.manifest import Manifest, as_manifest
+from elastic_export.measure.evaluation import BOOTSTRAP, CI_KEY, NEIGHBOUR_OVERLAP, SAMPLES_KEY
+
+ENTRY = "quick_eval"  # the manifest key
+HELDOUT = 64  # held-out samples at most
+BATCHES = (1, 8)
+#: timing: interleaved rounds (every pair once per round, the start rotating), at least MIN_ROUNDS,
+#: at most MAX_ROUNDS, ending once a batch size has had its SPEED_SECONDS or every pair's p50 is
+#: pinned to SPEED_PRECISION (half-width of its 95 % distribution-free interval, relative)
+MIN_ROUNDS = 3
+MAX_ROUNDS = 15  # tiny test models (ms per run) rarely pin their p50: this bounds their cost
+SPEED_SECONDS = {1: 4.0, 8: 3.0}  # per batch size; another size gets the largest
+SPEED_PRECISION = 0.03
+WARMUP = 0  # the quality pass has run every session already
+EVAL_BATCH = 16
+FIDELITY = "fidelity_cosine"
+OVERLAP = NEIGHBOUR_OVERLAP  # the share of the dense model's own 10 neighbours found (dense = 1.0)
+LEGACY_OVERLAP = "recall@10"  # what entries written before the rename call the overlap (still read)
+QUALITY_METRIC = FIDELITY  # the figure copied to the latency profile (every modality has it)
+LEGEND = {FIDELITY: "mean cosine to the dense fp32 embedding",
+          OVERLAP: "neighbour overlap@10 (vs dense): share of the dense model's 10 nearest held-out neighbours found, "
+                   "dense = 1.0; not retrieval recall (elastic-export eval DIR measures that)"}
+SPEED_STATS = ("p50_ms", "p90_ms", "p99_ms", "throughput")
+Feeds = dict[str, np.ndarray]
+
+
+# --- held-out data ------------------------------------------------------------------------------
+def heldout_texts(calib: str | None, calib_size: int, n: int = HELDOUT) -> tuple[list[str], dict]:
+    """Up to ``n`` texts of the calibration source that the ranking's ``calib_size`` samples miss.
+
+    Falls back to :func:`elastic_export.data.retrieval_data.heldout_pairs` documents (disjoint from the
+    built-in calibration text) when the source has fewer than 2 texts left.
+    """
+    from elastic_export.data.calibration import default_texts, evenly_spaced, read_text_file
+
+    if calib is None:
+        texts, source = default_texts(), "pydoc_data.topics (Python reference)"
+    else:
+        texts, source = read_text_file(Path(calib)), str(calib)
+    used = set(evenly_spaced(texts, calib_size))
+    rest = list(dict.fromkeys(t for t in texts if t not in used))
+    desc = {"source": source, "excluded": f"the {len(used)} calibration texts ({calib_size} spread evenly)"}
+    if len(rest) < 2:
+        from elastic_export.data.retrieval_data import heldout_pairs
+
+        rest = [p["doc"] for p in heldout_pairs(n)]
+        desc = {"source": "elastic_export.data.retrieval_data.heldout_pairs documents",
+                "excluded": f"{source} has no text left beyond the {len(used)} calibration texts"}
+    picked = evenly_spaced(rest, n)
+    return picked, {**desc, "samples": len(picked)}
+
+
+def _text_feeds(encoder, texts: list[str]) -> list[Feeds]:
+    from elastic_export.data.calibration import by_length, text_batches
+
+    batches = text_batches(encoder, by_length(encoder, texts), EVAL_BATCH)
+    return [{k: v.numpy() for k, v in b.items()} for b in batches]
+
+
+def heldout_images(encoder, calib: str | None, calib_size: int, seed: int, n: int = HELDOUT) -> tuple[list, dict]:
+    """Up to ``n`` preprocessed images beyond the calibration set: the next synthetic images of
+    the calibration's random stream, or the image files its evenly spread sample missed."""
+    from elastic_export.data.calibration import evenly_spaced, image_files, synthetic_images
+
+    cfg = encoder.data_config
+    rest = []
+    if calib is not None:
+        files = image_files(Path(calib))
+        used = set(evenly_spaced(files, calib_size))
+        rest = evenly_spaced([f for f in files if f not in used], n)
+    if not rest:
+        imgs = synthetic_images(cfg, calib_size + n, seed)[calib_size:]
+        note = "" if calib is None else f" ({calib} has no image left beyond the calibration set)"
+        return imgs, {"source": f"synthetic colour fields (seed {seed}){note}", "samples": len(imgs),
+                      "excluded": f"the first {calib_size} images of the stream (calibration)"}
+    from PIL import Image
+
+    from elastic_export.models import preprocess
+
+    prep, imgs = preprocess.transform(cfg), []
+    for f in rest:
+        try:
+            with Image.open(f) as img:
+                imgs.append(prep(img))
+        except Exception:  # noqa: BLE001 - undecodable files are skipped, as in calibration
+            continue
+    return imgs, {"source": str(calib), "samples": len(imgs),
+                  "excluded": f"the {len(used)} calibration images ({calib_size} spread evenly)"}
+
+
+def heldout_feeds(encoder, calib: str | None, calib_size: int, seed: int) -> tuple[list[Feeds], dict]:
+    """Model inputs of the held-out slice, in batches of :data:`EVAL_BATCH`, and its description."""
+    if encoder.modality == "text":
+        texts, desc = heldout_texts(calib, calib_size)
+        return _text_feeds(encoder, texts), desc
+    imgs, desc = heldout_images(encoder, calib, calib_size, seed)
+    if not imgs:
+        raise ValueError(f"no decodable held-out image in {calib}")
+    return [{"pixel_values": np.stack([t.numpy() for t in imgs[i:i + EVAL_BATCH]]).astype(np.float32)}
+            for i in range(0, len(imgs), EVAL_BATCH)], desc
+
+
+# --- quality ------------------------------------------------------------------------------------
+def pooled(outputs: dict[str, np.ndarray], feeds: Feeds) -> np.ndarray:
+    """One vector per input, pooled as ``elastic-export eval`` pools (any other output: flattened)."""
+    from elastic_export.measure.evaluation import IMAGE_EMBEDDINGS, pool_text
+
+    if "attention_mask" in feeds and ("sentence_embedding" in outputs or "last_hidden_state" in outputs):
+        return pool_text(outputs, feeds["attention_mask"]).astype(np.float32)
+    for name in IMAGE_EMBEDDINGS:
+        if name in outputs:
+            return outputs[name].astype(np.float32)
+    if "last_hidden_state" in outputs:
+        return outputs["last_hidden_state"].mean(1).astype(np.float32)
+    first = next(iter(outputs.values()))
+    return first.reshape(len(first), -1).astype(np.float32)
+
+
+def neighbour_overlap(queries: np.ndarray, index: np.ndarray, k: int = 10) -> float:
+    """Mean of :func:`neighbour_overlaps`."""
+    return float(np.mean(neighbour_overlaps(queries, index, k)))
+
+
+def neighbour_overlaps(queries: np.ndarray, index: np.ndarray, k: int = 10) -> np.ndarray:
+    """Neighbour overlap@k against a dense index: for each row i, the share of the dense top-k
+    neighbours of ``index[i]`` (itself excluded) that ``queries[i]`` finds among its own top-k in
+    ``index``. Not retrieval recall: the dense model scores 1.0 by construction.
+
+    Args:
+        queries: the pair's embeddings of the held-out samples.
+        index: the dense fp32 model's embeddings of the same samples (row i = the same sample).
+        k: neighbours (at most the number of samples - 1).
+    """
+    from elastic_export.measure.evaluation import l2_normalize
+
+    k = min(k, len(index) - 1)
+    q, d = l2_normalize(queries), l2_normalize(index)
+    truth, got = d @ d.T, q @ d.T
+    np.fill_diagonal(truth, -np.inf)
+    np.fill_diagonal(got, -np.inf)
+    want = np.argsort(-truth, axis=1, kind="stable")[:, :k]
+    have = np.argsort(-got, axis=1, kind="stable")[:, :k]
+    return np.array([len(set(a) & set(b)) / k for a, b in zip(want, have)], dtype=np.float64)
+
+
+def quality(rt, batches: list[Feeds], text: bool) -> dict[Pair, dict]:
+    """Fidelity (and neighbour overlap@10 for text) of every loaded pair against the dense fp32 model,
+    each with its bootstrap band over the held-out samples (``ci95``)."""
+    from elastic_export.measure.evaluation import cosines, summarise
+
+    emb = {pair: np.concatenate([pooled(rt.run(f, sparsity=pair[0], precision=pair[1]), f) for f in batches])
+           for pair in rt.pairs}
+    ref = emb[(0.0, "fp32")]
+    out = {}
+    for pair, e in emb.items():
+        samples = {FIDELITY: cosines(e, ref)}
+        if text and len(ref) > 1:
+            samples[OVERLAP] = neighbour_overlaps(e, ref)
+        values, ci = summarise(samples)
+        out[pair] = {**values, CI_KEY: ci}
+    return out
+
+
+# --- speed --------------------------------------------------------------------------------------
+def median_spread(times: list[float]) -> float:
+    """Half-width of the distribution-free 95 % interval of the median (order statistics), relative
+    to the median (inf with fewer than 2 runs)."""
+    n = len(times)
+    if n < 2:
+        return float("inf")
+    v, h = np.sort(times), 0.98 * np.sqrt(n)
+    lo, hi = v[max(0, int(np.floor(n / 2 - h)))], v[min(n - 1, int(np.ceil(n / 2 + h)))]
+    return float((hi - lo) / 2 / max(float(np.median(v)), 1e-12))
+
+
+def time_interleaved(rt, feeds: Feeds, seconds: float, min_rounds: int = MIN_ROUNDS,
+                     max_rounds: int = MAX_ROUNDS) -> dict[Pair, list[float]]:
+    """Timed runs (ms) of every pair of ``rt`` on ``feeds``, in interleaved rounds: each round runs
+    every pair once, the first pair rotating, so a burst of load on the machine falls on all pairs
+    alike instead of on the ones timed during it. Ends after ``max_rounds``, or from
+    ``min_rounds`` on once ``seconds`` have passed or every pair's :func:`median_spread` is at most
+    :data:`SPEED_PRECISION`."""
+    pairs = list(rt.pairs)
+    times: dict[Pair, list[float]] = {pair: [] for pair in pairs}
+    start = time.perf_counter()
+    for r in range(max_rounds):
+        for pair in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
+            t0 = time.perf_counter()
+            rt.run(feeds, sparsity=pair[0], precision=pair[1])
+            times[pair].append((time.perf_counter() - t0) * 1e3)
+        if r + 1 >= min_rounds and (time.perf_counter() - start >= seconds
+                                    or max(map(median_spread, times.values())) <= SPEED_PRECISION):
+            break
+    return times
+
+
+def measure_speed(rt, feeds_by_batch: dict[int, Feeds], figures: dict[Pair, float]) -> tuple[LatencyProfile, dict]:
+    """The latency profile of every pair at every batch size (:func:`time_interleaved`) with the
+    quality ``figures``, and the timed runs per pair at each batch size (``{"1": 14, "8": 3}``)."""
+    rows: dict[str, dict] = {}
+    runs = {}
+    for b, feeds in sorted(feeds_by_batch.items()):
+        times = time_interleaved(rt, feeds, SPEED_SECONDS.get(b, max(SPEED_SECONDS.values())))
+        runs[str(b)] = min(len(v) for v in times.values())
+        for (s, p), v in times.items():
+            rows.setdefault(p, {}).setdefault(int(b), {})[s] = percentile_stats(v)
+    return profile_of(rt, rows, figures, QUALITY_METRIC), runs
+
+
+# --- the whole step -----------------------------------------------------------------------------
+def speed_feeds(directory: Path, manifest: Manifest) -> dict[int, Feeds]:
+    """The inputs ``elastic-export bench`` times, at each of :data:`BATCHES`."""
+    from elastic_export.measure.bench import sample_feeds
+
+    return {b: sample_feeds(directory, manifest, b, None) for b in BATCHES}
+
+
+def entry_rows(manifest: Manifest, qual: dict[Pair, dict], prof: LatencyProfile) -> list[dict]:
+    """The ``rows`` of the manifest entry: one per pair, dense first, by precision then sparsity."""
+    gflops = {0.0: manifest.dense.gflops, **{key(b.sparsity): b.gflops for b in manifest.budgets}}
+    rows = []
+    for s, p in sorted(qual, key=lambda pair: (PRECISION_ORDER.index(pair[1]), pair[0])):
+        speed = {}
+        for b in prof.batch_sizes():
+            st = prof.rows(p).get(b, {}).get(s)
+            if st is not None:
+                speed[str(b)] = {**st, "throughput": b / (st["p50_ms"] / 1e3)}
+        rows.append({"sparsity": s, "precision": p, "gflops": gflops.get(s), **qual[(s, p)], "speed": speed})
+    return rows
+
+
+def run_quick_eval(directory: Path, manifest: Manifest | dict, encoder, calib: str | None, calib_size: int, seed: int,
+                   echo: Callable[[str], None] = print) -> dict:
+    """Measure every pair of the artifact ``directory`` (its manifest already written); write
+    ``DIR/latency_profile.json``; return the manifest's ``quick_eval`` entry (module docstring).
+
+    Args:
+        directory: the artifact directory.
+        manifest: its manifest.
+        encoder: the model (tokenizer, preprocessing, modality).
+        calib: the calibration source (``--calib``; None: built in).
+        calib_size: samples the calibration took from it (held out: the others).
+        seed: the calibration seed (synthetic images).
+        echo: progress lines.
+    """
+    from elastic_export.measure.bench import machine
+    from elastic_export.measure.frontier import profile_frontier
+    from elastic_export.serving.runtime import ElasticRuntime
+    from elastic_export.targets.onnxruntime import SessionConfig
+
+    manifest = as_manifest(manifest)
+    t0 = time.time()
+    batches, heldout = heldout_feeds(encoder, calib, calib_size, seed)
+    rt = ElasticRuntime.from_dir(directory, precisions="all", config=SessionConfig(spin=False))
+    qual = quality(rt, batches, text=encoder.modality == "text")
+    figures = {pair: q[QUALITY_METRIC] for pair, q in qual.items()}
+    t_speed = time.time()
+    prof, runs = measure_speed(rt, speed_feeds(directory, manifest), figures)
+    speed_s = time.time() - t_speed
+    prof.frontier = profile_frontier({p: prof.rows(p) for p in prof.measured_precisions()}, figures, QUALITY_METRIC)
+    save_profile(prof, directory)
+    rows = entry_rows(manifest, qual, prof)
+    seconds = round(time.time() - t0, 1)
+    echo(f"quick eval: {len(rows)} (budget, precision) pairs on {heldout['samples']} held-out samples, "
+         f"batches {', '.join(map(str, BATCHES))} ({' / '.join(map(str, runs.values()))} interleaved runs, "
+         f"{speed_s:.1f}s), in {seconds:.1f}s")
+    metrics = [m for m in (FIDELITY, OVERLAP) if m in rows[0]]
+    return {"heldout": heldout, "metric": QUALITY_METRIC, SAMPLES_KEY: {m: heldout["samples"] for m in metrics},
+            "bootstrap": BOOTSTRAP,
+            "speed": {"provider": rt.provider, "batches": list(BATCHES), "repeats": runs, "warmup": WARMUP,
+                      "schedule": "interleaved rounds", "seconds": round(speed_s, 1),
+                      "threads": "onnxruntime default", "spin": False, "seq_len": manifest.tokens,
+                      "machine": machine()},
+            "seconds": seconds, "rows": rows}
+
+
+# --- views of the entry (the report draws them like eval / bench results) -----------------------
+def entry_of(manifest: Manifest) -> dict | None:
+    """The manifest's ``quick_eval`` entry with every row in today's field names (an entry written
+    before the rename calls the neighbour overlap ``recall@10``); None without an entry."""
+    qe = manifest.quick_eval
+    if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list):
+        return None
+    rows = []
+    for r in qe["rows"]:
+        if isinstance(r, dict):
+            r = {(OVERLAP if k == LEGACY_OVERLAP else k): v for k, v in r.items()}
+            if isinstance(r.get(CI_KEY), dict):
+                r[CI_KEY] = {(OVERLAP if k == LEGACY_OVERLAP else k): v for k, v in r[CI_KEY].items()}
+            rows.append(r)
+    samples = qe.get(SAMPLES_KEY) or {m: (qe.get("heldout") or {}).get("samples")
+                                      for m in (FIDELITY, OVERLAP) if any(m in r for r in rows)}
+    return {**qe, SAMPLES_KEY: samples, "rows": rows}
+
+
+def as_eval_result(manifest: Manifest, directory: str = ".") -> dict | None:
+    """The manifest's ``quick_eval`` entry as an ``elastic-export eval`` result (None without one).
+
+    Args:
+        manifest: the artifact directory's manifest.
+        directory: the directory as the report names it (its ``dir`` column).
+    """
+    qe = entry_of(manifest)
+    if qe is None:
+        return None
+    held = qe.get("heldout") or {}
+    return {"datasets": {"held-out": {"source": held.get("source"), "count": held.get("samples")}},
+            "results": [{"label": "quick eval", "method": manifest.ranking.method, "dir": directory,
+                         SAMPLES_KEY: qe[SAMPLES_KEY], "budgets": qe["rows"]}]}
+
+
+def as_bench_result(manifest: Manifest) -> dict | None:
+    """The speed of the manifest's ``quick_eval`` entry as an ``elastic-export bench`` result (None
+    without one): rows per (batch, sparsity, precision), speedup over the dense fp32 model."""
+    qe = entry_of(manifest)
+    if qe is None:
+        return None
+    dense_gflops = float(manifest.dense.gflops)
+    base = {b: st["throughput"] for r in qe["rows"] if r.get("sparsity") == 0.0 and r.get("precision") == "fp32"
+            for b, st in (r.get("speed") or {}).items()}
+    rows = []
+    for r in qe["rows"]:
+        for b, st in (r.get("speed") or {}).items():
+            rows.append({"sparsity": r["sparsity"], "precision": r["precision"], "gflops": r["gflops"],
+                         "flop_ratio": dense_gflops / float(r["gflops"]), "batch": int(b), **st,
+                         "speedup": st["throughput"] / base[b] if b in base else None, "switch_ms": None})
+    speed = qe.get("speed") or {}
+    return {"format": "elastic-export-bench/1", "backend": "onnxruntime", "provider": speed.get("provider"),
+            "runtime": "the main job's quick eval", "machine": speed.get("machine") or {},
+            "settings": {"repeats": speed.get("repeats"), "seq_len": speed.get("seq_len"),
+                         "threads": speed.get("threads"), "schedule": speed.get("schedule")}, "rows": rows}
+
+
+def table_columns(manifest: Manifest) -> tuple[list[str], dict[Pair, list[str]], list[str]] | None:
+    """The main job's terminal table columns from the quick eval: (headers, cells per (sparsity,
+    precision), legend lines); None without an entry."""
+    qe = entry_of(manifest)
+    if qe is None:
+        return None
+    metrics = [m for m in (FIDELITY, OVERLAP) if any(isinstance(r.get(m), (int, float)) for r in qe["rows"])]
+    batches = [str(b) for b in (qe.get("speed") or {}).get("batches", BATCHES)]
+    head = [{FIDELITY: "fidelity", OVERLAP: "overlap@10"}[m] for m in metrics] + [f"p50 ms b{b}" for b in batches]
+    cells = {}
+    for r in qe["rows"]:
+        q = [f"{r[m]:.4f}" if m == FIDELITY else f"{r[m]:.3f}" for m in metrics if isinstance(r.get(m), (int, float))]
+        t = [f"{(r.get('speed') or {}).get(b, {}).get('p50_ms', float('nan')):.1f}" for b in batches]
+        cells[(key(r["sparsity"]), str(r.get("precision", "fp32")))] = q + t
+    n, runs = (qe.get("heldout") or {}).get("samples"), (qe.get("speed") or {}).get("repeats")
+    runs = (" / ".join(f"{v}" for v in runs.values()) + " interleaved" if isinstance(runs, dict) else runs)
+    legend = [f"quick eval on {n} held-out samples: " + "; ".join(f"{h} = {LEGEND[m]}" for h, m in zip(head, metrics)),
+              f"p50 ms b1 / b8 = median latency at batch 1 / 8 over {runs} runs (onnxruntime CPU)"]
+    return head, cells, legend

@@ -1,0 +1,3 @@
+"""Models in: loading (local folders, hub ids, timm names), the encoder wrapper, family adapters, the
+unit inventory, preprocessing, text in.
+"""

@@ -1,0 +1,101 @@
+"""The package layout: each stage subpackage imports only from its own or a lower stage (no import back up).
+
+Every import statement counts, the lazy ones inside functions included. The stages, bottom to top,
+are :data:`LAYERS`; ``docs/design.md`` describes each.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"elastic_export": ROOT / "elastic_export", "elastic_export.passes": ROOT / "passes",
+           "elastic_export.targets": ROOT / "targets"}
+
+# Bottom to top. A module belongs to the longest prefix listed; a module may import its own layer or lower ones.
+LAYERS = [
+    ["elastic_export.core"],
+    ["elastic_export.models"],
+    ["elastic_export.data"],
+    ["elastic_export.ranking"],
+    ["elastic_export.export", "elastic_export.passes"],
+    ["elastic_export.targets.onnxruntime", "elastic_export.targets.profiles"],  # onnxruntime sessions
+    ["elastic_export.serving"],
+    ["elastic_export.checks"],
+    ["elastic_export.precision"],
+    ["elastic_export.measure"],
+    ["elastic_export.targets"],  # deployment targets: TensorRT, Triton, the runtime's backends
+    ["elastic_export.report"],
+    ["elastic_export.pipeline"],
+    ["elastic_export.cli", "elastic_export.__main__"],
+]
+FACE = "elastic_export"  # the public face (elastic_export/__init__.py): names entry points, lazily
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def layer(module: str) -> int:
+    best, index = "", None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, index = p, i
+    assert index is not None, f"{module} is in no layer of tests/test_layout.py"
+    return index
+
+
+def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, imported names) of every absolute import of the project in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names if a.name.startswith(FACE)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith(FACE):
+            found.append((node.lineno, node.module, [a.name for a in node.names]))
+    return found
+
+
+def resolve(name: str, known: dict[str, Path]) -> str:
+    while name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+MODULES = modules()
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        if m != FACE:
+            layer(m)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != FACE))
+def test_imports_point_down(module):
+    here, wrong = layer(module), []
+    for line, target, names in imports(MODULES[module]):
+        targets = [resolve(f"{target}.{n}", MODULES) for n in names] or [resolve(target, MODULES)]
+        for t in targets:
+            if t != FACE and t != module and layer(t) > here:
+                wrong.append(f"line {line}: {t} (layer {layer(t)} > {here})")
+    assert not wrong, f"{module} imports upward: " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_name_crosses_modules(module):
+    wrong = []
+    for line, target, names in imports(MODULES[module]):
+        for n in names:
+            if n.startswith("_") and not n.startswith("__") and resolve(f"{target}.{n}", MODULES) != module:
+                wrong.append(f"line {line}: {target}.{n}")
+    assert not wrong, f"{module} imports private names of other modules: " + "; ".join(wrong)
