@@ -30,7 +30,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.measure.bench import machine, time_calls  # noqa: E402
+from elastic_export.measure.timing import machine, time_calls  # noqa: E402
 from elastic_export.precision.int8 import embedding, min_cosine, quantize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

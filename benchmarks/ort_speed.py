@@ -54,7 +54,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from elastic_export.core.budgets import parse_budgets  # noqa: E402
 from elastic_export.core.errors import UserError  # noqa: E402
 from elastic_export.core.manifest import load_manifest, resolve  # noqa: E402
-from elastic_export.measure.bench import busy_warning, machine, time_calls  # noqa: E402
+from elastic_export.measure.timing import busy_warning, machine, time_calls  # noqa: E402
 from elastic_export.models.loader import DEFAULT_MODEL  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

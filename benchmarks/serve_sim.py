@@ -46,7 +46,8 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from elastic_export.serving.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_profile, measure_switch_cost  # noqa: E402
+from elastic_export.measure.timing import measure_profile  # noqa: E402
+from elastic_export.serving.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_switch_cost  # noqa: E402
 from elastic_export.targets.onnxruntime import SessionConfig  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -41,7 +41,7 @@ import onnx  # noqa: E402
 from elastic_export.core.budgets import budget_tag, parse_budgets  # noqa: E402
 from elastic_export.core.fileio import atomic_write  # noqa: E402
 from elastic_export.export.dense import export_dense  # noqa: E402
-from elastic_export.measure.bench import machine  # noqa: E402
+from elastic_export.measure.timing import machine  # noqa: E402
 from elastic_export.models.inventory import build_inventory  # noqa: E402
 from elastic_export.models.loader import load_encoder  # noqa: E402
 from elastic_export.passes import BudgetSlicer, slice_model  # noqa: E402

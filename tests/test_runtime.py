@@ -16,6 +16,7 @@ import pytest
 from conftest import tiny_encoder
 
 from elastic_export.core.errors import UserError
+from elastic_export.measure.timing import measure_profile
 from elastic_export.serving.runtime import (
     ElasticRuntime,
     FixedPolicy,
@@ -23,7 +24,6 @@ from elastic_export.serving.runtime import (
     LatencyTargetPolicy,
     LoadAdaptivePolicy,
     load_profile,
-    measure_profile,
     measure_switch_cost,
     save_profile,
 )

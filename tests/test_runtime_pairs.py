@@ -12,6 +12,7 @@ import pytest
 from conftest import tiny_encoder
 
 from elastic_export.core.errors import UserError
+from elastic_export.measure.timing import measure_profile
 from elastic_export.serving.runtime import (
     ElasticRuntime,
     FixedPolicy,
@@ -20,7 +21,6 @@ from elastic_export.serving.runtime import (
     LoadAdaptivePolicy,
     frontier,
     load_profile,
-    measure_profile,
     measure_switch_cost,
     quality_order,
     save_profile,

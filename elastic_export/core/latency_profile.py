@@ -2,7 +2,8 @@
 (sparsity, precision) and batch size; what the runtime's latency-target and load-adaptive policies
 read (:mod:`elastic_export.serving.policies`).
 
-File form (``elastic-export bench`` writes it; :func:`measure_profile` measures one in process)::
+File form (``elastic-export bench`` writes it; :func:`elastic_export.measure.timing.measure_profile`
+measures one in process)::
 
     {"backend": "onnxruntime", "provider": "cpu",
      "batches": {"1": {"0.0": {"p50_ms": 4.1, "p90_ms": 4.6, "p99_ms": 5.0}, "0.1": {...}}, "8": {...}},
@@ -30,12 +31,9 @@ Imports no torch (the runtime runs on numpy, onnx and onnxruntime only).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
-
-import numpy as np
 
 from elastic_export.core.errors import UserError
 from elastic_export.core.manifest import LATENCY_PROFILE
@@ -183,7 +181,7 @@ def load_profile(path: str | Path) -> LatencyProfile:
         path = path / PROFILE
     if not path.is_file():
         raise UserError(f"{path}: no latency profile; measure one first (elastic-export bench, or "
-                        f"elastic_export.serving.runtime.measure_profile)")
+                        f"elastic_export.measure.timing.measure_profile)")
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -220,44 +218,6 @@ def save_profile(profile: LatencyProfile | dict, directory: str | Path) -> Path:
     path = Path(directory) / PROFILE
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
     return path
-
-
-def measure_profile(rt: Any, feeds_by_batch: Mapping[int, Mapping[str, np.ndarray]], repeats: int = 20,
-                    warmup: int = 2, quality: Mapping[Pair, float] | None = None,
-                    quality_metric: str | None = None) -> LatencyProfile:
-    """Measure p50 / p90 / p99 latency of every (sparsity, precision) pair of ``rt`` at every batch size.
-
-    Args:
-        rt: the :class:`elastic_export.serving.runtime.ElasticRuntime` (its backend, provider, mode and
-            loaded pairs are what is measured).
-        feeds_by_batch: batch size -> feeds with that many rows.
-        repeats: timed runs per (batch, pair) (>= 1).
-        warmup: untimed runs first.
-        quality: optional quality figure per pair, stored with the profile.
-        quality_metric: the name of that figure.
-
-    Returns:
-        The profile (:func:`save_profile` writes it next to the artifacts).
-    """
-    if repeats < 1:
-        raise UserError(f"repeats must be >= 1, got {repeats}")
-    rows: dict[str, Rows] = {}
-    for b, feeds in sorted(feeds_by_batch.items()):
-        for s, p in rt.pairs:
-            for _ in range(warmup):
-                rt.run(feeds, sparsity=s, precision=p)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                rt.run(feeds, sparsity=s, precision=p)
-                times.append((time.perf_counter() - t0) * 1e3)
-            rows.setdefault(p, {}).setdefault(int(b), {})[s] = percentile_stats(times)
-    return profile_of(rt, rows, quality, quality_metric)
-
-
-def percentile_stats(times_ms: Iterable[float]) -> dict[str, float]:
-    """p50 / p90 / p99 (:data:`STATS`) of timed runs in ms."""
-    return dict(zip(STATS, (float(v) for v in np.percentile(list(times_ms), [50, 90, 99]))))
 
 
 def profile_of(rt: Any, rows: dict[str, Rows], quality: Mapping[Pair, float] | None = None,

@@ -31,8 +31,6 @@ engines), so what is timed is what a server built on it runs.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +42,7 @@ from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import atomic_write, check_creatable
 from elastic_export.core.latency_profile import PRECISION_ORDER, key
 from elastic_export.core.manifest import Manifest, as_manifest, resolve
+from elastic_export.measure.timing import latency_stats, machine, time_calls
 from elastic_export.serving.backends import DEFAULT_BACKEND, backend_names, get_backend
 from elastic_export.targets.onnxruntime import PROVIDERS
 
@@ -123,44 +122,6 @@ def parse_batches(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(values))
 
 
-# --- timing (also used by benchmarks/ort_speed.py) ----------------------------------------------
-def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call of ``fn``: ``warmup`` untimed calls, then ``repeats`` timed ones.
-
-    Args:
-        fn: the call to time (one inference).
-        warmup: untimed calls first.
-        repeats: timed calls.
-
-    Returns:
-        ``repeats`` durations in seconds, in call order.
-    """
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-def latency_stats(samples: list[float], batch: int) -> dict[str, float]:
-    """p50 / p90 / p99 / mean / min / max in ms and throughput (inputs / s at the p50).
-
-    Args:
-        samples: seconds per run.
-        batch: inputs per run.
-
-    Returns:
-        ``{"p50_ms", "p90_ms", "p99_ms", "mean_ms", "min_ms", "max_ms", "throughput"}``.
-    """
-    ms = np.asarray(samples, dtype=np.float64) * 1e3
-    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))  # linear: p50 <= p90 <= p99
-    return {"p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": float(ms.mean()), "min_ms": float(ms.min()),
-            "max_ms": float(ms.max()), "throughput": batch / (p50 / 1e3)}
-
-
 # --- the runtime --------------------------------------------------------------------------------
 def preflight(config: BenchConfig) -> None:
     """Refuse (one line) a backend that cannot run here (e.g. an onnxruntime provider this build
@@ -211,30 +172,6 @@ def _graphs(manifest: Manifest) -> list[dict]:
               "achieved_sparsity": float(b.sparsity if b.achieved_sparsity is None else b.achieved_sparsity)}
              for b in manifest.budgets]
     return rows
-
-
-def machine() -> dict[str, Any]:
-    """CPU model, core count, load average, onnxruntime version, platform."""
-    import onnxruntime as ort
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
-            "onnxruntime": ort.__version__, "platform": platform.platform()}
-
-
-def busy_warning(host: dict[str, Any]) -> str | None:
-    """The warning to print when :func:`machine` found the CPUs more than half busy (timings noisy)."""
-    load, cpus = host["load_average"][0], host["logical_cpus"] or 1
-    if load > 0.5 * cpus:
-        return f"warning: load average {load:.1f} on {host['logical_cpus']} CPUs; timings will be noisy"
-    return None
 
 
 def _measure_batch(runtime, feeds: dict, graphs: list[dict], batch: int, config: BenchConfig,

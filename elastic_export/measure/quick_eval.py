@@ -57,12 +57,12 @@ from elastic_export.core.latency_profile import (
     LatencyProfile,
     Pair,
     key,
-    percentile_stats,
     profile_of,
     save_profile,
 )
 from elastic_export.core.manifest import Manifest, as_manifest
 from elastic_export.measure.evaluation import BOOTSTRAP, CI_KEY, NEIGHBOUR_OVERLAP, SAMPLES_KEY
+from elastic_export.measure.timing import latency_stats, profile_stats
 
 ENTRY = "quick_eval"  # the manifest key
 HELDOUT = 64  # held-out samples at most
@@ -266,7 +266,7 @@ def measure_speed(rt, feeds_by_batch: dict[int, Feeds], figures: dict[Pair, floa
         times = time_interleaved(rt, feeds, SPEED_SECONDS.get(b, max(SPEED_SECONDS.values())))
         runs[str(b)] = min(len(v) for v in times.values())
         for (s, p), v in times.items():
-            rows.setdefault(p, {}).setdefault(int(b), {})[s] = percentile_stats(v)
+            rows.setdefault(p, {}).setdefault(int(b), {})[s] = profile_stats(latency_stats(np.asarray(v) / 1e3, int(b)))
     return profile_of(rt, rows, figures, QUALITY_METRIC), runs
 
 
@@ -306,8 +306,8 @@ def run_quick_eval(directory: Path, manifest: Manifest | dict, encoder, calib: s
         seed: the calibration seed (synthetic images).
         echo: progress lines.
     """
-    from elastic_export.measure.bench import machine
     from elastic_export.measure.frontier import profile_frontier
+    from elastic_export.measure.timing import machine
     from elastic_export.serving.runtime import ElasticRuntime
     from elastic_export.targets.onnxruntime import SessionConfig
 

@@ -73,7 +73,6 @@ from elastic_export.core.latency_profile import (  # noqa: F401 - re-exported: t
     fmt_pair,
     key,
     load_profile,
-    measure_profile,
     save_profile,
 )
 from elastic_export.core.manifest import Manifest
