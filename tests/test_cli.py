@@ -410,3 +410,37 @@ def test_build_without_target_is_the_original_error(result):
     assert result.rc == 2 and "Traceback" not in result.stderr, result.describe()
     assert result.stderr.startswith("error: Missing option '--target'. Choose from:"), result.describe()
     assert result.after == result.before
+
+
+def test_defaults_are_read_from_where_they_are_defined(monkeypatch):
+    """--atol / --rtol-fp16 come from checks.compare, the elastic options (--targets, --loss, --token-weight,
+    --steps, ...) from ranking.options.ElasticConfig: changed there, the command line follows."""
+    import importlib
+    from dataclasses import dataclass
+
+    import click
+
+    from elastic_export.checks import compare
+    from elastic_export.ranking import options
+
+    @dataclass
+    class Other(options.ElasticConfig):
+        targets: tuple[float, ...] = (0.1, 0.2, 0.3)
+        loss: str = "kl"
+        token_weight: float = 0.5
+        steps: int = 7
+
+    module = importlib.import_module("elastic_export.cli.main")
+    monkeypatch.setattr(compare, "ATOL", 3e-4)
+    monkeypatch.setattr(compare, "FP16_RTOL", 3e-2)
+    monkeypatch.setattr(options, "ElasticConfig", Other)
+    try:
+        importlib.reload(module)
+        verify = {p.name: p.default for p in module.cli.commands["verify"].params}
+        ranking = {p.name: p.default for p in click.command()(module.ranking_options(lambda **kw: None)).params}
+    finally:
+        monkeypatch.undo()
+        importlib.reload(module)
+    assert verify["atol"] == 3e-4 and verify["rtol_fp16"] == 3e-2
+    assert ranking["targets"] == "0.1..0.3:0.1" and ranking["loss"] == "kl" and ranking["token_weight"] == 0.5
+    assert ranking["steps"] == 7

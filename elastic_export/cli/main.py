@@ -12,10 +12,11 @@ from typing import Any
 
 import click
 
+from elastic_export.checks.compare import ATOL, FP16_RTOL
 from elastic_export.core.budgets import parse_budgets
 from elastic_export.core.errors import UserError
 from elastic_export.ranking import methods
-from elastic_export.ranking.options import ElasticConfig
+from elastic_export.ranking.options import ElasticConfig, targets_spec
 from elastic_export.serving.backends import DEFAULT_BACKEND, TRITON_BUDGET_BACKENDS, backend_help
 from elastic_export.serving.policies import ROUTER_POLICIES
 
@@ -74,17 +75,17 @@ def ranking_options(fn):
         click.option("--lr", type=float, default=_ELASTIC.lr, show_default=True, help="elastic: learning rate."),
         click.option("--temperature", type=float, default=_ELASTIC.temperature, show_default=True,
                      help="elastic: soft-mask temperature (in score standard deviations)."),
-        click.option("--targets", default="0.05..0.7:0.05", show_default=True,
+        click.option("--targets", default=targets_spec(_ELASTIC.targets), show_default=True,
                      help="elastic: sparsity targets optimised jointly (same syntax as --budgets); the main "
                           "job extends them at their step up to its largest --budgets."),
         click.option("--targets-per-step", type=int, default=_ELASTIC.targets_per_step, show_default=True,
                      help="elastic: targets evaluated per step (rotating)."),
-        click.option("--loss", type=click.Choice(["auto", "cosine", "kl", "ce"]), default="auto", show_default=True,
+        click.option("--loss", type=click.Choice(["auto", "cosine", "kl", "ce"]), default=_ELASTIC.loss, show_default=True,
                      help="elastic: loss (auto: cross-entropy with labelled calibration images for classifiers, "
                           "else KL to the dense logits, else embedding cosine)."),
         click.option("--relational-weight", type=float, default=_ELASTIC.relational_weight, show_default=True,
                      help="elastic: weight of the similarity-structure term (retrieval against a dense index)."),
-        click.option("--token-weight", type=float, default=0.0, show_default=True,
+        click.option("--token-weight", type=float, default=_ELASTIC.token_weight, show_default=True,
                      help="elastic: weight of a token-level feature term (0: off)."),
         click.option("--resume", is_flag=True, default=False,
                      help="elastic: continue an interrupted ranking from its last checkpoint (says from which "
@@ -397,8 +398,8 @@ def eval_cmd(dirs, pairs, images, max_pairs, split, max_length, batch_size, toke
               help="With --model: the tower of a dual-encoder directory (default: the manifest's).")
 @click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
               help="Compare with the torch hard-masked model where the model can be loaded.")
-@click.option("--atol", type=float, default=1e-4, show_default=True, help="fp32 tolerance: max abs error.")
-@click.option("--rtol-fp16", type=float, default=1e-2, show_default=True,
+@click.option("--atol", type=float, default=ATOL, show_default=True, help="fp32 tolerance: max abs error.")
+@click.option("--rtol-fp16", type=float, default=FP16_RTOL, show_default=True,
               help="fp16 / TensorRT tolerance: max abs error relative to each output's largest magnitude.")
 def verify_cmd(directory, batch, seq_len, seed, model, tower, use_torch, atol, rtol_fp16):
     """Re-check every artifact of DIR (budget ONNX, fp16 files, the elastic graph, TensorRT engines)
