@@ -19,7 +19,8 @@ from conftest import _perturb
 from elastic_export.cli.main import main
 from elastic_export.core.errors import UserError
 from elastic_export.data.retrieval_data import candidate_pairs, heldout_pairs, write_pairs_jsonl
-from elastic_export.measure.evaluation import EVAL_RESULTS, bootstrap_ci, evaluate, knn_accuracy, plot_results, recall_at
+from elastic_export.measure.evaluation import EVAL_RESULTS, evaluate, plot_results
+from elastic_export.measure.metrics import bootstrap_ci, knn_accuracy, recall_at
 from elastic_export.models.loader import default_model_path
 from elastic_export.pipeline import Options, run
 

@@ -16,7 +16,7 @@ from elastic_export import pipeline
 from elastic_export.cli.main import main
 from elastic_export.core.manifest import MANIFEST
 from elastic_export.data.calibration import default_texts, evenly_spaced, synthetic_images
-from elastic_export.measure import quick_eval
+from elastic_export.measure import metrics, quick_eval
 
 QUIET = dict(echo=lambda s: None)
 BUDGETS = (0.3, 0.6)
@@ -63,15 +63,94 @@ def test_heldout_images_continue_the_synthetic_stream():
     assert "synthetic" in desc["source"]
 
 
+def _clashes(held: list[str], used: list[str]) -> list[str]:
+    """The held-out texts equal to, a prefix of, or starting with a calibration text."""
+    return [h for h in held if any(c.startswith(h) or h.startswith(c) for c in used)]
+
+
+def test_heldout_texts_are_no_prefix_of_a_calibration_text(tmp_path):
+    """The calibration adds each paragraph's first sentence as its own sample: a held-out text is
+    neither the first sentence (a prefix) of a calibration text nor a paragraph a calibration text opens."""
+    held, _ = quick_eval.heldout_texts(None, 256)
+    assert len(held) == quick_eval.HELDOUT and not _clashes(held, evenly_spaced(default_texts(), 256))
+    names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+    lines = [t for n in names for t in (f"Paragraph {n} opens here. It goes on about {n}.", f"Paragraph {n} opens here.")]
+    f = tmp_path / "calib.txt"
+    f.write_text("\n".join(lines))
+    used = evenly_spaced(lines, 5)  # the paragraphs alpha, charlie, echo, golf, india
+    held, _ = quick_eval.heldout_texts(str(f), 5)
+    assert not _clashes(held, used) and sorted(held) == sorted(lines[i] for i in range(20) if (i // 2) % 2)
+
+
+def _rank_file(model, calib, size: int, out) -> str:
+    """A fisher ranking of ``model`` calibrated on ``size`` samples of ``calib`` (None: built in), by ``rank``."""
+    with pytest.raises(SystemExit) as e:
+        main(["rank", "--model", str(model), "--method", "fisher", "--seq-len", "16", "--calib-size", str(size),
+              "--batch-size", "4", "--out", str(out)] + (["--calib", str(calib)] if calib else []))
+    assert e.value.code == 0
+    return str(out)
+
+
+def _spy(monkeypatch, name: str) -> list:
+    """Record what quick_eval.<name> returns."""
+    seen, real = [], getattr(quick_eval, name)
+
+    def spy(*args, **kw):
+        seen.append(real(*args, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(quick_eval, name, spy)
+    return seen
+
+
+def test_heldout_texts_miss_what_a_reused_ranking_was_calibrated_on(bert_dir, tmp_path, monkeypatch):
+    """--ranking made on other data: the held-out texts are disjoint from the ranking's calibration
+    texts too (its file's metadata names them), or the entry says what it could not guarantee."""
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("\n".join(f"ranking passage {i} on subject {i % 5}, kept apart" for i in range(40)))
+    ranked_on = evenly_spaced(theirs.read_text().splitlines(), 12)
+    ours = tmp_path / "ours.txt"  # the ranking's source and more: what --calib now names
+    ours.write_text("\n".join(theirs.read_text().splitlines()
+                              + [f"evaluation line {i} about theme {i % 3}, written later" for i in range(40)]))
+    ranking = _rank_file(bert_dir, theirs, 12, tmp_path / "r.safetensors")
+    seen, said = _spy(monkeypatch, "heldout_texts"), []
+    opts = dict(model=str(bert_dir), ranking=ranking, calib=str(ours), calib_size=8, budgets=(0.5,), seq_len=16,
+                verify=False, elastic_graph=False, report=False)
+    m = pipeline.run(pipeline.Options(out=str(tmp_path / "a"), **opts), echo=said.append)
+    held = seen[-1][0]
+    assert held and not _clashes(held, ranked_on) and not _clashes(held, evenly_spaced(ours.read_text().splitlines(), 8))
+    assert "ranking" in m.quick_eval["heldout"]["excluded"] and "not_guaranteed" not in m.quick_eval["heldout"]
+    theirs.unlink()  # the ranking's data is gone: what it saw is unknown, and the entry says so
+    m = pipeline.run(pipeline.Options(out=str(tmp_path / "b"), **opts), echo=said.append)
+    assert str(theirs) in m.quick_eval["heldout"]["not_guaranteed"]
+    assert any(s.startswith("warning: quick eval:") and str(theirs) in s for s in said)
+
+
+def test_heldout_images_miss_what_a_reused_ranking_was_calibrated_on(tmp_path, monkeypatch):
+    """A ranking calibrated on more synthetic images than --calib-size: the held-out images start after them."""
+    model = tmp_path / "vit"
+    tiny_encoder("hf-vit").module.save_pretrained(model)
+    ranking = _rank_file(model, None, 12, tmp_path / "r.safetensors")
+    seen = _spy(monkeypatch, "heldout_images")
+    pipeline.run(pipeline.Options(model=str(model), ranking=ranking, calib_size=4, budgets=(0.5,), out=str(tmp_path / "o"),
+                                  verify=False, elastic_graph=False, report=False), **QUIET)
+    imgs, desc = seen[-1]
+    from elastic_export.models.loader import load_encoder
+
+    stream = synthetic_images(load_encoder(str(model)).data_config, 12 + len(imgs), 0)
+    assert imgs and all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(imgs, stream[12:]))
+    assert "12" in desc["excluded"]
+
+
 def test_neighbour_overlap():
     rng = np.random.default_rng(0)
     index = rng.normal(size=(40, 8))
-    assert quick_eval.neighbour_overlap(index, index) == 1.0
-    assert quick_eval.neighbour_overlap(index * 3.0, index) == 1.0  # cosine: scale does not matter
-    assert quick_eval.neighbour_overlap(rng.normal(size=(40, 8)), index) < 0.6
-    close = quick_eval.neighbour_overlap(index + 0.05 * rng.normal(size=index.shape), index)
+    assert metrics.neighbour_overlap(index, index) == 1.0
+    assert metrics.neighbour_overlap(index * 3.0, index) == 1.0  # cosine: scale does not matter
+    assert metrics.neighbour_overlap(rng.normal(size=(40, 8)), index) < 0.6
+    close = metrics.neighbour_overlap(index + 0.05 * rng.normal(size=index.shape), index)
     assert 0.6 < close < 1.0 or close == 1.0
-    per_query = quick_eval.neighbour_overlaps(close * index, index)
+    per_query = metrics.neighbour_overlaps(close * index, index)
     assert per_query.shape == (40,) and set(np.unique(per_query)) <= {i / 10 for i in range(11)}
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ from elastic_export.core.errors import UserError, first_line
 from elastic_export.core.fileio import atomic_write, check_creatable
 from elastic_export.core.manifest import MANIFEST, Manifest
 from elastic_export.core.precisions import FILE_KEYS
+from elastic_export.measure.metrics import BOOTSTRAP, cosines, knn_hits, own_ranks, summarise
 
 TEXT_METRICS = ("fidelity_cosine", "recall@1", "recall@10", "sym_recall@1", "sym_recall@10")
 IMAGE_METRICS = ("fidelity_cosine", "knn@1", "knn@10")
@@ -61,8 +61,6 @@ METRIC_LABELS = {
 }
 CI_KEY = "ci95"  # a result row's {metric: [low, high]}: the bootstrap band of every quality figure
 SAMPLES_KEY = "samples"  # a result's {metric: how many queries / inputs each figure averages}
-BOOTSTRAP = {"resamples": 1000, "level": 0.95, "seed": 0, "interval": "percentile",
-             "over": "the figure's own samples (queries, inputs), resampled with replacement"}
 EVAL_RESULTS = "eval.json"  # `elastic-export eval DIR` without --out writes DIR/eval.json (the report reads it)
 DEFAULT_PAIRS = 1000
 SYNTHETIC_IMAGES = 64
@@ -341,125 +339,10 @@ def encode_images(sess, pixels: np.ndarray, want: list[str], batch_size: int) ->
     return np.concatenate(rows)
 
 
-# --- metrics ------------------------------------------------------------------------------------
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
+# --- metric names ------------------------------------------------------------------------------
 def metric_label(metric: str) -> str:
     """The name a person reads for a metric key (:data:`METRIC_LABELS`; unknown keys as they are)."""
     return METRIC_LABELS.get(metric, metric)
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine similarity."""
-    return (l2_normalize(a) * l2_normalize(b)).sum(1)
-
-
-def mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """Mean row-wise cosine similarity."""
-    return float(cosines(a, b).mean())
-
-
-def bootstrap_ci(values: np.ndarray, resamples: int = BOOTSTRAP["resamples"], level: float = BOOTSTRAP["level"],
-                 seed: int = BOOTSTRAP["seed"], chunk: int = 200) -> list[float]:
-    """Percentile bootstrap interval of the mean of ``values`` (one per query / input).
-
-    The resampled indices depend only on ``seed`` and ``len(values)``: every budget of one data set is
-    resampled the same way (a paired bootstrap), and the band is the same from run to run.
-
-    Args:
-        values: per-sample figures (a hit 0/1, a cosine, an overlap share).
-        resamples: bootstrap samples of the mean.
-        level: the central share of them the band holds.
-        seed: the generator's seed.
-        chunk: resamples drawn at a time (bounds the memory for large data sets).
-
-    Returns:
-        ``[low, high]`` (both the value itself with fewer than 2 samples).
-    """
-    v = np.asarray(values, dtype=np.float64).ravel()
-    if len(v) < 2:
-        return [float(v.mean()), float(v.mean())] if len(v) else [float("nan"), float("nan")]
-    rng = np.random.default_rng(seed)
-    means = np.concatenate([v[rng.integers(0, len(v), (min(chunk, resamples - s), len(v)))].mean(1)
-                            for s in range(0, resamples, chunk)])
-    tail = 100 * (1 - level) / 2
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return [float(lo), float(hi)]
-
-
-def summarise(samples: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Per metric: the mean of its per-sample figures and the bootstrap band (:func:`bootstrap_ci`)."""
-    return ({m: float(np.mean(v)) for m, v in samples.items()}, {m: bootstrap_ci(v) for m, v in samples.items()})
-
-
-def own_ranks(queries: np.ndarray, docs: np.ndarray, chunk: int = 1024) -> np.ndarray:
-    """Per query i: how many documents score strictly higher than doc i (cosine similarity)."""
-    q, d = l2_normalize(queries), l2_normalize(docs)
-    ranks = []
-    for s in range(0, len(q), chunk):
-        sims = q[s : s + chunk] @ d.T
-        own = sims[np.arange(len(sims)), np.arange(s, s + len(sims))]
-        ranks.append((sims > own[:, None]).sum(1))
-    return np.concatenate(ranks)
-
-
-def recall_at(queries: np.ndarray, docs: np.ndarray, ks: tuple[int, ...] = (1, 10), chunk: int = 1024) -> dict[int, float]:
-    """Recall@k of doc i for query i by cosine similarity (strictly better documents push it down)."""
-    r = own_ranks(queries, docs, chunk)
-    return {k: float((r < k).mean()) for k in ks}
-
-
-def _vote(sims: np.ndarray, index_labels: np.ndarray, k: int, n_classes: int) -> np.ndarray:
-    k = min(k, sims.shape[1])
-    nn = np.argsort(-sims, axis=1, kind="stable")[:, :k]
-    pred = np.empty(len(sims), dtype=np.int64)
-    for i in range(len(sims)):
-        labs = index_labels[nn[i]]
-        votes = np.bincount(labs, minlength=n_classes).astype(np.float64)
-        mass = np.bincount(labs, weights=sims[i, nn[i]], minlength=n_classes)
-        best = np.flatnonzero(votes == votes.max())
-        pred[i] = best[np.argmax(mass[best])]
-    return pred
-
-
-def split_indices(labels: np.ndarray, split: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(index, query) positions: per class a seeded shuffle, ``split`` of it held out as queries."""
-    index, query = [], []
-    rng = random.Random(seed)
-    for c in sorted(set(labels.tolist())):
-        members = [int(i) for i in np.flatnonzero(labels == c)]
-        rng.shuffle(members)
-        nq = min(len(members) - 1, max(1, round(split * len(members)))) if len(members) > 1 else 0
-        query += members[:nq]
-        index += members[nq:]
-    return np.array(sorted(index)), np.array(sorted(query))
-
-
-def knn_hits(feats: np.ndarray, labels: np.ndarray, ks: tuple[int, ...] = (1, 10),
-             split: float | None = None, seed: int = 0) -> dict[int, np.ndarray]:
-    """Per query image, whether the k-NN vote is right: leave-one-out (``split`` None) or a per-class
-    held-out fraction as queries."""
-    f = l2_normalize(feats)
-    n_classes = int(labels.max()) + 1
-    if split is None:
-        sims = f @ f.T
-        np.fill_diagonal(sims, -np.inf)  # an image is not its own neighbour
-        return {k: _vote(sims, labels, min(k, len(f) - 1), n_classes) == labels for k in ks}
-    index, query = split_indices(labels, split, seed)
-    if len(query) == 0 or len(index) == 0:
-        raise UserError(f"--split {split}: leaves no query or no index image")
-    sims = f[query] @ f[index].T
-    idx_labels = labels[index]
-    return {k: _vote(sims, idx_labels, k, n_classes) == labels[query] for k in ks}
-
-
-def knn_accuracy(feats: np.ndarray, labels: np.ndarray, ks: tuple[int, ...] = (1, 10),
-                 split: float | None = None, seed: int = 0) -> dict[int, float]:
-    """k-NN accuracy: leave-one-out (``split`` None) or a per-class held-out fraction."""
-    return {k: float(h.mean()) for k, h in knn_hits(feats, labels, ks, split, seed).items()}
 
 
 # --- the harness --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ server would load them) and
   *not* query->document retrieval recall (``elastic-export eval``'s ``recall@10``), and falls much
   faster with the budget. Entries written before the rename call it ``recall@10``
   (:func:`entry_of` reads them). Each figure has its 95 % bootstrap band over the held-out samples
-  (``ci95``, :func:`elastic_export.measure.evaluation.bootstrap_ci`).
+  (``ci95``, :func:`elastic_export.measure.metrics.bootstrap_ci`).
 * **speed**: p50 / p90 / p99 latency and throughput (inputs / s at the p50) at batch sizes
   :data:`BATCHES`, in interleaved rounds (:func:`time_interleaved`: every pair once per round, so
   a burst of load on a shared machine falls on all pairs alike; :data:`MIN_ROUNDS` to
@@ -61,7 +61,8 @@ from elastic_export.core.latency_profile import (
     save_profile,
 )
 from elastic_export.core.manifest import Manifest, as_manifest
-from elastic_export.measure.evaluation import BOOTSTRAP, CI_KEY, NEIGHBOUR_OVERLAP, SAMPLES_KEY
+from elastic_export.measure.evaluation import CI_KEY, NEIGHBOUR_OVERLAP, SAMPLES_KEY
+from elastic_export.measure.metrics import BOOTSTRAP, neighbour_overlaps
 from elastic_export.measure.timing import latency_stats, profile_stats
 
 ENTRY = "quick_eval"  # the manifest key
@@ -179,37 +180,10 @@ def pooled(outputs: dict[str, np.ndarray], feeds: Feeds) -> np.ndarray:
     return first.reshape(len(first), -1).astype(np.float32)
 
 
-def neighbour_overlap(queries: np.ndarray, index: np.ndarray, k: int = 10) -> float:
-    """Mean of :func:`neighbour_overlaps`."""
-    return float(np.mean(neighbour_overlaps(queries, index, k)))
-
-
-def neighbour_overlaps(queries: np.ndarray, index: np.ndarray, k: int = 10) -> np.ndarray:
-    """Neighbour overlap@k against a dense index: for each row i, the share of the dense top-k
-    neighbours of ``index[i]`` (itself excluded) that ``queries[i]`` finds among its own top-k in
-    ``index``. Not retrieval recall: the dense model scores 1.0 by construction.
-
-    Args:
-        queries: the pair's embeddings of the held-out samples.
-        index: the dense fp32 model's embeddings of the same samples (row i = the same sample).
-        k: neighbours (at most the number of samples - 1).
-    """
-    from elastic_export.measure.evaluation import l2_normalize
-
-    k = min(k, len(index) - 1)
-    q, d = l2_normalize(queries), l2_normalize(index)
-    truth, got = d @ d.T, q @ d.T
-    np.fill_diagonal(truth, -np.inf)
-    np.fill_diagonal(got, -np.inf)
-    want = np.argsort(-truth, axis=1, kind="stable")[:, :k]
-    have = np.argsort(-got, axis=1, kind="stable")[:, :k]
-    return np.array([len(set(a) & set(b)) / k for a, b in zip(want, have)], dtype=np.float64)
-
-
 def quality(rt, batches: list[Feeds], text: bool) -> dict[Pair, dict]:
     """Fidelity (and neighbour overlap@10 for text) of every loaded pair against the dense fp32 model,
     each with its bootstrap band over the held-out samples (``ci95``)."""
-    from elastic_export.measure.evaluation import cosines, summarise
+    from elastic_export.measure.metrics import cosines, summarise
 
     emb = {pair: np.concatenate([pooled(rt.run(f, sparsity=pair[0], precision=pair[1]), f) for f in batches])
            for pair in rt.pairs}
