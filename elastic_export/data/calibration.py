@@ -28,6 +28,8 @@ from elastic_export.models import preprocess
 from elastic_export.models.encoder import Encoder
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+DEFAULT_TEXT_SOURCE = "pydoc_data.topics (Python reference)"  # the description's source of the built-in texts
+SYNTHETIC_SOURCE = "synthetic colour fields"  # ... and of the built-in (synthetic) images
 
 
 @dataclass
@@ -56,6 +58,120 @@ def default_texts() -> list[str]:
             if 4 <= len(first.split()) <= 30 and first != text:
                 out.append(first)
     return out
+
+
+def source_texts(path: str | None) -> list[str]:
+    """The texts of a calibration source: a ``.txt`` / ``.jsonl`` file, or the built-in ones (None)."""
+    return default_texts() if path is None else read_text_file(Path(path))
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """What a calibration drew: ``size`` samples spread evenly over ``source`` (a file or image
+    directory; None: the built-in data), ``seed`` for synthetic images; ``size`` None: not recorded."""
+
+    source: str | None
+    size: int | None
+    seed: int = 0
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> Drawn | None:
+        """What a ranking was calibrated on, from its file's metadata (``calibration``: the
+        :class:`Calibration` description; ``hyperparameters``: ``calib_size``, ``seed``); None when
+        it read no data."""
+        desc, hyper = meta.get("calibration") or {}, meta.get("hyperparameters") or {}
+        source = desc.get("source")
+        if source is None:
+            return None
+        size, seed = hyper.get("calib_size", desc.get("samples")), hyper.get("seed", desc.get("seed", 0))
+        ok = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        return cls(None if source in (DEFAULT_TEXT_SOURCE, SYNTHETIC_SOURCE) else str(source), size if ok else None,
+                   seed if isinstance(seed, int) and not isinstance(seed, bool) else 0)
+
+    def same_as(self, other: Drawn, seeded: bool = True) -> bool:
+        """The same samples: the same source (paths compared resolved), size and (``seeded``) seed."""
+        if (self.source is None) != (other.source is None) or self.size != other.size:
+            return False
+        if seeded and self.seed != other.seed:
+            return False
+        return self.source is None or Path(self.source).resolve() == Path(other.source).resolve()
+
+    def __str__(self) -> str:
+        return f"{self.size} spread evenly over {self.source or 'the built-in data'}"
+
+    def unknown(self, kind: str) -> str | None:
+        """Why the samples drawn cannot be known here (None: they can)."""
+        if self.size is None:
+            return f"the ranking file records no calibration size for {self.source or 'the built-in data'}: " \
+                   f"held-out {kind} may include some the ranking was calibrated on"
+        if self.source is not None and not Path(self.source).exists():
+            return f"the ranking was calibrated on {self.source}, which does not exist here: held-out {kind} may " \
+                   f"include some of its {self.size} calibration {kind}"
+        return None
+
+
+def drawn_texts(drawn: Drawn | None, ours: Drawn) -> tuple[list[str], str | None]:
+    """The texts ``drawn`` took beyond ``ours``'s ([] when the same or None) and, when they cannot be
+    read, why not (the held-out texts then cannot be guaranteed disjoint from them)."""
+    if drawn is None or drawn.same_as(ours, seeded=False):
+        return [], None
+    why = drawn.unknown("texts")
+    if why is not None:
+        return [], why
+    try:
+        return evenly_spaced(source_texts(drawn.source), drawn.size), None
+    except UserError as e:
+        return [], f"the ranking's calibration texts cannot be read ({e}): held-out texts may include some of them"
+
+
+def drawn_files(drawn: Drawn | None, ours: Drawn) -> tuple[set[Path], str | None]:
+    """The image files (resolved) ``drawn`` took beyond ``ours``'s, as :func:`drawn_texts` (synthetic
+    images: none; they are told apart by their seed and position in the stream)."""
+    if drawn is None or drawn.source is None or drawn.same_as(ours):
+        return set(), None
+    why = drawn.unknown("images")
+    if why is not None:
+        return set(), why
+    try:
+        return {f.resolve() for f in evenly_spaced(image_files(Path(drawn.source)), drawn.size)}, None
+    except UserError as e:
+        return set(), f"the ranking's calibration images cannot be listed ({e}): held-out images may include some"
+
+
+def synthetic_skip(drawn: Drawn | None, size: int, seed: int) -> tuple[int, str | None]:
+    """How many images of the synthetic stream of ``seed`` a held-out set skips: the calibration's
+    ``size``, or ``drawn``'s where it drew more of the same stream; and why that cannot be known."""
+    if drawn is None or drawn.source is not None or drawn.seed != seed:
+        return size, None
+    if drawn.size is None:
+        return size, drawn.unknown("images")
+    return max(size, drawn.size), None
+
+
+def _prefix_key(text: str) -> str:
+    return " ".join(text.split()).rstrip(".")
+
+
+def overlapping(texts: list[str], used: list[str]) -> set[str]:
+    """The texts of ``texts`` that equal, are a prefix of, or start with one of ``used`` (whitespace
+    normalised, final full stops ignored): the calibration adds each paragraph's first sentence as its
+    own sample (:func:`default_texts`), so a text held out from it must be neither."""
+    import bisect
+
+    keys = sorted({_prefix_key(u) for u in used})
+    found = set()
+    for t in texts:
+        k = _prefix_key(t)
+        i = bisect.bisect_left(keys, k)
+        if i < len(keys) and keys[i].startswith(k):  # a prefix of (or equal to) a used text
+            found.add(t)
+    by_key = sorted((_prefix_key(t), t) for t in texts)
+    for u in keys:  # texts that start with a used one
+        i = bisect.bisect_left(by_key, (u, ""))
+        while i < len(by_key) and by_key[i][0].startswith(u):
+            found.add(by_key[i][1])
+            i += 1
+    return found
 
 
 def evenly_spaced(items: list, size: int) -> list:
@@ -256,7 +372,7 @@ def load_calibration(
         raise UserError(f"--calib {path}: no such file or directory")
     if encoder.modality == "text":
         if p is None:
-            texts, desc = default_texts(), {"source": "pydoc_data.topics (Python reference)"}
+            texts, desc = default_texts(), {"source": DEFAULT_TEXT_SOURCE}
         elif p.is_dir():
             raise UserError(f"--calib {path}: a directory; text models take a .txt or .jsonl file")
         else:
@@ -268,7 +384,7 @@ def load_calibration(
     cfg = encoder.data_config
     labels = None
     if p is None:
-        images, desc = synthetic_images(cfg, size, seed), {"source": "synthetic colour fields", "seed": seed}
+        images, desc = synthetic_images(cfg, size, seed), {"source": SYNTHETIC_SOURCE, "seed": seed}
     elif not p.is_dir():
         raise UserError(f"--calib {path}: image models take a directory of images")
     else:

@@ -7,7 +7,9 @@ server would load them) and
 * **quality** on a *held-out* slice of the calibration source: up to :data:`HELDOUT` samples that
   the ranking did not see (the calibration draws ``--calib-size`` samples evenly spread over its
   source, :func:`elastic_export.data.calibration.load_calibration`; the held-out ones are spread over
-  the rest, texts compared by value; synthetic images continue the calibration's random stream).
+  the rest, no text equal to, a prefix of or starting with a calibration text; synthetic images continue
+  the calibration's random stream). A ``--ranking`` made on other data: what its file says it was
+  calibrated on is held out too, or the entry's ``heldout.not_guaranteed`` says what could not be.
   ``fidelity_cosine``: mean cosine between the pair's pooled output and the dense fp32 model's
   (pooling as in ``elastic-export eval``). Text also ``neighbour_overlap@10`` ("neighbour overlap@10
   (vs dense)"): each held-out text, encoded by the pair, queries an index of the held-out slice
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -64,6 +66,9 @@ from elastic_export.core.manifest import Manifest, as_manifest
 from elastic_export.measure.evaluation import CI_KEY, NEIGHBOUR_OVERLAP, SAMPLES_KEY
 from elastic_export.measure.metrics import BOOTSTRAP, neighbour_overlaps
 from elastic_export.measure.timing import latency_stats, profile_stats
+
+if TYPE_CHECKING:
+    from elastic_export.data.calibration import Drawn
 
 ENTRY = "quick_eval"  # the manifest key
 HELDOUT = 64  # held-out samples at most
@@ -89,29 +94,44 @@ Feeds = dict[str, np.ndarray]
 
 
 # --- held-out data ------------------------------------------------------------------------------
-def heldout_texts(calib: str | None, calib_size: int, n: int = HELDOUT) -> tuple[list[str], dict]:
-    """Up to ``n`` texts of the calibration source that the ranking's ``calib_size`` samples miss.
+def heldout_texts(calib: str | None, calib_size: int, n: int = HELDOUT,
+                  ranking: Drawn | None = None) -> tuple[list[str], dict]:
+    """Up to ``n`` texts of the calibration source that the ``calib_size`` calibration samples miss,
+    and that ``ranking`` (what the ranking was calibrated on, when another sample) missed too; no
+    held-out text is a prefix of one of them or starts with one (:func:`~elastic_export.data.calibration.overlapping`).
+    The description's ``not_guaranteed`` says why, where the ranking's texts cannot be known.
 
     Falls back to :func:`elastic_export.data.retrieval_data.heldout_pairs` documents (disjoint from the
     built-in calibration text) when the source has fewer than 2 texts left.
     """
-    from elastic_export.data.calibration import default_texts, evenly_spaced, read_text_file
+    from elastic_export.data.calibration import (
+        DEFAULT_TEXT_SOURCE,
+        Drawn,
+        drawn_texts,
+        evenly_spaced,
+        overlapping,
+        source_texts,
+    )
 
-    if calib is None:
-        texts, source = default_texts(), "pydoc_data.topics (Python reference)"
-    else:
-        texts, source = read_text_file(Path(calib)), str(calib)
-    used = set(evenly_spaced(texts, calib_size))
-    rest = list(dict.fromkeys(t for t in texts if t not in used))
-    desc = {"source": source, "excluded": f"the {len(used)} calibration texts ({calib_size} spread evenly)"}
+    texts, source = source_texts(calib), DEFAULT_TEXT_SOURCE if calib is None else str(calib)
+    used = evenly_spaced(texts, calib_size)
+    theirs, caveat = drawn_texts(ranking, Drawn(calib, calib_size))
+    excluded = (f"the {len(used)} calibration texts ({calib_size} spread evenly)"
+                + (f", the ranking's {len(theirs)} ({ranking})" if theirs else "")
+                + ", and every text that is a prefix of one of them or starts with one")
+    clash = overlapping(texts, used + theirs)
+    rest = list(dict.fromkeys(t for t in texts if t not in clash))
+    desc = {"source": source, "excluded": excluded}
     if len(rest) < 2:
         from elastic_export.data.retrieval_data import heldout_pairs
 
-        rest = [p["doc"] for p in heldout_pairs(n)]
+        docs = [p["doc"] for p in heldout_pairs(n)]
+        clash = overlapping(docs, used + theirs)
+        rest = [d for d in docs if d not in clash]
         desc = {"source": "elastic_export.data.retrieval_data.heldout_pairs documents",
                 "excluded": f"{source} has no text left beyond the {len(used)} calibration texts"}
     picked = evenly_spaced(rest, n)
-    return picked, {**desc, "samples": len(picked)}
+    return picked, {**desc, "samples": len(picked), **({"not_guaranteed": caveat} if caveat else {})}
 
 
 def _text_feeds(encoder, texts: list[str]) -> list[Feeds]:
@@ -121,22 +141,36 @@ def _text_feeds(encoder, texts: list[str]) -> list[Feeds]:
     return [{k: v.numpy() for k, v in b.items()} for b in batches]
 
 
-def heldout_images(encoder, calib: str | None, calib_size: int, seed: int, n: int = HELDOUT) -> tuple[list, dict]:
-    """Up to ``n`` preprocessed images beyond the calibration set: the next synthetic images of
-    the calibration's random stream, or the image files its evenly spread sample missed."""
-    from elastic_export.data.calibration import evenly_spaced, image_files, synthetic_images
+def heldout_images(encoder, calib: str | None, calib_size: int, seed: int, n: int = HELDOUT,
+                   ranking: Drawn | None = None) -> tuple[list, dict]:
+    """Up to ``n`` preprocessed images beyond the calibration set and beyond ``ranking`` (what the
+    ranking was calibrated on): the next synthetic images of the calibration's random stream, or the
+    image files their evenly spread samples missed (``not_guaranteed``, as for :func:`heldout_texts`)."""
+    from elastic_export.data.calibration import (
+        SYNTHETIC_SOURCE,
+        Drawn,
+        drawn_files,
+        evenly_spaced,
+        image_files,
+        synthetic_images,
+        synthetic_skip,
+    )
 
     cfg = encoder.data_config
-    rest = []
+    rest, caveat = [], None
     if calib is not None:
         files = image_files(Path(calib))
+        theirs, caveat = drawn_files(ranking, Drawn(calib, calib_size))
         used = set(evenly_spaced(files, calib_size))
-        rest = evenly_spaced([f for f in files if f not in used], n)
+        rest = evenly_spaced([f for f in files if f not in used and f.resolve() not in theirs], n)
     if not rest:
-        imgs = synthetic_images(cfg, calib_size + n, seed)[calib_size:]
+        skip, caveat = synthetic_skip(ranking, calib_size, seed)
+        imgs = synthetic_images(cfg, skip + n, seed)[skip:]
         note = "" if calib is None else f" ({calib} has no image left beyond the calibration set)"
-        return imgs, {"source": f"synthetic colour fields (seed {seed}){note}", "samples": len(imgs),
-                      "excluded": f"the first {calib_size} images of the stream (calibration)"}
+        return imgs, {"source": f"{SYNTHETIC_SOURCE} (seed {seed}){note}", "samples": len(imgs),
+                      "excluded": f"the first {skip} images of the stream (calibration"
+                                  + (", and the ranking's)" if skip > calib_size else ")"),
+                      **({"not_guaranteed": caveat} if caveat else {})}
     from PIL import Image
 
     from elastic_export.models import preprocess
@@ -148,16 +182,30 @@ def heldout_images(encoder, calib: str | None, calib_size: int, seed: int, n: in
                 imgs.append(prep(img))
         except Exception:  # noqa: BLE001 - undecodable files are skipped, as in calibration
             continue
-    return imgs, {"source": str(calib), "samples": len(imgs),
-                  "excluded": f"the {len(used)} calibration images ({calib_size} spread evenly)"}
+    excluded = f"the {len(used)} calibration images ({calib_size} spread evenly)" + (
+        f", the ranking's {len(theirs)} ({ranking})" if theirs else "")
+    return imgs, {"source": str(calib), "samples": len(imgs), "excluded": excluded,
+                  **({"not_guaranteed": caveat} if caveat else {})}
 
 
-def heldout_feeds(encoder, calib: str | None, calib_size: int, seed: int) -> tuple[list[Feeds], dict]:
+def ranking_calibration(directory: Path, manifest: Manifest) -> Drawn | None:
+    """What the directory's ranking file says the ranking was calibrated on (``--ranking`` may reuse
+    one made on other data); None when it read no data or there is no ranking file."""
+    from elastic_export.core.manifest import resolve
+    from elastic_export.data.calibration import Drawn
+    from elastic_export.ranking.file import load_ranking
+
+    path = resolve(Path(directory), manifest.ranking.file)
+    return Drawn.from_meta(load_ranking(path).meta) if path is not None and path.is_file() else None
+
+
+def heldout_feeds(encoder, calib: str | None, calib_size: int, seed: int,
+                  ranking: Drawn | None = None) -> tuple[list[Feeds], dict]:
     """Model inputs of the held-out slice, in batches of :data:`EVAL_BATCH`, and its description."""
     if encoder.modality == "text":
-        texts, desc = heldout_texts(calib, calib_size)
+        texts, desc = heldout_texts(calib, calib_size, ranking=ranking)
         return _text_feeds(encoder, texts), desc
-    imgs, desc = heldout_images(encoder, calib, calib_size, seed)
+    imgs, desc = heldout_images(encoder, calib, calib_size, seed, ranking=ranking)
     if not imgs:
         raise ValueError(f"no decodable held-out image in {calib}")
     return [{"pixel_values": np.stack([t.numpy() for t in imgs[i:i + EVAL_BATCH]]).astype(np.float32)}
@@ -287,7 +335,9 @@ def run_quick_eval(directory: Path, manifest: Manifest | dict, encoder, calib: s
 
     manifest = as_manifest(manifest)
     t0 = time.time()
-    batches, heldout = heldout_feeds(encoder, calib, calib_size, seed)
+    batches, heldout = heldout_feeds(encoder, calib, calib_size, seed, ranking_calibration(directory, manifest))
+    if heldout.get("not_guaranteed"):
+        echo(f"warning: quick eval: {heldout['not_guaranteed']}")
     rt = ElasticRuntime.from_dir(directory, precisions="all", config=SessionConfig(spin=False))
     qual = quality(rt, batches, text=encoder.modality == "text")
     figures = {pair: q[QUALITY_METRIC] for pair, q in qual.items()}
