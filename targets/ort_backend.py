@@ -22,7 +22,7 @@ import numpy as np
 from elastic_export.core.errors import UserError
 from elastic_export.core.manifest import BUDGET_INPUT, MANIFEST, Manifest, as_manifest
 from elastic_export.core.precisions import FILE_KEYS
-from elastic_export.serving.backends import Backend, Budget, Loaded, manifest_sparsity
+from elastic_export.serving.backends import Backend, Loaded, RunnableBudget, manifest_sparsity
 from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, check_provider, make_session, shared_initializers
 from elastic_export.targets.profiles import Profile, compute_profile
 
@@ -67,7 +67,7 @@ class OrtBackend(Backend):
 
 
 def _file_budgets(directory: Path, manifest: Manifest, config: SessionConfig, outputs: list[str],
-                  precisions: list[str], keep: Keep) -> list[Budget]:
+                  precisions: list[str], keep: Keep) -> list[RunnableBudget]:
     """Per-budget mode: one session per (budget, precision) file."""
     entries = []  # (sparsity, precision, file)
     for prec in precisions:
@@ -87,12 +87,12 @@ def _file_budgets(directory: Path, manifest: Manifest, config: SessionConfig, ou
     out = []
     for (s, prec, rel), path, init in zip(entries, paths, shared):
         sess = make_session(path, config, initializers=init)
-        out.append(Budget(s, rel, _ort_call(sess, config, None, outputs), tuple(sorted(init)), prec))
+        out.append(RunnableBudget(s, rel, _ort_call(sess, config, None, outputs), tuple(sorted(init)), prec))
     return out
 
 
 def _elastic_budgets(directory: Path, manifest: Manifest, config: SessionConfig, outputs: list[str],
-                     precisions: list[str], keep: Keep) -> list[Budget]:
+                     precisions: list[str], keep: Keep) -> list[RunnableBudget]:
     """Elastic mode: one session of the elastic graph per precision, every budget an index into it."""
     e = manifest.elastic
     if e is None or not e.onnx:
@@ -112,7 +112,7 @@ def _elastic_budgets(directory: Path, manifest: Manifest, config: SessionConfig,
         for s, i in indices:
             if keep(s):
                 call = _ort_call(sess, config, (name, np.array([i], dtype=np.int64)), outputs)
-                out.append(Budget(s, rel, call, (), prec))
+                out.append(RunnableBudget(s, rel, call, (), prec))
     return out
 
 

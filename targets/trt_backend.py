@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from elastic_export.core.errors import UserError
 from elastic_export.core.manifest import MANIFEST, Manifest
-from elastic_export.serving.backends import Backend, Budget, Loaded, manifest_sparsity, serialized
+from elastic_export.serving.backends import Backend, Loaded, RunnableBudget, manifest_sparsity, serialized
 
 MODULE = "elastic_export.targets.tensorrt"
 
@@ -86,7 +86,7 @@ class TrtBackend(Backend):
             if keep(manifest_sparsity(directory, s)):
                 engine = load(manifest.path(rel))
                 self._runners.append(engine)
-                out.append(Budget(manifest_sparsity(directory, s), rel, serialized(engine.run)))
+                out.append(RunnableBudget(manifest_sparsity(directory, s), rel, serialized(engine.run)))
         return Loaded(out, "tensorrt")
 
     def close(self) -> None:

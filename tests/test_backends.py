@@ -19,8 +19,8 @@ from elastic_export.core.manifest import resolve
 from elastic_export.serving.backends import (
     REGISTRY,
     Backend,
-    Budget,
     Loaded,
+    RunnableBudget,
     backend_help,
     backend_names,
     get_backend,
@@ -45,7 +45,7 @@ class ReferenceBackend(Backend):
             raise UserError(f"backend {self.name!r} runs the per-budget files; use mode='per-budget'")
         rows = [(0.0, manifest["dense"]["onnx"])] + [(b["sparsity"], b["onnx"]) for b in manifest["budgets"]]
         rows = [(manifest_sparsity(directory, s), rel) for s, rel in rows]
-        return Loaded([Budget(s, rel, _evaluator(resolve(directory, rel))) for s, rel in rows if keep(s)], "numpy")
+        return Loaded([RunnableBudget(s, rel, _evaluator(resolve(directory, rel))) for s, rel in rows if keep(s)], "numpy")
 
     def close(self) -> None:
         self.closed.append(self.name)

@@ -68,7 +68,7 @@ dt{font-weight:600} dd{margin:0}
 
 
 @dataclass
-class RankingInfo:
+class ReportRanking:
     """One ranking shown in the report: where it came from and what each budget keeps per block."""
 
     label: str
@@ -158,7 +158,7 @@ def _plans_for(ranking, manifest: Manifest):
     return [p.heads_per_layer for p in plans], [p.neurons_per_layer for p in plans]
 
 
-def find_rankings(directory: Path, manifest: Manifest) -> tuple[list[RankingInfo], list[str]]:
+def find_rankings(directory: Path, manifest: Manifest) -> tuple[list[ReportRanking], list[str]]:
     """The directory's ranking (kept counts from the manifest) and every other ranking file in it.
 
     Args:
@@ -178,7 +178,7 @@ def find_rankings(directory: Path, manifest: Manifest) -> tuple[list[RankingInfo
             rk = load_ranking(main_path)
             ht, nt = _totals(rk.heads, rk.neurons)
             main_totals, main_meta = (ht, nt), rk.meta
-            out.append(RankingInfo(
+            out.append(ReportRanking(
                 label=str(rk.meta.get("method") or manifest.ranking.method), file=main_path.name,
                 meta=rk.meta, heads=[list(b.heads_per_layer) for b in manifest.budgets],
                 neurons=[list(b.neurons_per_layer) for b in manifest.budgets], head_totals=ht,
@@ -202,7 +202,7 @@ def find_rankings(directory: Path, manifest: Manifest) -> tuple[list[RankingInfo
         except (UserError, ValueError, KeyError, TypeError) as e:
             notes.append(f"{path.name}: skipped ({e})")
             continue
-        out.append(RankingInfo(label=str(rk.meta.get("method")), file=path.name, meta=rk.meta, heads=heads,
+        out.append(ReportRanking(label=str(rk.meta.get("method")), file=path.name, meta=rk.meta, heads=heads,
                                neurons=neurons, head_totals=ht, neuron_totals=nt))
     labels = [r.label for r in out]
     for r in out:  # two rankings of one method: tell them apart by file
@@ -229,7 +229,7 @@ def _png(fig, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def sparsity_figure(rankings: list[RankingInfo], sparsities: list[float]):
+def sparsity_figure(rankings: list[ReportRanking], sparsities: list[float]):
     """Heatmaps of the kept fraction (budget x block), neurons on top, heads below, one column per ranking."""
     n_budgets, n_layers = len(sparsities), len(rankings[0].head_totals)
     cols = len(rankings)
@@ -434,7 +434,7 @@ def section_quality(found: Found) -> str:
     return "\n".join(out)
 
 
-def section_sparsity(manifest: Manifest, rankings: list[RankingInfo], notes: list[str]) -> str:
+def section_sparsity(manifest: Manifest, rankings: list[ReportRanking], notes: list[str]) -> str:
     """Where sparsity goes: kept fractions per block and budget, rankings side by side."""
     if not manifest.budgets:
         return _absent("No budgets in the manifest.")
@@ -657,7 +657,7 @@ def _dl(items: list[tuple[str, Any]]) -> str:
     return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{show(v)}</dd>" for k, v in items) + "</dl>"
 
 
-def section_provenance(manifest: Manifest, rankings: list[RankingInfo], notes: list[str]) -> str:
+def section_provenance(manifest: Manifest, rankings: list[ReportRanking], notes: list[str]) -> str:
     """Method, calibration data, hyperparameters and time taken of every ranking."""
     if not rankings:
         r = manifest.ranking

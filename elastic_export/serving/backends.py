@@ -1,6 +1,6 @@
 """The runtime's backends by name, without importing them: ``backend=NAME`` / ``--backend NAME`` -> a :class:`Backend`.
 
-A backend turns an artifact directory into runnable budgets: :class:`Budget` rows, each a thread-safe
+A backend turns an artifact directory into runnable budgets: :class:`RunnableBudget` rows, each a thread-safe
 ``run(feeds) -> list | dict`` for one (sparsity, precision). :class:`elastic_export.serving.runtime.ElasticRuntime`
 (``from_dir(DIR, backend=NAME)``), ``elastic-export bench --backend NAME`` and the command line's
 ``--backend`` help all read this registry; none of them names a backend.
@@ -34,7 +34,7 @@ Feeds = dict[str, Any]  # input name -> numpy array
 
 
 @dataclass
-class Budget:
+class RunnableBudget:
     """One runnable (sparsity, precision) of a directory.
 
     Args:
@@ -59,7 +59,7 @@ class Budget:
 class Loaded(NamedTuple):
     """What :meth:`Backend.load_budgets` returns: the budgets, and the provider name the runtime reports."""
 
-    budgets: list[Budget]
+    budgets: list[RunnableBudget]
     provider: str
 
 

@@ -77,7 +77,7 @@ from elastic_export.core.latency_profile import (  # noqa: F401 - re-exported: t
 )
 from elastic_export.core.manifest import Manifest
 from elastic_export.core.precisions import FILE_KEYS
-from elastic_export.serving.backends import DEFAULT_BACKEND, Backend, Budget, get_backend, manifest_sparsity
+from elastic_export.serving.backends import DEFAULT_BACKEND, Backend, RunnableBudget, get_backend, manifest_sparsity
 from elastic_export.serving.policies import (  # noqa: F401 - re-exported
     FixedPolicy,
     LatencyTargetPolicy,
@@ -99,14 +99,14 @@ class ElasticRuntime:
     Build with :meth:`from_dir`.
     """
 
-    def __init__(self, directory: Path, manifest: Manifest, budgets: list[Budget], backend: str, provider: str,
+    def __init__(self, directory: Path, manifest: Manifest, budgets: list[RunnableBudget], backend: str, provider: str,
                  mode: str, input_names: list[str], output_names: list[str], precision: str = "fp32",
                  impl: Backend | None = None) -> None:
         self.directory, self.manifest = directory, manifest
         self.backend, self.provider, self.mode = backend, provider, mode
         self._impl = impl  # the backend instance that loaded the budgets (close() frees what it holds)
         self.input_names, self.output_names = input_names, output_names
-        self._budgets: dict[Pair, Budget] = {b.pair: b for b in budgets}
+        self._budgets: dict[Pair, RunnableBudget] = {b.pair: b for b in budgets}
         self.pairs: list[Pair] = sorted(self._budgets, key=lambda p: (p[0], PRECISION_ORDER.index(p[1])))
         self.sparsities: list[float] = sorted({s for s, _ in self.pairs})
         self.precisions: list[str] = [p for p in PRECISION_KEYS if any(q == p for _, q in self.pairs)]
