@@ -11,6 +11,8 @@ import onnxruntime as ort
 import pytest
 from conftest import tiny_encoder
 
+from elastic_export.core import results
+
 PNG = b"\x89PNG\r\n\x1a\n"
 BUDGETS = (0.2, 0.5)
 
@@ -46,7 +48,7 @@ def test_bench_writes_json_plots_and_profile(artifacts, tmp_path, capsys):
     code, stdout, err = cli(["bench", str(artifacts), "--batches", "1,3", "--repeats", "5", "--warmup", "1",
                              "--threads", "1", "--out", str(out)], capsys)
     assert code == 0, err
-    result = json.loads(out.read_text())
+    result = results.load(out).bench_view()
     sparsities = [0.0, *BUDGETS]
     assert sorted((r["batch"], r["sparsity"], r["precision"]) for r in result["rows"]) == sorted(
         (b, s, p) for b in (1, 3) for s in sparsities for p in ("fp32", "int8"))  # every precision present
@@ -103,7 +105,9 @@ def test_bench_default_out_and_no_plot(artifacts, capsys):
     code, _, err = cli(["bench", str(artifacts), "--batches", "2", "--repeats", "2", "--warmup", "0",
                         "--threads", "1", "--no-plot", "--no-profile", "--precision", "int8"], capsys)
     assert code == 0, err
-    result = json.loads((artifacts / "bench.json").read_text())
+    raw = json.loads((artifacts / "bench.json").read_text())
+    assert raw["format"] == results.FORMAT and raw["kind"] == "bench"  # the one results schema
+    result = results.load(artifacts / "bench.json").bench_view()
     assert {r["batch"] for r in result["rows"]} == {2} and len(result["rows"]) == 1 + len(BUDGETS)
     assert {r["precision"] for r in result["rows"]} == {"int8"} and result["rows"][0]["speedup"] == pytest.approx(1.0)
     assert not list(artifacts.glob("bench_*.png")) and not (artifacts / "latency_profile.json").exists()

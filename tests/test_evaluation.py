@@ -17,6 +17,7 @@ import torch
 from conftest import _perturb
 
 from elastic_export.cli.main import main
+from elastic_export.core import results
 from elastic_export.core.errors import UserError
 from elastic_export.data.retrieval_data import candidate_pairs, heldout_pairs, write_pairs_jsonl
 from elastic_export.measure.evaluation import EVAL_RESULTS, evaluate, plot_results
@@ -108,7 +109,7 @@ def text_eval(work, text_dirs, pairs_file):
         main(["eval", *map(str, text_dirs), "--pairs", str(pairs_file), "--max-pairs", "40",
               "--out", str(out), "--plot", str(png)])
     assert e.value.code == 0
-    return json.loads(out.read_text()), out, png
+    return results.load(out).eval_view(), out, png
 
 
 @pytest.fixture(scope="module")
@@ -242,13 +243,14 @@ def test_cli_prints_table_and_writes_into_each_dir_by_default(text_dirs, pairs_f
     assert lines[0].split() == ["dir/method", "sparsity", "GFLOPs", "fidelity", "R@1", "R@10", "sym", "R@10"]
     assert len(lines) == 9 and lines[1].split()[1] == "dense" and "random" in lines[1] and "magnitude" in lines[4]
     assert lines[-2:] == [f"wrote {a / EVAL_RESULTS}", f"wrote {b / EVAL_RESULTS}"]
-    in_a, in_b = (json.loads((d / EVAL_RESULTS).read_text()) for d in (a, b))
+    assert json.loads((a / EVAL_RESULTS).read_text())["format"] == results.FORMAT  # the one results schema
+    in_a, in_b = (results.load(d / EVAL_RESULTS).eval_view() for d in (a, b))
     assert [r["dir"] for r in in_a["results"]] == [str(a), str(b)]  # each directory's own result first
     assert [r["dir"] for r in in_b["results"]] == [str(b), str(a)] and in_b["results"][1] == in_a["results"][0]
     with pytest.raises(SystemExit) as e:  # an explicit --out: that file only
         main(["eval", str(a), "--pairs", str(pairs_file), "--max-pairs", "8", "--out", str(tmp_path / "x.json")])
     assert e.value.code == 0 and (tmp_path / "x.json").is_file()
-    assert json.loads((a / EVAL_RESULTS).read_text()) == in_a
+    assert results.load(a / EVAL_RESULTS).eval_view() == in_a
 
 
 # --- image artifacts -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from _devtools import DevTools, find_chromium
 
 from elastic_export import pipeline
 from elastic_export.cli.main import main
+from elastic_export.core import results
 from elastic_export.data.retrieval_data import heldout_pairs, write_pairs_jsonl
 from elastic_export.models.loader import default_model_path
 from elastic_export.report.page import REPORT, render_report, write_report
@@ -206,7 +207,7 @@ def test_full_report_recommends_from_eval_and_bench(full):
     rec = _section(page, "recommend")
     assert "Quality from eval.json, speed from bench.json" in rec and "retrieval recall@10 (dense index)" in rec
     assert "n = 32" in rec and "elastic-export eval DIR" not in rec  # task quality, no proxy note
-    ev, bench = (json.loads((full / f).read_text()) for f in ("eval.json", "bench.json"))
+    ev, bench = results.load(full / "eval.json").eval_view(), results.load(full / "bench.json").bench_view()
     own = ev["results"][0]
     assert own["dir"] == str(full)  # the directory's own result first: the one the frontier reads
     quality = {(b["sparsity"], b["precision"]): b["recall@10"] for b in own["budgets"]}

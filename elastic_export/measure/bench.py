@@ -30,7 +30,6 @@ engines), so what is timed is what a server built on it runs.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from elastic_export.core import results
 from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import atomic_write, check_creatable
 from elastic_export.core.latency_profile import PRECISION_ORDER, key
@@ -384,8 +384,8 @@ def write_plots(result: dict, out: str | Path) -> list[Path]:
 
 
 def write_json(path: str | Path, data: dict) -> Path:
-    """Write ``data`` as indented JSON, atomically."""
-    return atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
+    """Write a :func:`run_bench` result in the one results schema (:mod:`elastic_export.core.results`), atomically."""
+    return results.save(results.from_bench(data), path)
 
 
 def format_table(result: dict) -> str:

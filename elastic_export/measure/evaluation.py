@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from elastic_export.core import results as schema
 from elastic_export.core.errors import UserError, first_line
 from elastic_export.core.fileio import atomic_write, check_creatable
 from elastic_export.core.manifest import MANIFEST, Manifest
@@ -413,7 +414,9 @@ def evaluate(
                         "model": art.manifest.model.source, SAMPLES_KEY: sizes, "budgets": budgets})
     settings = {"provider": "CPUExecutionProvider", "batch_size": batch_size, "max_length": max_length,
                 "knn": "leave-one-out" if split is None else {"split": split, "seed": 0}, "bootstrap": BOOTSTRAP}
-    return {"datasets": datasets, "settings": settings, "results": results}
+    from elastic_export.measure.timing import machine
+
+    return {"datasets": datasets, "settings": settings, "machine": machine(), "results": results}
 
 
 def _check_settings(dirs: list, max_pairs: int | None, max_length: int, batch_size: int, split: float | None,
@@ -572,7 +575,7 @@ def default_outputs(dirs: list[str | Path]) -> dict[Path, str]:
 
 
 def write_results(path: str | Path, results: dict, first: str | None = None) -> Path:
-    """The results as JSON, written atomically (temporary file + rename).
+    """The results as JSON in the one results schema (:mod:`elastic_export.core.results`), written atomically.
 
     Args:
         path: the JSON file.
@@ -584,10 +587,7 @@ def write_results(path: str | Path, results: dict, first: str | None = None) -> 
         own = [r for r in results["results"] if r.get("dir") == first]
         results = {**results, "results": own + [r for r in results["results"] if r.get("dir") != first]}
 
-    def write(tmp: str) -> None:
-        Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
-
-    return atomic_write(path, write)
+    return schema.save(schema.from_eval(results), path)
 
 
 def _metrics_present(results: dict) -> list[str]:

@@ -41,12 +41,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from elastic_export.core import results
 from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import atomic_write, check_creatable
 from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, REPORT, Manifest, resolve
 from elastic_export.measure.evaluation import CI_KEY, EVAL_RESULTS, NEIGHBOUR_OVERLAP, SAMPLES_KEY, metric_label
 
-BENCH_FORMAT = "elastic-export-bench/1"
 QUALITY_METRICS = ("fidelity_cosine", NEIGHBOUR_OVERLAP, "recall@1", "recall@10", "sym_recall@1", "sym_recall@10",
                    "knn@1", "knn@10")
 _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -92,11 +92,6 @@ class Found:
 
 
 # --- discovery ----------------------------------------------------------------------------------
-def _is_eval(data: Any) -> bool:
-    return (isinstance(data, dict) and isinstance(data.get("results"), list) and bool(data["results"])
-            and all(isinstance(r, dict) and isinstance(r.get("budgets"), list) for r in data["results"]))
-
-
 def find_results(directory: Path) -> Found:
     """``elastic-export eval`` and ``bench`` result JSON files directly inside ``directory``.
 
@@ -115,10 +110,14 @@ def find_results(directory: Path) -> Found:
         except (OSError, ValueError) as e:
             found.skipped.append(f"{path.name} ({type(e).__name__})")
             continue
-        if isinstance(data, dict) and data.get("format") == BENCH_FORMAT and isinstance(data.get("rows"), list):
-            found.benches.append((path, data))
-        elif _is_eval(data):
-            found.evals.append((path, data))
+        try:
+            res = results.parse(data, path.name)
+        except UserError:  # another JSON file: not a result
+            continue
+        if res.quality():
+            found.evals.append((path, res.eval_view()))
+        if res.speed():
+            found.benches.append((path, res.bench_view()))
     return found
 
 
