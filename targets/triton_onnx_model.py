@@ -9,6 +9,10 @@ factory, so that it also runs where elastic-export is not installed.
 
 The requests of one ``execute`` call (what the dynamic batcher gathered) run as one batch where their
 non-batch shapes agree (texts padded to one length, images of one size), else one run per shape.
+A run that fails answers its requests with onnxruntime's message; when every run of the call failed,
+``execute`` raises instead, the one way Triton's Python backend counts requests as failed
+(``nv_inference_request_failure``; an error response counts as a success).
+
 Parameters of its ``config.pbtxt``: ``intra_op_threads`` (0: onnxruntime's default) and
 ``warmup_tokens`` (the free dims of the warm-up runs at load: the manifest's nominal tokens).
 """
@@ -77,12 +81,15 @@ class TritonPythonModel:
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
         wanted = [list(r.requested_output_names()) or self.outputs for r in requests]
         responses: List[Any] = [None] * len(requests)
-        for group in group_by_shape(feeds):
+        groups = group_by_shape(feeds)
+        failed: List[str] = []
+        for group in groups:
             names = [n for n in self.outputs if any(n in wanted[i] for i in group)]
             batch = {n: np.concatenate([feeds[i][n] for i in group]) for n in self.inputs}
             try:
                 results = dict(zip(names, self.session.run(names, batch)))
             except Exception as e:  # onnxruntime's own message (bad token ids, shapes) back to the client
+                failed.append(str(e))
                 for i in group:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
                 continue
@@ -92,6 +99,8 @@ class TritonPythonModel:
                 tensors = [pb_utils.Tensor(n, np.ascontiguousarray(results[n][start:start + rows])) for n in wanted[i]]
                 responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
                 start += rows
+        if len(failed) == len(groups):  # every request failed: raise, so that Triton counts them as failed
+            raise RuntimeError("; ".join(dict.fromkeys(failed)))
         return responses
 
     def finalize(self) -> None:

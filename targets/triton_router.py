@@ -18,13 +18,15 @@ model, less the router's own tensors). Triton hands that config to
 Rule: a requested sparsity within :data:`TOLERANCE` of a served budget gets that budget; otherwise
 the smallest served budget whose sparsity is *at least* the requested one (more savings, never
 less). A request outside [0, 1), not a number, or sparser than the sparsest served budget is
-refused with :class:`BudgetError` (an error response, counted as a failed request). A request that
-names no sparsity gets the configured default (``policy: fixed``) or what the load-adaptive policy
-picks from the load the router observes (``policy: adaptive``).
+refused with :class:`BudgetError`, as is one with a missing input or inputs of different batch sizes:
+``execute`` checks every request itself and raises for a refused one, so that Triton counts it as a
+failed request (its Python backend counts a request as failed only when ``execute`` raises). A
+request that names no sparsity gets the configured default (``policy: fixed``) or what the
+load-adaptive policy picks from the load the router observes (``policy: adaptive``).
 
-No head-of-line blocking: ``execute`` hands each request to a worker thread (``max_concurrency``
-of them) and returns at once; each worker calls the budget model (BLS) and answers through the
-request's response sender, so a small request never waits behind a large one. (Threads rather
+No head-of-line blocking: once it has checked a request, ``execute`` hands it to a worker thread
+(``max_concurrency`` of them) and returns; each worker calls the budget model (BLS) and answers
+through the request's response sender, so a small request never waits behind a large one. (Threads rather
 than ``async`` BLS: measured here, a synchronous BLS call in a worker adds less latency.) The
 router does not batch (``max_batch_size: 0``); the budget models' dynamic batchers do.
 """
@@ -35,8 +37,9 @@ import math
 import os
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -332,16 +335,22 @@ def _profile_service(path: str, config: RouterConfig) -> Optional[Dict[Any, floa
 class RouterMetrics:
     """The router's own counters on Triton's metrics endpoint (Python backend custom metrics).
 
-    Triton counts every request a Python model answers through its response sender as a success,
-    refused ones included; ``elastic_router_requests_total{outcome="refused"}`` counts those the
-    router refused (bad sparsity or inputs) and ``outcome="failed"`` those a budget model failed.
-    ``elastic_router_rows_total{sparsity=...}`` counts the rows served per budget,
-    ``elastic_router_switches_total`` the adaptive policy's budget switches.
+    ``elastic_router_requests_total{outcome=...}`` counts the requests the router served, refused (bad
+    sparsity or inputs: also in Triton's own ``nv_inference_request_failure``, see
+    :meth:`TritonPythonModel.execute`) and failed (a budget model's error: Triton counts that one as a
+    success of the router, it answers after ``execute`` returned); ``elastic_router_rows_total{sparsity=...}``
+    the rows served per budget; ``elastic_router_switches_total`` the adaptive policy's budget switches.
+
+    Counts gather in memory and one thread of their own adds them to the metrics (at most every
+    :attr:`FLUSH_S`): each update is a round trip to the server, which would otherwise sit on every
+    request's path, and this server crashes (``boost::interprocess::lock_exception``) when metrics are
+    updated from several threads at once (seen under load).
     """
 
     OUTCOMES = ("served", "refused", "failed")
+    FLUSH_S = 0.05
 
-    def __init__(self, router: str, sparsities: Sequence[float]):
+    def __init__(self, router: str, sparsities: Sequence[float], switches=lambda: 0):
         family = pb_utils.MetricFamily
         self._families = [
             family(name="elastic_router_requests_total", description="requests answered by the elastic router, by outcome",
@@ -350,21 +359,58 @@ class RouterMetrics:
             family(name="elastic_router_switches_total", description="budget switches of the load-adaptive policy",
                    kind=family.COUNTER),
         ]
-        requests, rows, switches = self._families
+        requests, rows, switches_family = self._families
         self.requests = {o: requests.Metric(labels={"router": router, "outcome": o}) for o in self.OUTCOMES}
         self.rows = {s: rows.Metric(labels={"router": router, "sparsity": f"{s:g}"}) for s in sparsities}
-        self.switches = switches.Metric(labels={"router": router})
+        self.switches = switches_family.Metric(labels={"router": router})
+        self._switches, self._switches_counted = switches, 0
+        self._pending_requests: Counter = Counter()
+        self._pending_rows: Counter = Counter()
         self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="router-metrics", daemon=True)
+        self._thread.start()
 
-    def count(self, outcome: str, served: Optional[List[float]] = None, switches: int = 0) -> None:
-        """One answered request. Updates are serialised: this server crashes (``boost::interprocess::
-        lock_exception``) when metrics are updated from several threads at once (seen under load)."""
+    def count(self, outcome: str, served: Optional[List[float]] = None, requests: int = 1) -> None:
+        """``requests`` answered with ``outcome``; ``served``: the served sparsity of each row."""
         with self._lock:
-            self.requests[outcome].increment(1)
-            for s in sorted(set(served or ())):
-                self.rows[s].increment(served.count(s))
-            if switches:
-                self.switches.increment(switches)
+            self._pending_requests[outcome] += requests
+            if served:
+                self._pending_rows.update(served)
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Add what was counted since the last flush to the server's metrics (only this thread, or
+        :meth:`close` once it stopped, calls it)."""
+        with self._lock:
+            requests, self._pending_requests = self._pending_requests, Counter()
+            rows, self._pending_rows = self._pending_rows, Counter()
+        for outcome, n in requests.items():
+            self.requests[outcome].increment(n)
+        for s, n in rows.items():
+            self.rows[s].increment(n)
+        switches = self._switches()
+        if switches > self._switches_counted:
+            self.switches.increment(switches - self._switches_counted)
+            self._switches_counted = switches
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            time.sleep(self.FLUSH_S)  # what else arrives meanwhile goes in the same updates
+            self._wake.clear()
+            if not self._closed:
+                try:
+                    self.flush()
+                except Exception:  # the server refused an update (unloading): the counts are lost, not the thread
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.flush()
 
 
 # --- the router (Triton Python backend, business-logic scripting) -------------------------------
@@ -403,6 +449,19 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
         sleep(0.2)
 
 
+class _Job:
+    """A request ``execute`` accepted: its model-input tensors (None for text), its text tensor, batch size,
+    the served sparsity of every row (None: the policy's or the default), the outputs it asks for."""
+
+    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived")
+
+    def __init__(self, request: Any, tensors: Optional[List[Any]], text: Any, batch: int,
+                 served: Optional[List[float]], wanted: Sequence[str]):
+        self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
+        self.served, self.wanted = served, wanted
+        self.queue, self.arrived = 0, 0.0
+
+
 class TritonPythonModel:
     """Forwards each request (each group of rows of one budget) to the budget model it selects."""
 
@@ -422,112 +481,146 @@ class TritonPythonModel:
             from elastic_export.models.text import TextEncoder
 
             self.tokenizer = TextEncoder.from_dir(os.path.join(here, TOKENIZER_DIR), self.config.inputs)
-        self.metrics = (RouterMetrics(args.get("model_name", "router"), self.config.sparsities)
+        switches = (lambda: self.adaptive.policy.switches) if self.adaptive is not None else (lambda: 0)
+        self.metrics = (RouterMetrics(args.get("model_name", "router"), self.config.sparsities, switches)
                         if hasattr(pb_utils, "MetricFamily") else None)
+        self._precision = np.array([[self.config.precision]], dtype=object)
         self._lock = threading.Lock()  # the monitor and the policy, shared by the worker threads
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrency, thread_name_prefix="router")
 
     def execute(self, requests: List[Any]) -> None:
-        for request in requests:  # one worker each; answered through the response sender when done
-            self._pool.submit(self._serve, request)
+        """Check each request here, then hand it to a worker thread (answered through its response
+        sender) and return at once.
+
+        A request the router refuses (:class:`BudgetError`) raises from here: Triton 2.51's Python
+        backend counts a request as failed (``nv_inference_request_failure``) only when ``execute``
+        raises; an error response, returned or sent, counts as a success. The router gets one request
+        per call (no dynamic batching in its config); were there several, a refused one among valid
+        ones would be answered with an error response instead (raising fails every request of the call).
+        """
+        refused = []
+        for request in requests:
+            try:
+                job = self._accept(request)
+            except BudgetError as e:
+                refused.append((request, str(e)))
+                continue
+            with self._lock:
+                job.queue = self.monitor.arrive()
+            job.arrived = time.monotonic()
+            self._pool.submit(self._serve, job)
+        if not refused:
+            return None
+        if self.metrics is not None:
+            self.metrics.count("refused", requests=len(refused))
+        if len(refused) == len(requests):
+            raise BudgetError(refused[0][1])
+        for request, message in refused:
+            request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message)),
+                                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
-    def _serve(self, request: Any) -> None:
-        sender = request.get_response_sender()
-        with self._lock:
-            queue = self.monitor.arrive()
-        start, rows, routed, outcome = time.monotonic(), None, False, "served"
-        switches = self.adaptive.policy.switches if self.adaptive is not None else 0
+    def _accept(self, request: Any) -> _Job:
+        """The request's tensors and the served sparsity of its rows (when it names one), checked.
+
+        Raises:
+            BudgetError: both ``text`` and model inputs, a missing input, inputs of different batch
+                sizes, or a sparsity the router refuses (:func:`row_sparsities`, :func:`choose_budget`).
+        """
+        tensors = {t.name(): t for t in request.inputs()}
+        text = tensors.get(TEXT_INPUT) if self.config.text else None
+        model_inputs = [tensors[n] for n in self.config.inputs if n in tensors]
+        if text is not None:
+            if model_inputs:
+                raise BudgetError(f"send either {TEXT_INPUT!r} or the model inputs, not both")
+            batch = math.prod(text.shape())
+        else:
+            missing = [n for n in self.config.inputs if n not in tensors]
+            if missing:
+                extra = f" (or {TEXT_INPUT!r})" if self.config.text else ""
+                raise BudgetError(f"missing input {', '.join(map(repr, missing))}{extra}")
+            shapes = [t.shape() for t in model_inputs]
+            batch = shapes[0][0] if shapes[0] else 0
+            for t, shape in zip(model_inputs, shapes):
+                b = shape[0] if shape else 0
+                if b != batch:
+                    raise BudgetError(f"input {t.name()!r} has batch {b}, input {self.config.inputs[0]!r} has "
+                                      f"batch {batch}")
+        sparsity = tensors.get(SPARSITY_INPUT)
+        values = None if sparsity is None else sparsity.as_numpy().reshape(-1).tolist()
+        params = request.parameters() if values is None and hasattr(request, "parameters") else None
+        rows = row_sparsities(values, params, batch)
+        served = None if rows is None else self.config.route(rows)
+        wanted = request.requested_output_names() if hasattr(request, "requested_output_names") else ()
+        return _Job(request, None if text is not None else model_inputs, text, batch, served, wanted)
+
+    def _serve(self, job: _Job) -> None:
+        served, routed, outcome = None, False, "served"
         try:
-            response, rows, routed = self._answer(request, queue)
-        except BudgetError as e:
+            response, served, routed = self._answer(job)
+        except BudgetError as e:  # the text input's (the tokenizer's) refusal
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e))), "refused"
         except Exception as e:  # a bug or a budget model's failure: answer it, never leave the client waiting
             error = pb_utils.TritonError(f"router: {e}")
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=error), "failed"
         finally:
-            one = rows[0] if routed else None  # only the policy's picks (one budget for every row) steer it
-            with self._lock:
-                self.monitor.leave(one, (time.monotonic() - start) * 1e3, alone=queue == 0)
-        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if self.metrics is not None:  # after the answer: each update is a call into the server
-            new = self.adaptive.policy.switches - switches if self.adaptive is not None else 0
-            self.metrics.count(outcome, rows, max(new, 0))
+            ms = (time.monotonic() - job.arrived) * 1e3
+            with self._lock:  # only the policy's picks (one budget for every row) steer it
+                self.monitor.leave(served[0] if routed else None, ms, alone=job.queue == 0)
+        job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if self.metrics is not None:
+            self.metrics.count(outcome, served if outcome == "served" else None)
 
-    def _inputs(self, request: Any) -> Tuple[Dict[str, np.ndarray], Optional[List[Any]]]:
-        """The model inputs of a request (its tensors, or its ``text`` tokenized), batch sizes checked;
-        and the request's own input tensors (None for text), forwarded as they are when one budget
-        serves every row."""
-        tensors = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.config.inputs)
-                   if t is not None]
-        feeds = {t.name(): t.as_numpy() for t in tensors}
-        text = pb_utils.get_input_tensor_by_name(request, TEXT_INPUT) if self.config.text else None
-        if text is not None:
-            if feeds:
-                raise BudgetError(f"send either {TEXT_INPUT!r} or the model inputs, not both")
-            values = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in text.as_numpy().reshape(-1)]
-            feeds, tensors = self.tokenizer.encode(values), None
-        missing = [n for n in self.config.inputs if n not in feeds]
-        if missing:
-            extra = f" (or {TEXT_INPUT!r})" if self.config.text else ""
-            raise BudgetError(f"missing input {', '.join(map(repr, missing))}{extra}")
-        batches = {n: (a.shape[0] if a.ndim else 0) for n, a in feeds.items()}
-        first = self.config.inputs[0]
-        for n, b in batches.items():
-            if b != batches[first]:
-                raise BudgetError(f"input {n!r} has batch {b}, input {first!r} has batch {batches[first]}")
-        return feeds, tensors
-
-    def _rows(self, request: Any, batch: int) -> Optional[List[float]]:
-        tensor = pb_utils.get_input_tensor_by_name(request, SPARSITY_INPUT)
-        values = None if tensor is None else tensor.as_numpy().reshape(-1).tolist()
-        params = request.parameters() if hasattr(request, "parameters") else None
-        return row_sparsities(values, params, batch)
-
-    def _answer(self, request: Any, queue: int):
-        feeds, tensors = self._inputs(request)
-        batch = next(iter(feeds.values())).shape[0]
-        rows = self._rows(request, batch)
-        chosen = None
-        if rows is None and self.adaptive is not None:
-            with self._lock:
-                chosen = self.adaptive.choose(self.monitor, queue)
-        served = self.config.route(rows, chosen)
-        if len(served) == 1:
-            served = served * batch
-        wanted = set(request.requested_output_names()) if hasattr(request, "requested_output_names") else set()
+    def _answer(self, job: _Job):
+        served, chosen = job.served, None
+        if served is None:
+            if self.adaptive is not None:
+                with self._lock:
+                    chosen = self.adaptive.choose(self.monitor, job.queue)
+            served = [self.config.default if chosen is None else chosen] * job.batch
+        tensors, feeds = job.tensors, None
+        if job.text is not None:
+            values = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in job.text.as_numpy().reshape(-1)]
+            feeds = self.tokenizer.encode(values)
+        wanted = job.wanted
         names = [n for n in self.config.outputs if not wanted or n in wanted]
-        outputs = self._forward(feeds, tensors, served, names)
+        outputs = self._forward(tensors, feeds, served, names)
         if not wanted or SERVED_OUTPUT in wanted:
             outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(served, dtype=np.float64).reshape(-1, 1)))
         if not wanted or PRECISION_OUTPUT in wanted:
-            outputs.append(pb_utils.Tensor(PRECISION_OUTPUT, np.array([[self.config.precision]] * batch, dtype=object)))
+            outputs.append(pb_utils.Tensor(PRECISION_OUTPUT, np.repeat(self._precision, len(served), axis=0)))
         return pb_utils.InferenceResponse(output_tensors=outputs), served, chosen is not None
 
-    def _forward(self, feeds: Dict[str, np.ndarray], tensors: Optional[List[Any]], served: List[float],
-                       names: List[str]) -> List[Any]:
-        """Run every group of rows on its budget model (several groups: at once); the output tensors, in row order."""
+    def _forward(self, tensors: Optional[List[Any]], feeds: Optional[Dict[str, np.ndarray]], served: List[float],
+                 names: List[str]) -> List[Any]:
+        """Run every group of rows on its budget model (several groups: at once); the output tensors, in
+        row order. ``tensors``: the request's own (forwarded as they are when one budget serves every
+        row), else ``feeds`` (the tokenized text)."""
+        first = served[0]
+        if all(s == first for s in served):  # one budget: the request's tensors in, the budget model's out
+            inputs = tensors if tensors is not None else [pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in feeds.items()]
+            response = pb_utils.InferenceRequest(model_name=self.config.models[first], requested_output_names=names,
+                                                 inputs=inputs).exec()
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            out = {t.name(): t for t in response.output_tensors()}
+            return [out[n] for n in names]
+        if feeds is None:
+            feeds = {t.name(): t.as_numpy() for t in tensors}
         groups: Dict[float, List[int]] = {}
         for i, s in enumerate(served):
             groups.setdefault(s, []).append(i)
-        calls = []
-        for s, idx in groups.items():
-            if len(groups) == 1 and tensors is not None:
-                inputs = tensors  # the request's own tensors, no copy
-            else:
-                part = feeds if len(groups) == 1 else {n: a[idx] for n, a in feeds.items()}
-                inputs = [pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in part.items()]
-            calls.append(pb_utils.InferenceRequest(model_name=self.config.models[s], requested_output_names=names,
-                                                   inputs=inputs))
-        responses = [calls[0].exec()] if len(calls) == 1 else asyncio.run(_exec_all(calls))
+        calls = [pb_utils.InferenceRequest(model_name=self.config.models[s], requested_output_names=names,
+                                           inputs=[pb_utils.Tensor(n, np.ascontiguousarray(a[idx]))
+                                                   for n, a in feeds.items()])
+                 for s, idx in groups.items()]
+        responses = asyncio.run(_exec_all(calls))
         for r in responses:
             if r.has_error():
                 raise RuntimeError(r.error().message())
-        if len(responses) == 1:  # the budget model's tensors, as they are
-            return [pb_utils.get_output_tensor_by_name(responses[0], n) for n in names]
         out = []
         for n in names:
-            parts = [pb_utils.get_output_tensor_by_name(r, n).as_numpy() for r in responses]
+            parts = [{t.name(): t for t in r.output_tensors()}[n].as_numpy() for r in responses]
             full = np.empty((len(served),) + parts[0].shape[1:], dtype=parts[0].dtype)
             for idx, part in zip(groups.values(), parts):
                 full[idx] = part
@@ -536,6 +629,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 async def _exec_all(calls: List[Any]) -> List[Any]:

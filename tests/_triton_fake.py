@@ -30,6 +30,9 @@ class Tensor:
     def as_numpy(self) -> np.ndarray:
         return self._array
 
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
 
 class TritonError:
     INVALID_ARG = 3
@@ -62,8 +65,11 @@ class Request:
     """A request as the server hands it to ``execute``: input tensors, JSON parameters, wanted outputs."""
 
     def __init__(self, inputs: dict, parameters: dict | None = None, outputs: tuple[str, ...] = ()):
-        self.inputs = [Tensor(k, v) for k, v in inputs.items()]
+        self.tensors = [Tensor(k, v) for k, v in inputs.items()]
         self._parameters, self._outputs = json.dumps(parameters or {}), list(outputs)
+
+    def inputs(self) -> list[Tensor]:
+        return self.tensors
 
     def parameters(self) -> str:
         return self._parameters
@@ -135,7 +141,7 @@ def fake_pb_utils(server: Server) -> types.ModuleType:
 
     pb.Tensor, pb.TritonError, pb.InferenceResponse, pb.InferenceRequest = Tensor, TritonError, InferenceResponse, \
         InferenceRequest
-    pb.get_input_tensor_by_name = lambda request, name: by_name(request.inputs, name)
+    pb.get_input_tensor_by_name = lambda request, name: by_name(request.inputs(), name)
     pb.get_output_tensor_by_name = lambda response, name: by_name(response.output_tensors(), name)
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     pb.is_model_ready = lambda model_name, model_version="": (server.repository / model_name / "1").is_dir()

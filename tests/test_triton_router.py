@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import types
 from importlib import resources
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
     assert responses[0].as_dict()["served_precision"].tolist() == [["fp32"], ["fp32"]]
     assert sorted(name for event, name in server.calls if event == "start") == ["elastic_s025"] * 3 + ["elastic_s050"]
     assert [event for event, _ in server.calls][:4] == ["start"] * 4  # forwarded together, not one by one
-    want = server.run("elastic_s050", requests[0].inputs[:2], ["last_hidden_state"]).as_dict()["last_hidden_state"]
+    want = server.run("elastic_s050", requests[0].tensors[:2], ["last_hidden_state"]).as_dict()["last_hidden_state"]
     np.testing.assert_array_equal(responses[0].as_dict()["last_hidden_state"], want)
     assert sorted(responses[3].as_dict()) == ["served_sparsity"]  # only what was asked for
 
@@ -140,7 +141,7 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
     ({"drop": "attention_mask"}, "missing input 'attention_mask'"),
     ({"short": "attention_mask"}, "input 'attention_mask' has batch 1, input 'input_ids' has batch 2"),
 ])
-def test_router_answers_bad_requests_with_an_error(tmp_path, monkeypatch, request_kw, message):
+def test_router_refuses_bad_requests(tmp_path, monkeypatch, request_kw, message):
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
     model, server = start_router(d / "triton", "elastic", monkeypatch)
@@ -153,10 +154,69 @@ def test_router_answers_bad_requests_with_an_error(tmp_path, monkeypatch, reques
         bad = Request({**feeds, request_kw["short"]: feeds[request_kw["short"]][:1]})
     else:
         bad = Request(feeds, request_kw)
-    bad_response, good = execute(model, [bad, Request(feeds)])
+    with pytest.raises(ValueError, match=re.escape(message)) as err:  # alone in its call: execute raises (a failure)
+        model.execute([bad])
+    assert type(err.value).__name__ == "BudgetError" and err.value.__cause__ is None
+    assert not hasattr(bad, "response") and server.calls == []  # checked before any budget model is called
+    bad_response, good = execute(model, [bad, Request(feeds)])  # beside a valid one: an error response instead
     assert bad_response.has_error() and message in bad_response.error().message()
     assert bad_response.error().code == bad_response.error().INVALID_ARG and bad_response.output_tensors() == []
     assert not good.has_error() and [n for e, n in server.calls if e == "start"] == ["elastic_s000"]
+
+
+def test_a_budget_model_failure_is_an_error_response(tmp_path, monkeypatch):
+    """Found by the worker after ``execute`` returned: answered with an error, never left waiting."""
+    import shutil
+
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    shutil.rmtree(d / "triton" / "elastic_s050")  # gone after the router loaded: the fake server answers an error
+    (response,) = execute(model, [Request(_feeds(), {"sparsity": 0.5})])
+    assert response.has_error() and response.error().message() == "router: no model 'elastic_s050'"
+
+
+class _Family:
+    """A stand-in for pb_utils.MetricFamily: every increment with the thread that made it."""
+
+    COUNTER = "counter"
+    updates: list = []
+
+    def __init__(self, name, description, kind):
+        self.name = name
+
+    def Metric(self, labels):  # noqa: N802 (Triton's name)
+        family = self
+
+        class _Metric:
+            def increment(self, value):
+                _Family.updates.append((family.name, dict(labels), value, threading.current_thread().name))
+
+        return _Metric()
+
+
+def test_router_metrics_gather_counts_and_update_from_one_thread(monkeypatch):
+    monkeypatch.setattr(triton_router, "pb_utils", types.SimpleNamespace(MetricFamily=_Family))
+    monkeypatch.setattr(_Family, "updates", [])
+    switches = [0]
+    metrics = triton_router.RouterMetrics("elastic", [0.0, 0.5], switches=lambda: switches[0])
+    threads = [threading.Thread(target=lambda: [metrics.count("served", [0.5, 0.5]) for _ in range(50)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    metrics.count("refused", requests=3)
+    switches[0] = 2
+    metrics.close()  # the last counts flushed
+    totals: dict = {}
+    for name, labels, value, thread in _Family.updates:
+        key = (name, labels.get("outcome") or labels.get("sparsity"))
+        totals[key] = totals.get(key, 0) + value
+    assert totals == {("elastic_router_requests_total", "served"): 200, ("elastic_router_requests_total", "refused"): 3,
+                      ("elastic_router_rows_total", "0.5"): 400, ("elastic_router_switches_total", None): 2}
+    assert len(_Family.updates) < 4 * 50  # gathered, not one update per request
+    assert {thread for *_, thread in _Family.updates} <= {"router-metrics", threading.current_thread().name}
 
 
 @pytest.mark.parametrize("parameters,message", [

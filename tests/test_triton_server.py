@@ -86,6 +86,19 @@ def _metric(port: int, name: str, **labels) -> float:
     raise AssertionError(f"no metric {name} {labels}")
 
 
+def _settled(port: int, name: str, **labels) -> float:
+    """The metric once two reads 0.2 s apart agree (the router adds its counts a moment after it answers,
+    up to ``RouterMetrics.FLUSH_S`` later), a bounded number of reads."""
+    got = _metric(port, name, **labels)
+    for _ in range(50):
+        time.sleep(0.2)
+        again = _metric(port, name, **labels)
+        if again == got:
+            break
+        got = again
+    return got
+
+
 def _metric_reaches(port: int, value: float, name: str, **labels) -> float:
     """The metric once it reaches ``value`` (the router updates it just after it answers), polled a
     bounded number of times."""
@@ -161,21 +174,97 @@ def test_text_in_embedding_out(served):
         client.close()
 
 
-@pytest.mark.parametrize("sparsity,params,message", [
-    (np.full((1, 1), 0.61), None, "above the sparsest served budget 0.5"),
-    (np.full((1, 1), np.nan), None, "not a finite number"),
-    (None, {"sparsity": 1.5}, "outside [0, 1)"),
-    (np.full((2, 1), 0.1), None, "sparsity input has 2 values for a batch of 3"),
+def _triton_counts(port: int, want: tuple[float, float] | None = None) -> tuple[float, float]:
+    """Triton's own ``nv_inference_request_success`` / ``_failure`` of the router: once they equal ``want``
+    (polled a bounded number of times: Triton counts a failure just after it sends the error), else as they are."""
+    for _ in range(200):
+        got = (_metric(port, "nv_inference_request_success", model="elastic"),
+               _metric(port, "nv_inference_request_failure", model="elastic", reason="BACKEND"))
+        if want is None or got == want:
+            break
+        time.sleep(0.05)
+    return got
+
+
+@pytest.mark.parametrize("sparsity,params,drop,message", [
+    (np.full((1, 1), 0.61), None, None, "above the sparsest served budget 0.5"),
+    (np.full((1, 1), np.nan), None, None, "not a finite number"),
+    (None, {"sparsity": 1.5}, None, "outside [0, 1)"),
+    (np.full((2, 1), 0.1), None, None, "sparsity input has 2 values for a batch of 3"),
+    (None, None, "attention_mask", "missing input 'attention_mask' (or 'text')"),
 ])
-def test_refused_requests_are_errors_and_counted(served, sparsity, params, message):
+def test_refused_requests_are_failures_in_tritons_metrics(served, sparsity, params, drop, message):
+    """A refused request raises from the router's ``execute``, the one way this Python backend counts a
+    request as failed; it answers INTERNAL (HTTP 500) with the router's message."""
     port = served["port"]
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=TIMEOUT_S)
     try:
-        before = _metric(port, "elastic_router_requests_total", outcome="refused")
+        success, failure = _triton_counts(port)
+        refused = _settled(port, "elastic_router_requests_total", outcome="refused")
+        feeds = {k: v for k, v in _feeds().items() if k != drop}
         with pytest.raises(Exception, match=re.escape(message)) as err:
-            client.infer("elastic", _inputs(httpclient, _feeds(), sparsity), parameters=params)
-        assert "400" in str(err.value)  # INVALID_ARG: the client's fault
-        assert _metric_reaches(port, before + 1, "elastic_router_requests_total", outcome="refused") == before + 1
+            client.infer("elastic", _inputs(httpclient, feeds, sparsity), parameters=params)
+        assert str(err.value).startswith("[500] ") and "BudgetError: " in str(err.value)
+        assert _triton_counts(port, (success, failure + 1)) == (success, failure + 1)
+        assert _metric_reaches(port, refused + 1, "elastic_router_requests_total", outcome="refused") == refused + 1
+    finally:
+        client.close()
+
+
+def test_served_requests_are_successes_in_tritons_statistics(served):
+    """The statistics extension (gRPC) and the metrics agree: a served request is a success, a refused one
+    a failure."""
+    port = served["port"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+
+    def counts() -> tuple[int, int]:
+        stats = client.get_inference_statistics("elastic", as_json=True, client_timeout=TIMEOUT_S)
+        s = stats["model_stats"][0]["inference_stats"]
+        return int(s["success"].get("count", 0)), int(s["fail"].get("count", 0))
+
+    try:
+        success, failure = counts()
+        metrics = _triton_counts(port)
+        assert metrics == (success, failure)
+        for sparsity in (0.5, 0.1, None):  # served (the policy's choice for None)
+            s = None if sparsity is None else np.full((1, 1), sparsity)
+            client.infer("elastic", _inputs(grpcclient, _feeds(), s), client_timeout=TIMEOUT_S)
+        with pytest.raises(Exception, match="above the sparsest served budget") as err:
+            client.infer("elastic", _inputs(grpcclient, _feeds(), np.full((1, 1), 0.9)), client_timeout=TIMEOUT_S)
+        assert "StatusCode.INTERNAL" in str(err.value)
+        want = (success + 3, failure + 1)
+        assert _triton_counts(port, want) == want
+        assert counts() == want
+    finally:
+        client.close()
+
+
+def test_a_budget_model_failure_counts_on_the_budget_model(served):
+    """A token id beyond the vocabulary: onnxruntime fails. The budget model (its ``execute`` raises when
+    every request of the call failed) counts it as a failure; through the router the client gets the
+    budget model's error and the router counts it as ``failed``, while Triton counts the router's request
+    as a success: the router answers it after its ``execute`` returned, and this backend reports a
+    request's outcome when ``execute`` returns (docs/serving.md)."""
+    port = served["port"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+    feeds = _feeds()
+    feeds["input_ids"][0, 1] = 10**6
+    try:
+        budget = _metric(port, "nv_inference_request_failure", model="elastic_s050", reason="BACKEND")
+        with pytest.raises(Exception, match="out of") as err:
+            client.infer("elastic_s050", _inputs(grpcclient, feeds), client_timeout=TIMEOUT_S)
+        assert "StatusCode.INTERNAL" in str(err.value)
+        for _ in range(200):  # bounded: Triton counts it just after it sends the error
+            if _metric(port, "nv_inference_request_failure", model="elastic_s050", reason="BACKEND") == budget + 1:
+                break
+            time.sleep(0.05)
+        assert _metric(port, "nv_inference_request_failure", model="elastic_s050", reason="BACKEND") == budget + 1
+        success, failure = _triton_counts(port)
+        failed = _settled(port, "elastic_router_requests_total", outcome="failed")
+        with pytest.raises(Exception, match="router: .*out of"):
+            client.infer("elastic", _inputs(grpcclient, feeds, np.full((1, 1), 0.5)), client_timeout=TIMEOUT_S)
+        assert _metric_reaches(port, failed + 1, "elastic_router_requests_total", outcome="failed") == failed + 1
+        assert _triton_counts(port) == (success + 1, failure)
     finally:
         client.close()
 
@@ -184,7 +273,7 @@ def test_rows_served_are_counted_per_budget(served):
     port = served["port"]
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
     try:
-        before = _metric(port, "elastic_router_rows_total", sparsity="0.5")
+        before = _settled(port, "elastic_router_rows_total", sparsity="0.5")
         client.infer("elastic", _inputs(grpcclient, _feeds(), np.full((1, 1), 0.5)), client_timeout=TIMEOUT_S)
         assert _metric_reaches(port, before + 3, "elastic_router_rows_total", sparsity="0.5") == before + 3
     finally:
