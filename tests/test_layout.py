@@ -99,3 +99,15 @@ def test_no_private_name_crosses_modules(module):
             if n.startswith("_") and not n.startswith("__") and resolve(f"{target}.{n}", MODULES) != module:
                 wrong.append(f"line {line}: {target}.{n}")
     assert not wrong, f"{module} imports private names of other modules: " + "; ".join(wrong)
+
+
+def test_public_face_names_resolve_and_import_light():
+    """``import elastic_export`` imports no torch; every name of its face resolves to a real object."""
+    import subprocess
+    import sys
+
+    code = ("import sys, elastic_export as ee; light = 'torch' not in sys.modules; "
+            "names = [n for n in ee.__all__ if getattr(ee, n) is None]; print(light, names)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "True" and out.stdout.strip().endswith("[]"), out.stdout
