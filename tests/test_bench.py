@@ -84,7 +84,7 @@ def test_bench_writes_json_plots_and_profile(artifacts, tmp_path, capsys):
     assert set(profile["precisions"]) == {"int8"} and set(profile["precisions"]["int8"]) == {"1", "3"}
     # the quick eval's quality figures are kept; the frontier is over them and the measured p90
     manifest = json.loads((artifacts / "manifest.json").read_text())
-    assert profile["quality"]["metric"] == manifest["quick_eval"]["metric"] == "fidelity_cosine"
+    assert profile["quality"]["metric"] == manifest["quick_eval"]["settings"]["metric"] == "fidelity_cosine"
     assert profile["quality"]["values"]["fp32"]["0.0"] == pytest.approx(1.0)
     assert profile["frontier"]["metric"] == "fidelity_cosine" and profile["frontier"]["stat"] == "p90_ms"
     for batch, front in profile["frontier"]["batches"].items():

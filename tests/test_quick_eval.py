@@ -119,10 +119,11 @@ def test_heldout_texts_miss_what_a_reused_ranking_was_calibrated_on(bert_dir, tm
     m = pipeline.run(pipeline.Options(out=str(tmp_path / "a"), **opts), echo=said.append)
     held = seen[-1][0]
     assert held and not _clashes(held, ranked_on) and not _clashes(held, evenly_spaced(ours.read_text().splitlines(), 8))
-    assert "ranking" in m.quick_eval["heldout"]["excluded"] and "not_guaranteed" not in m.quick_eval["heldout"]
+    held_out = quick_eval.entry_of(m)["heldout"]
+    assert "ranking" in held_out["excluded"] and "not_guaranteed" not in held_out
     theirs.unlink()  # the ranking's data is gone: what it saw is unknown, and the entry says so
     m = pipeline.run(pipeline.Options(out=str(tmp_path / "b"), **opts), echo=said.append)
-    assert str(theirs) in m.quick_eval["heldout"]["not_guaranteed"]
+    assert str(theirs) in quick_eval.entry_of(m)["heldout"]["not_guaranteed"]
     assert any(s.startswith("warning: quick eval:") and str(theirs) in s for s in said)
 
 
@@ -207,14 +208,14 @@ def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(out, old)
     raw = json.loads((old / MANIFEST).read_text())
-    raw[quick_eval.ENTRY] = _legacy(raw[quick_eval.ENTRY])
+    raw[quick_eval.ENTRY] = _legacy(quick_eval.entry_of(Manifest.load(out)))
     (old / MANIFEST).write_text(json.dumps(raw))
     manifest = Manifest.load(old)
     qe = quick_eval.entry_of(manifest)
-    want = [r[quick_eval.OVERLAP] for r in m[quick_eval.ENTRY]["rows"]]
+    want = [r[quick_eval.OVERLAP] for r in quick_eval.entry_of(m)["rows"]]
     assert [r[quick_eval.OVERLAP] for r in qe["rows"]] == want and not any("recall@10" in r for r in qe["rows"])
     assert qe["samples"] == {"fidelity_cosine": quick_eval.HELDOUT, quick_eval.OVERLAP: quick_eval.HELDOUT}
-    res = quick_eval.as_eval_result(manifest, "old-dir")
+    res = quick_eval.results_of(manifest, "old-dir").eval_view()
     assert res["results"][0]["dir"] == "old-dir"
     assert "3 runs" in _budget_rows(manifest)[-1] and "interleaved" not in _budget_rows(manifest)[-1]
     page = render_report(old)
@@ -226,6 +227,10 @@ def test_main_job_records_quality_and_speed_of_every_pair(text_art):
     out, m, said = text_art
     qe = m[quick_eval.ENTRY]
     assert qe == json.loads((out / MANIFEST).read_text())[quick_eval.ENTRY]
+    assert qe["format"] == "elastic-export-results/1" and qe["kind"] == "quick_eval"  # the one results schema
+    assert {(r["batch"], r["sparsity"], r["precision"]) for r in qe["records"]} == {
+        (b, s, p) for b in (None, 1, 8) for p in ("fp32", "int8") for s in (0.0, *BUDGETS)}
+    qe = quick_eval.entry_of(m)
     assert any(s.startswith("quick eval: 6 (budget, precision) pairs") for s in said)
     assert qe["metric"] == "fidelity_cosine" and qe["speed"]["batches"] == [1, 8]
     assert qe["heldout"]["samples"] == quick_eval.HELDOUT and "8 spread evenly" in qe["heldout"]["excluded"]
@@ -260,7 +265,7 @@ def test_latency_profile_carries_quality_and_frontier(text_art):
     out, m, _ = text_art
     prof = load_profile(out)
     assert prof.quality_metric == "fidelity_cosine" and prof.measured_precisions() == ["fp32", "int8"]
-    for r in m[quick_eval.ENTRY]["rows"]:
+    for r in quick_eval.entry_of(m)["rows"]:
         assert prof.quality_of(r["sparsity"], r["precision"]) == pytest.approx(r["fidelity_cosine"])
         assert prof.latency(8, r["sparsity"], "p90_ms", r["precision"]) == pytest.approx(r["speed"]["8"]["p90_ms"])
     assert prof.frontier["metric"] == "fidelity_cosine" and set(prof.frontier["batches"]) == {"1", "8"}
@@ -284,10 +289,10 @@ def test_image_model_quick_eval(tmp_path):
     m = pipeline.run(pipeline.Options(model="vit_tiny_patch16_224", pretrained=False, image_size=32, budgets=(0.5,),
                                       out=str(tmp_path / "vit"), method="magnitude", calib_size=8, verify=False,
                                       elastic_graph=False, report=False), **QUIET)
-    rows = m[quick_eval.ENTRY]["rows"]
+    rows = quick_eval.entry_of(m)["rows"]
     assert [(r["sparsity"], r["precision"]) for r in rows] == [(0.0, "fp32"), (0.5, "fp32")]
     assert rows[0]["fidelity_cosine"] == pytest.approx(1.0) and quick_eval.OVERLAP not in rows[0]
-    assert "synthetic" in m[quick_eval.ENTRY]["heldout"]["source"]
+    assert "synthetic" in quick_eval.entry_of(m)["heldout"]["source"]
 
 
 def test_no_quick_eval_flag_and_failure_only_warns(bert_dir, tmp_path, capsys, monkeypatch):
@@ -323,7 +328,9 @@ def test_terminal_table_shows_quality_and_p50_per_pair(bert_dir, tmp_path, capsy
                                   "fidelity", "overlap@10", "p50", "ms", "b1", "p50", "ms", "b8"]
     rows = [line.split() for line in lines[top + 1:top + 7]]
     assert [(r[0], r[1]) for r in rows] == [(b, p) for p in ("fp32", "int8") for b in ("dense", "0.30", "0.60")]
-    qe = json.loads((out / MANIFEST).read_text())[quick_eval.ENTRY]
+    from elastic_export.core.manifest import Manifest
+
+    qe = quick_eval.entry_of(Manifest.load(out))
     for cells, r in zip(rows, qe["rows"]):  # the manifest's figures, rounded as printed
         assert cells[-4:] == [f"{r['fidelity_cosine']:.4f}", f"{r[quick_eval.OVERLAP]:.3f}",
                               f"{r['speed']['1']['p50_ms']:.1f}", f"{r['speed']['8']['p50_ms']:.1f}"]

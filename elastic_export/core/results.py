@@ -78,7 +78,8 @@ class Results:
         """The speed records as rows: ``{"format", "backend", "provider", "runtime", "machine",
         "settings", "rows": [row, ...]}`` (the ``meta`` fields at the top level)."""
         rows = [{k: v for k, v in r.items() if k not in IDENTITY} for r in self.speed()]
-        return {"format": BENCH_FORMAT, **self.meta, "settings": self.settings, "machine": self.machine, "rows": rows}
+        settings = {**self.settings, **_dict(self.settings.get("speed"))}  # the quick eval nests its speed settings
+        return {"format": BENCH_FORMAT, **self.meta, "settings": settings, "machine": self.machine, "rows": rows}
 
 
 def _dict(raw: Any) -> dict:
@@ -107,7 +108,8 @@ def from_bench(data: dict) -> Results:
 
 
 def from_quick_eval(entry: dict, directory: str = ".", method: str | None = None, model: str | None = None) -> Results:
-    """A quick-eval entry written before the one schema (rows nesting ``speed`` per batch size)."""
+    """Quick-eval rows (one per pair, nesting ``speed`` per batch size; how the main job measures them,
+    and how its manifest entry looked before the one schema) as records."""
     ident = {"dir": directory, "label": "quick eval", "method": method, "model": model, "modality": None}
     records, speed = [], []
     for r in entry.get("rows") or []:
@@ -124,7 +126,20 @@ def from_quick_eval(entry: dict, directory: str = ".", method: str | None = None
     samples = {"quick eval": _dict(entry.get(SAMPLES_KEY))}
     datasets = {"held-out": {"source": held.get("source"), "count": held.get("samples")}}
     meta = {"backend": "onnxruntime", "provider": sp.get("provider"), "runtime": "the main job's quick eval"}
-    return Results("quick_eval", records + speed, settings, _dict(sp.get("machine")), datasets, samples, meta)
+    return Results("quick_eval", records + _speedups(speed), settings, _dict(sp.get("machine")), datasets, samples, meta)
+
+
+def _speedups(speed: list[dict]) -> list[dict]:
+    """Speed records with ``speedup`` (throughput over the dense fp32 model's at the same batch) and
+    ``flop_ratio`` (dense GFLOPs over the record's)."""
+    dense = {r[BATCH]: r for r in speed if r.get("sparsity") == 0.0 and r.get("precision", "fp32") == "fp32"}
+    dense_gflops = next((r.get("gflops") for r in speed if r.get("sparsity") == 0.0 and r.get("gflops")), None)
+    out = []
+    for r in speed:
+        base, tp, gf = dense.get(r[BATCH]), r.get("throughput"), r.get("gflops")
+        out.append({**r, "speedup": tp / base["throughput"] if base and tp and base.get("throughput") else None,
+                    "flop_ratio": float(dense_gflops) / float(gf) if dense_gflops and gf else None})
+    return out
 
 
 def parse(raw: Any, where: str = "results") -> Results:

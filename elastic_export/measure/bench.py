@@ -309,8 +309,10 @@ def stored_quality(directory: Path, manifest: Manifest) -> dict | None:
             return old.to_json()["quality"]
     except UserError:
         pass
-    qe = manifest.quick_eval
-    if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list) or not qe.get("metric"):
+    from elastic_export.measure.quick_eval import entry_of
+
+    qe = entry_of(manifest)
+    if qe is None or not qe.get("metric"):
         return None
     values: dict[str, dict[float, float]] = {}
     for r in qe["rows"]:

@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from elastic_export.core import results
+from elastic_export.core.errors import UserError
 from elastic_export.core.latency_profile import (
     PRECISION_ORDER,
     LatencyProfile,
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from elastic_export.data.calibration import Drawn
 
 ENTRY = "quick_eval"  # the manifest key
+LABEL = "quick eval"  # the records' label (the report's curve name)
 HELDOUT = 64  # held-out samples at most
 BATCHES = (1, 8)
 #: timing: interleaved rounds (every pair once per round, the start rotating), at least MIN_ROUNDS,
@@ -352,70 +355,62 @@ def run_quick_eval(directory: Path, manifest: Manifest | dict, encoder, calib: s
          f"batches {', '.join(map(str, BATCHES))} ({' / '.join(map(str, runs.values()))} interleaved runs, "
          f"{speed_s:.1f}s), in {seconds:.1f}s")
     metrics = [m for m in (FIDELITY, OVERLAP) if m in rows[0]]
-    return {"heldout": heldout, "metric": QUALITY_METRIC, SAMPLES_KEY: {m: heldout["samples"] for m in metrics},
-            "bootstrap": BOOTSTRAP,
-            "speed": {"provider": rt.provider, "batches": list(BATCHES), "repeats": runs, "warmup": WARMUP,
-                      "schedule": "interleaved rounds", "seconds": round(speed_s, 1),
-                      "threads": "onnxruntime default", "spin": False, "seq_len": manifest.tokens,
-                      "machine": machine()},
-            "seconds": seconds, "rows": rows}
+    pairs = {"heldout": heldout, "metric": QUALITY_METRIC, SAMPLES_KEY: {m: heldout["samples"] for m in metrics},
+             "bootstrap": BOOTSTRAP,
+             "speed": {"provider": rt.provider, "batches": list(BATCHES), "repeats": runs, "warmup": WARMUP,
+                       "schedule": "interleaved rounds", "seconds": round(speed_s, 1),
+                       "threads": "onnxruntime default", "spin": False, "seq_len": manifest.tokens,
+                       "machine": machine()},
+             "seconds": seconds, "rows": rows}
+    return results.from_quick_eval(pairs, method=manifest.ranking.method, model=manifest.model.source).to_json()
 
 
-# --- views of the entry (the report draws them like eval / bench results) -----------------------
-def entry_of(manifest: Manifest) -> dict | None:
-    """The manifest's ``quick_eval`` entry with every row in today's field names (an entry written
-    before the rename calls the neighbour overlap ``recall@10``); None without an entry."""
+# --- the entry read back (any format the main job ever wrote) ------------------------------------
+def _renamed(d: dict) -> dict:
+    """Today's metric names in a record (entries written before the rename call the overlap ``recall@10``)."""
+    d = {(OVERLAP if k == LEGACY_OVERLAP else k): v for k, v in d.items()}
+    if isinstance(d.get(CI_KEY), dict):
+        d[CI_KEY] = {(OVERLAP if k == LEGACY_OVERLAP else k): v for k, v in d[CI_KEY].items()}
+    return d
+
+
+def results_of(manifest: Manifest, directory: str = ".") -> results.Results | None:
+    """The manifest's ``quick_eval`` entry as results (:mod:`elastic_export.core.results`), in today's
+    metric names, its records naming ``directory`` (the report's name for it); None without one."""
     qe = manifest.quick_eval
-    if not isinstance(qe, dict) or not isinstance(qe.get("rows"), list):
+    try:
+        res = results.parse(qe, "quick_eval") if isinstance(qe, dict) else None
+    except UserError:
         return None
-    rows = []
-    for r in qe["rows"]:
-        if isinstance(r, dict):
-            r = {(OVERLAP if k == LEGACY_OVERLAP else k): v for k, v in r.items()}
-            if isinstance(r.get(CI_KEY), dict):
-                r[CI_KEY] = {(OVERLAP if k == LEGACY_OVERLAP else k): v for k, v in r[CI_KEY].items()}
-            rows.append(r)
-    samples = qe.get(SAMPLES_KEY) or {m: (qe.get("heldout") or {}).get("samples")
-                                      for m in (FIDELITY, OVERLAP) if any(m in r for r in rows)}
-    return {**qe, SAMPLES_KEY: samples, "rows": rows}
-
-
-def as_eval_result(manifest: Manifest, directory: str = ".") -> dict | None:
-    """The manifest's ``quick_eval`` entry as an ``elastic-export eval`` result (None without one).
-
-    Args:
-        manifest: the artifact directory's manifest.
-        directory: the directory as the report names it (its ``dir`` column).
-    """
-    qe = entry_of(manifest)
-    if qe is None:
+    if res is None or res.kind != "quick_eval":
         return None
-    held = qe.get("heldout") or {}
-    return {"datasets": {"held-out": {"source": held.get("source"), "count": held.get("samples")}},
-            "results": [{"label": "quick eval", "method": manifest.ranking.method, "dir": directory,
-                         SAMPLES_KEY: qe[SAMPLES_KEY], "budgets": qe["rows"]}]}
+    res.records = [{**_renamed(r), "dir": directory, "method": r.get("method") or manifest.ranking.method}
+                   for r in res.records]
+    own = res.samples.get(LABEL) or {}
+    if not own:
+        n = (res.settings.get("heldout") or {}).get("samples")
+        own = {m: n for m in (FIDELITY, OVERLAP) if any(m in r for r in res.quality())}
+    res.samples = {**res.samples, LABEL: _renamed(own)}
+    return res
 
 
-def as_bench_result(manifest: Manifest) -> dict | None:
-    """The speed of the manifest's ``quick_eval`` entry as an ``elastic-export bench`` result (None
-    without one): rows per (batch, sparsity, precision), speedup over the dense fp32 model."""
-    qe = entry_of(manifest)
-    if qe is None:
+def entry_of(manifest: Manifest) -> dict | None:
+    """The quick eval as one row per pair (``rows``, each with its ``speed`` per batch size), with
+    ``heldout``, ``metric``, ``samples`` and ``speed`` settings; None without an entry."""
+    res = results_of(manifest)
+    if res is None:
         return None
-    dense_gflops = float(manifest.dense.gflops)
-    base = {b: st["throughput"] for r in qe["rows"] if r.get("sparsity") == 0.0 and r.get("precision") == "fp32"
-            for b, st in (r.get("speed") or {}).items()}
-    rows = []
-    for r in qe["rows"]:
-        for b, st in (r.get("speed") or {}).items():
-            rows.append({"sparsity": r["sparsity"], "precision": r["precision"], "gflops": r["gflops"],
-                         "flop_ratio": dense_gflops / float(r["gflops"]), "batch": int(b), **st,
-                         "speedup": st["throughput"] / base[b] if b in base else None, "switch_ms": None})
-    speed = qe.get("speed") or {}
-    return {"format": "elastic-export-bench/1", "backend": "onnxruntime", "provider": speed.get("provider"),
-            "runtime": "the main job's quick eval", "machine": speed.get("machine") or {},
-            "settings": {"repeats": speed.get("repeats"), "seq_len": speed.get("seq_len"),
-                         "threads": speed.get("threads"), "schedule": speed.get("schedule")}, "rows": rows}
+    rows, by_pair = [], {}
+    for r in res.quality():
+        row = {k: v for k, v in r.items() if k not in results.IDENTITY and k != results.BATCH}
+        rows.append({**row, "speed": {}})
+        by_pair[(key(r["sparsity"]), str(r.get("precision", "fp32")))] = rows[-1]
+    for r in res.speed():
+        row = by_pair.get((key(r["sparsity"]), str(r.get("precision", "fp32"))))
+        if row is not None:
+            row["speed"][str(r[results.BATCH])] = {k: r[k] for k in SPEED_STATS if k in r}
+    return {**res.settings, "speed": {**(res.settings.get("speed") or {}), "machine": res.machine},
+            SAMPLES_KEY: res.samples[LABEL], "rows": rows}
 
 
 def table_columns(manifest: Manifest) -> tuple[list[str], dict[Pair, list[str]], list[str]] | None:

@@ -8,16 +8,16 @@ inline styles and ``data:`` images; every figure is an inline base64 PNG) with
   quality) and latency targets (the best pair under 50 % / 75 % of the dense fp32 p50), at the
   smallest and largest batch size, read from the frontier below (:func:`elastic_export.measure.frontier.recommend`),
   each pick with its quality band, p50 and speedup;
-* **quality vs GFLOPs** of every ``elastic-export eval`` result found in DIR (``*.json`` with a
-  ``results`` list, e.g. ``DIR/eval.json``, which ``eval DIR`` writes by default), one curve per
+* **quality vs GFLOPs** of every ``elastic-export eval`` result found in DIR (``*.json`` results
+  files, :mod:`elastic_export.core.results`, any of its formats; e.g. ``DIR/eval.json``, which
+  ``eval DIR`` writes by default), one curve per
   method with its 95 % bootstrap band and sample count, the dense model marked; metrics under the
   names of :data:`elastic_export.measure.evaluation.METRIC_LABELS` (the quick eval's "neighbour overlap@10
   (vs dense)" is never called recall);
 * **where sparsity goes**: the kept fraction of MLP neurons and of attention heads per block at each
   budget, for the directory's ranking and, side by side, for every other ranking file in DIR
   (``*.safetensors``; their plans are made with the same budgets and ``align``);
-* **speed vs budget** from ``elastic-export bench`` results in DIR (JSON of format
-  ``elastic-export-bench/1``, e.g. ``DIR/bench.json``);
+* **speed vs budget** from ``elastic-export bench`` results in DIR (e.g. ``DIR/bench.json``);
 * **quality vs speed**: quality against measured latency p50 (each batch size) and throughput, one
   curve per precision, the Pareto frontier ringed (:mod:`elastic_export.measure.frontier`);
 * without eval / bench results in DIR, the quality and speed sections show the manifest's
@@ -124,13 +124,13 @@ def find_results(directory: Path) -> Found:
 def add_quick_eval(found: Found, manifest: Manifest, name: str = ".") -> None:
     """Where the directory has no eval (bench) result, show the manifest's quick eval as one
     (``name``: the directory as the page names it)."""
-    from elastic_export.measure.quick_eval import as_bench_result, as_eval_result
+    from elastic_export.measure.quick_eval import results_of
 
-    label = Path(f"{MANIFEST} (quick eval)")
-    if not found.evals and (res := as_eval_result(manifest, name)) is not None:
-        found.evals.append((label, res))
-    if not found.benches and (res := as_bench_result(manifest)) is not None:
-        found.benches.append((label, res))
+    label, res = Path(f"{MANIFEST} (quick eval)"), results_of(manifest, name)
+    if res is not None and not found.evals:
+        found.evals.append((label, res.eval_view()))
+    if res is not None and not found.benches:
+        found.benches.append((label, res.bench_view()))
 
 
 def _totals(heads: list[np.ndarray], neurons: list[np.ndarray]) -> tuple[list[int], list[int]]:
