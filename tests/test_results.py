@@ -18,7 +18,7 @@ EVAL = {"datasets": {"pairs": {"count": 8}}, "settings": {"batch_size": 4}, "mac
                                   "ci95": {"recall@10": [0.5, 1.0]}}]}]}
 BENCH = {"format": "elastic-export-bench/1", "dir": "a", "model": "m", "backend": "onnxruntime", "provider": "cpu",
          "runtime": "ElasticRuntime (per-budget)", "settings": {"repeats": 5}, "machine": {"cpu": "x"},
-         "rows": [{"sparsity": s, "precision": "fp32", "gflops": g, "batch": b, "p50_ms": 1.0 / g, "throughput": b * g}
+         "rows": [{"sparsity": s, "precision": "fp32", "gflops": g, "batch": b, "p50_ms": g / 2, "throughput": b * 2 / g}
                   for b in (1, 8) for s, g in ((0.0, 2.0), (0.5, 1.0))]}
 QUICK = {"heldout": {"source": "built-in", "samples": 16}, "metric": "fidelity_cosine",
          "samples": {"fidelity_cosine": 16}, "speed": {"provider": "cpu", "batches": [1], "machine": {"cpu": "x"}},
@@ -64,3 +64,19 @@ def test_unreadable_file_is_one_error(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(UserError, match="bad.json: cannot read results"):
         results.load(tmp_path / "bad.json")
+
+
+def test_latency_policies_read_results_directly():
+    """A bench result (any format) becomes the profile the runtime's latency-target policy reads."""
+    from elastic_export.core.latency_profile import profile_from_results
+    from elastic_export.serving.policies import LatencyTargetPolicy
+
+    rows = [{**r, "p90_ms": r["p50_ms"] * 1.1, "p99_ms": r["p50_ms"] * 1.2} for r in BENCH["rows"]]
+    prof = profile_from_results(results.parse({**BENCH, "rows": rows}))
+    assert prof.batch_sizes() == [1, 8] and prof.latency(8, 0.5, "p50_ms") == pytest.approx(0.5)
+    assert prof.quality == {} and prof.backend == "onnxruntime" and prof.provider == "cpu"
+    quick = profile_from_results(results.parse(QUICK))  # no p90 / p99 there: no rows, the quality block only
+    assert quick.quality == {"fp32": {0.0: 1.0}} and quick.quality_metric == "fidelity_cosine"
+    policy = LatencyTargetPolicy(prof, target_ms=0.6)  # only the 0.5 budget's p90 (0.55 ms) meets it
+    policy.bind_pairs([(0.0, "fp32"), (0.5, "fp32")], "fp32")
+    assert policy.select(1) == (0.5, "fp32") and policy.missed == 0

@@ -229,3 +229,25 @@ def profile_of(rt: Any, rows: dict[str, Rows], quality: Mapping[Pair, float] | N
         q.setdefault(p, {})[key(s)] = float(v)
     rows = dict(rows)
     return LatencyProfile(rt.backend, rt.provider, rows.pop("fp32", {}), rows, q, quality_metric)
+
+
+def profile_from_results(res: Any, metric: str | None = None) -> LatencyProfile:
+    """A profile from results in the one schema (:class:`elastic_export.core.results.Results`): its
+    speed records' p50 / p90 / p99 per (precision, batch, sparsity), and, with ``metric``, its quality
+    records' figure (default: the results' own ``settings.metric`` when it names one).
+
+    So the runtime's latency policies read any ``bench.json``, or a manifest's quick eval, directly.
+    """
+    rows: dict[str, Rows] = {}
+    for r in res.speed():
+        if all(isinstance(r.get(s), (int, float)) for s in STATS):
+            stats = {s: float(r[s]) for s in STATS}
+            rows.setdefault(str(r.get("precision", "fp32")), {}).setdefault(int(r["batch"]), {})[key(r["sparsity"])] = stats
+    metric = metric or (res.settings or {}).get("metric")
+    quality: dict[str, dict[float, float]] = {}
+    for r in res.quality() if metric else ():
+        if isinstance(r.get(metric), (int, float)):
+            quality.setdefault(str(r.get("precision", "fp32")), {})[key(r["sparsity"])] = float(r[metric])
+    meta = res.meta or {}
+    return LatencyProfile(str(meta.get("backend") or "onnxruntime"), str(meta.get("provider") or "cpu"),
+                          rows.pop("fp32", {}), rows, quality, metric if quality else None)
