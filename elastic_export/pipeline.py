@@ -32,6 +32,7 @@ from elastic_export.core.manifest import (
     ELASTIC_FILE,
     MANIFEST,
     RANKING_FILE,
+    TWIN_FIELDS,
     Budget,
     Dense,
     Elastic,
@@ -101,10 +102,9 @@ class Options:
 
 
 def _twins(name: str, fp16: dict, int8: dict, qdq: dict) -> dict:
-    """The manifest fields of the fp16, int8 and int8-qdq twins of the fp32 file ``name`` (None where absent)."""
-    (f16, rel), (i8, cos), (q8, qcos) = (d.get(name, (None, None)) for d in (fp16, int8, qdq))
-    return {"onnx_fp16": f16, "fp16_max_rel_error": rel, "onnx_int8": i8, "int8_min_cosine": cos,
-            int8_qdq.FILE_KEY: q8, int8_qdq.COSINE_KEY: qcos}
+    """The manifest fields (:data:`TWIN_FIELDS`: file, error) of the fp16, int8 and int8-qdq twins of the
+    fp32 file ``name`` (None where absent)."""
+    return dict(zip(TWIN_FIELDS, (v for d in (fp16, int8, qdq) for v in d.get(name, (None, None)))))
 
 
 def load_calib(encoder: Encoder, opts: Options) -> Calibration:
@@ -231,7 +231,7 @@ def check_outputs(got: list[np.ndarray], want: list[np.ndarray], what: str) -> f
 
 def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Path, feeds: dict | None,
                   refs: list[list[np.ndarray]] | None, echo: Callable[[str], None] = print,
-                  precision: str = "fp32") -> dict:
+                  precision: str = "fp32") -> Elastic:
     """Write the elastic graph (``elastic.onnx``: weights once, ``budget_index`` selects the budget).
 
     Index b < len(plans) is ``plans[b]``; index len(plans) is the dense model (sparsity 0.0: every
@@ -265,13 +265,13 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
     size = sum(f.stat().st_size for f in onnx_io.files(directory / ELASTIC_FILE)) / 1e6
     echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets + dense, {size:.1f} MB, built in {time.time() - t0:.1f}s"
          + (f", max err {worst:.1e}" if worst is not None else ""))
-    entry = {"onnx": ELASTIC_FILE, "budget_input": BUDGET_INPUT, "budgets": [p.sparsity for p in plans],
-             "dense_index": len(plans), "max_abs_error": worst, "onnx_fp16": None, "fp16_max_rel_error": None}
+    entry = Elastic(onnx=ELASTIC_FILE, budget_input=BUDGET_INPUT, budgets=[p.sparsity for p in plans],
+                    dense_index=len(plans), max_abs_error=worst)
     if precision == "fp16":  # checked at every index against the fp32 elastic graph
         per_index = None if feeds is None else [
             {**{k: v.numpy() for k, v in feeds.items()}, BUDGET_INPUT: np.array([b], dtype=np.int64)}
             for b in range(len(plans) + 1)]
-        entry["onnx_fp16"], entry["fp16_max_rel_error"] = add_fp16(model, directory, ELASTIC_FILE, per_index)
+        entry.onnx_fp16, entry.fp16_max_rel_error = add_fp16(model, directory, ELASTIC_FILE, per_index)
     return entry
 
 
@@ -543,7 +543,7 @@ def _check_budgets(plans: list[BudgetPlan], names: list[str], tmp: Path, feeds: 
 
 def _manifest(encoder: Encoder, inventory: Inventory, dense: onnx.ModelProto, tmp: Path, opts: Options,
               precisions: tuple[str, ...], twins: _Twins, rows: list[tuple[BudgetPlan, str, float | None]],
-              elastic: dict | None, ranking: Ranking, rank_seconds: float | None) -> Manifest:
+              elastic: Elastic | None, ranking: Ranking, rank_seconds: float | None) -> Manifest:
     """The manifest of the artifact set in ``tmp`` (``rows``: each budget's plan, file and max abs error)."""
     outputs = io_specs(onnx.shape_inference.infer_shapes(onnx_io.weightless(dense)).graph.output)
     return Manifest(
@@ -564,7 +564,7 @@ def _manifest(encoder: Encoder, inventory: Inventory, dense: onnx.ModelProto, tm
                         params=p.params, onnx=name, engine=None, heads_per_layer=p.heads_per_layer,
                         neurons_per_layer=p.neurons_per_layer, max_abs_error=err, **twins.fields(name))
                  for p, name, err in rows],
-        elastic=Elastic.from_dict(elastic) if elastic is not None else None,
+        elastic=elastic,
         int8_qdq=int8_qdq.manifest_entry(twins.qdq) if twins.qdq is not None else None,
         ranking=RankingInfo(file=RANKING_FILE, method=ranking.meta.get("method"), seconds=rank_seconds),
     )

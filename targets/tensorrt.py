@@ -59,6 +59,7 @@ import numpy as np
 from elastic_export.core.errors import ERROR_CHARS, UserError, first_line
 from elastic_export.core.fileio import atomic_write, existing_dir
 from elastic_export.core.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.core.precisions import FILE_KEYS
 from elastic_export.targets.profiles import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MIN_BATCH,
@@ -316,8 +317,9 @@ def engine_name(onnx_name: str) -> str:
     return stem + ".engine"
 
 
-SOURCE_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8_qdq"}  # engine precision -> ONNX parsed
-REEXPORT = {"onnx_fp16": "fp16", "onnx_int8_qdq": "int8-qdq"}  # the --precision that writes those files
+# engine precision -> manifest field of the ONNX files parsed
+SOURCE_KEYS = {"fp32": FILE_KEYS["fp32"], "fp16": FILE_KEYS["fp16"], "int8": FILE_KEYS["int8-qdq"]}
+REEXPORT = {FILE_KEYS[p]: p for p in ("fp16", "int8-qdq")}  # the --precision that writes those files
 
 
 def plan_jobs(directory: Path, manifest: Manifest | dict, use_fp16_onnx: bool = False, dense: bool = True,
@@ -334,13 +336,13 @@ def plan_jobs(directory: Path, manifest: Manifest | dict, use_fp16_onnx: bool = 
     Raises:
         UserError: a listed ONNX file is missing (or a twin is not listed).
     """
-    key = key or ("onnx_fp16" if use_fp16_onnx else "onnx")
+    key = key or SOURCE_KEYS["fp16" if use_fp16_onnx else "fp32"]
     manifest = as_manifest(manifest)
     entries: list[tuple[str | int, str, Any]] = [("dense", "dense", manifest.dense)] if dense else []
     entries += [(i, f"{b.sparsity}", b) for i, b in enumerate(manifest.budgets)]
     jobs = []
     for k, label, entry in entries:
-        rel = entry.get(key)
+        rel = getattr(entry, key)
         if not isinstance(rel, str):
             raise UserError(f"{directory / MANIFEST}: {label} has no {key!r} file"
                             + (f" (re-export with --precision {REEXPORT[key]})" if key in REEXPORT else ""))
@@ -499,7 +501,7 @@ def precision_mode(trt: Any, precision: str, manifest: Manifest | dict) -> tuple
     if precision == "fp16":
         have16 = all(isinstance(e.onnx_fp16, str) for e in [manifest.dense, *manifest.budgets])
         mode = fp16_mode(trt, have16)
-        return mode, "onnx_fp16" if mode == STRONGLY_TYPED else None
+        return mode, SOURCE_KEYS["fp16"] if mode == STRONGLY_TYPED else None
     if precision == "int8":
         return int8_mode(trt), SOURCE_KEYS["int8"]
     return None, None
@@ -530,7 +532,7 @@ def plan_build(directory: str | Path, config: BuildConfig) -> BuildPlan:
     d = existing_dir(directory)
     manifest = Manifest.load(d)
     profile = config.profile(manifest)
-    plan_jobs(d, manifest, dense=config.dense, key="onnx_int8_qdq" if config.precision == "int8" else None)  # before TensorRT
+    plan_jobs(d, manifest, dense=config.dense, key=SOURCE_KEYS["int8"] if config.precision == "int8" else None)  # before TensorRT
     cache_path = config.cache_path(d)
     trt = import_tensorrt()
     if cuda_device_count() == 0:

@@ -111,3 +111,46 @@ def test_public_face_names_resolve_and_import_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[0] == "True" and out.stdout.strip().endswith("[]"), out.stdout
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The project modules ``path`` imports when it is itself imported: not inside functions, not
+    under ``if TYPE_CHECKING``."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                    isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(resolve(a.name, MODULES) for a in node.names if a.name.startswith(FACE))
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith(FACE):
+                found.update(resolve(f"{node.module}.{a.name}", MODULES) for a in node.names)
+            for body in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, body, None) or [])
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return found
+
+
+def test_no_import_cycle():
+    """No module imports, at import time, one that imports it back (directly or through others)."""
+    graph = {m: module_level_imports(p) - {m} for m, p in MODULES.items()}
+    done: set[str] = set()
+
+    def cycle_from(m: str, path: list[str]) -> list[str] | None:
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        for n in sorted(graph.get(m, ())):
+            found = cycle_from(n, path + [m])
+            if found:
+                return found
+        done.add(m)
+        return None
+
+    for m in sorted(graph):
+        cycle = cycle_from(m, [])
+        assert cycle is None, "import cycle: " + " -> ".join(cycle)

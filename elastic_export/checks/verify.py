@@ -478,7 +478,7 @@ def _open_dense(d: Path, manifest: Manifest) -> tuple[str, onnx.ModelProto, Any]
     """
     dense_rel = manifest.dense.onnx
     if not isinstance(dense_rel, str):
-        raise UserError(f"{d / MANIFEST}: 'dense' has no 'onnx' file")
+        raise UserError(f"{d / MANIFEST}: 'dense' has no {FILE_KEYS['fp32']!r} file")
     try:
         dense_path = _load(resolve(d, dense_rel), dense_rel)
         return dense_rel, onnx.load(str(dense_path)), _session(dense_path)
@@ -533,9 +533,8 @@ def _check_files(report: Report, manifest: Manifest, dense_rel: str, budgets: li
             onnx_check(label, b.onnx_fp16, "fp16", ref, "masked dense")
     for label, entry in [("dense", manifest.dense), *((f"{b.sparsity:.2f}", b) for b in budgets)]:
         for kind, bound in (("int8", INT8_MIN_COSINE), ("int8-qdq", QDQ_MIN_COSINE)):
-            key = FILE_KEYS[kind]
-            if entry.get(key) is not None:
-                report.checks.append(_check_int8(d, label, entry.onnx, entry.get(key), feeds, outputs, bound, kind))
+            if entry.file(kind) is not None:
+                report.checks.append(_check_int8(d, label, entry.onnx, entry.file(kind), feeds, outputs, bound, kind))
 
 
 def _check_int8(d: Path, label: str, fp32_rel: str, int8_rel: Any, feeds: dict, outputs: list[str],
@@ -567,11 +566,10 @@ def _check_elastic(report: Report, d: Path, elastic: Elastic, budgets: list[Budg
     and, where the manifest lists a ``dense_index``, the dense model against dense.onnx
     (``refs[-1]``)."""
     index_name = elastic.budget_input
-    files = [("onnx", "elastic", atol, None)]
+    files = [(FILE_KEYS["fp32"], elastic.onnx, "elastic", atol, None)]
     if elastic.onnx_fp16 is not None:
-        files.append(("onnx_fp16", "elastic fp16", None, rtol_fp16))
-    for key, kind, file_atol, file_rtol in files:
-        rel = elastic.get(key)
+        files.append((FILE_KEYS["fp16"], elastic.onnx_fp16, "elastic fp16", None, rtol_fp16))
+    for key, rel, kind, file_atol, file_rtol in files:
         base = Check("all", str(rel), kind, "masked dense")
         try:
             if not isinstance(rel, str) or not isinstance(index_name, str):
@@ -613,7 +611,7 @@ def _check_engines(report: Report, d: Path, budgets: list[tuple[str, Any]], refs
     for entry in artifact_backends():
         backend, why = None, None
         for (label, b), ref in zip(budgets, refs):
-            rel = b.get(entry.artifact)
+            rel = getattr(b, entry.artifact, None) or b.extra.get(entry.artifact)  # a field, or one this version does not know
             if rel is None:
                 continue
             check = Check(label, str(rel), entry.artifact, "dense" if label == "dense" else "masked dense",

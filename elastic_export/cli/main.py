@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,6 +19,9 @@ from elastic_export.ranking import methods
 from elastic_export.ranking.options import ElasticConfig, targets_spec
 from elastic_export.serving.backends import DEFAULT_BACKEND, TRITON_BUDGET_BACKENDS, backend_help
 from elastic_export.serving.policies import ROUTER_POLICIES
+
+if TYPE_CHECKING:
+    from elastic_export.core.manifest import Manifest
 
 DEFAULT_BUDGETS = "0.1..0.6"
 _ELASTIC = ElasticConfig()
@@ -179,7 +182,7 @@ def _run_main_job(**kw) -> None:
         click.echo(f"wrote {Path(opts.out) / 'report.html'}")
 
 
-def _budget_rows(manifest: Any) -> list[str]:
+def _budget_rows(manifest: Manifest) -> list[str]:
     """The budget table's lines: one row per budget (and precision, where the quick eval measured
     several), with the quick eval's quality and p50 latency where it ran, and its legend."""
     from elastic_export.measure.quick_eval import table_columns
@@ -201,11 +204,10 @@ def _budget_rows(manifest: Any) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] + legend
 
 
-def _print_budget_table(manifest: Any, out: Path) -> None:
-    from elastic_export.core.manifest import MANIFEST, as_manifest
-    from elastic_export.precision import int8_qdq
+def _print_budget_table(manifest: Manifest, out: Path) -> None:
+    from elastic_export.core.manifest import MANIFEST
+    from elastic_export.core.precisions import ERROR_KEYS
 
-    manifest = as_manifest(manifest)
     for line in _budget_rows(manifest):
         click.echo(line)
     e = manifest.elastic
@@ -214,12 +216,11 @@ def _print_budget_table(manifest: Any, out: Path) -> None:
         dense = "" if e.dense_index is None else f"; {e.dense_index} = dense"
         click.echo(f"elastic graph: {e.onnx} (input {e.budget_input} = index into the budgets above{dense}{err})")
     files = [manifest.dense, *manifest.budgets]
-    for prec, field, worst_of, what in (("fp16", "fp16_max_rel_error", max, "max relative error vs fp32 {:.1e}"),
-                                        ("int8", "int8_min_cosine", min, "min embedding cosine vs fp32 {:.4f}"),
-                                        (int8_qdq.PRECISION, int8_qdq.COSINE_KEY, min,
-                                         "min embedding cosine vs fp32 on held-out calibration samples {:.4f}")):
+    for prec, worst_of, what in (("fp16", max, "max relative error vs fp32 {:.1e}"),
+                                 ("int8", min, "min embedding cosine vs fp32 {:.4f}"),
+                                 ("int8-qdq", min, "min embedding cosine vs fp32 on held-out calibration samples {:.4f}")):
         if prec in (manifest.precisions or []):
-            errs = [getattr(x, field) for x in files if getattr(x, field) is not None]
+            errs = [getattr(x, ERROR_KEYS[prec]) for x in files if getattr(x, ERROR_KEYS[prec]) is not None]
             worst = ", " + what.format(worst_of(errs)) if errs else ""
             click.echo(f"{prec}: {len(files)} files (*.{prec}.onnx){worst}")
     click.echo(f"wrote {out / MANIFEST}")

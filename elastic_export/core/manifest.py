@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from elastic_export.core.errors import UserError
-from elastic_export.core.precisions import FILE_KEYS, PRECISIONS
+from elastic_export.core.precisions import ERROR_KEYS, FILE_KEYS, PRECISIONS
 
 FORMAT = "elastic-export/1"
 """The manifest's ``format`` string (DESIGN.md §4)."""
@@ -25,10 +25,18 @@ LATENCY_PROFILE = "latency_profile.json"
 REPORT = "report.html"
 BUDGET_INPUT = "budget_index"
 """The elastic graph's input that selects a budget."""
-TWIN_FIELDS = ("onnx_fp16", "fp16_max_rel_error", "onnx_int8", "int8_min_cosine", "onnx_int8_qdq", "int8_qdq_min_cosine")
-"""The fields of ``dense`` and of a budget for its lower-precision twins and their measured errors."""
-FILE_FIELDS = ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized", "engine")
+ONNX = FILE_KEYS["fp32"]
+"""The field naming an entry's fp32 ONNX file (``dense``, every budget, ``elastic``)."""
+OPTIMIZED_FIELD = "onnx_optimized"
+"""The field of ``dense`` and of a budget naming its onnxruntime-optimised copy."""
+ENGINE_FIELD = "engine"
+"""The field of ``dense`` and of a budget naming its TensorRT engine."""
+TWIN_FIELDS = tuple(k for p in ERROR_KEYS for k in (FILE_KEYS[p], ERROR_KEYS[p]))
+"""The fields of ``dense`` and of a budget for its lower-precision twins and their measured errors
+(``onnx_fp16``, ``fp16_max_rel_error``, ``onnx_int8``, ``int8_min_cosine``, ...)."""
+FILE_FIELDS = (*FILE_KEYS.values(), OPTIMIZED_FIELD, ENGINE_FIELD)
 """The fields of ``dense`` and of a budget that name a file in the directory."""
+
 
 def io_specs(values) -> list[dict[str, Any]]:
     """name / dtype / shape (symbolic dims as strings) of ONNX graph inputs or outputs."""
@@ -121,13 +129,13 @@ def _read_checked(directory: Path) -> dict:
     for key in ("inputs", "outputs"):
         if not isinstance(m[key], list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in m[key]):
             raise UserError(f"{path}: {key!r} must be a list of {{name, dtype, shape}} objects")
-    if not isinstance(m["dense"].get("onnx"), str):
-        raise UserError(f"{path}: 'dense' needs its 'onnx' file")
+    if not isinstance(m["dense"].get(ONNX), str):
+        raise UserError(f"{path}: 'dense' needs its {ONNX!r} file")
     for key in FILE_FIELDS:
         resolve(directory, m["dense"].get(key))
     resolve(directory, m["ranking"].get("file"))
     _check_budgets(directory, path, m["budgets"])
-    for key, fields_ in (("elastic", ("onnx", "onnx_fp16")), ("triton", ("dir",)), ("sentence_transformers", ("dir",))):
+    for key, fields_ in (("elastic", (ONNX, FILE_KEYS["fp16"])), ("triton", ("dir",)), ("sentence_transformers", ("dir",))):
         if m.get(key) is not None:
             if not isinstance(m[key], dict):
                 raise UserError(f"{path}: {key!r} must be an object or null")
@@ -148,8 +156,8 @@ def _check_budgets(directory: Path, path: Path, budgets: list) -> None:
         if round(s, 6) in seen:
             raise UserError(f"{path}: budget sparsity {s!r} is listed twice")
         seen.add(round(s, 6))
-        if not isinstance(b.get("onnx"), str):
-            raise UserError(f"{path}: budget {s!r} needs its 'onnx' file")
+        if not isinstance(b.get(ONNX), str):
+            raise UserError(f"{path}: budget {s!r} needs its {ONNX!r} file")
         for key in FILE_FIELDS:
             resolve(directory, b.get(key))
         for key in ("heads_per_layer", "neurons_per_layer"):
@@ -290,7 +298,7 @@ class _Files(Entry):
     """A model's files: fp32 ``onnx`` and its twins per precision (:data:`FILE_KEYS`), with the
     measured error of each twin against it."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"onnx_optimized"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({OPTIMIZED_FIELD})
     onnx: str = ""
     onnx_fp16: str | None = None
     fp16_max_rel_error: float | None = None
@@ -313,8 +321,8 @@ class _Files(Entry):
 class Dense(_Files):
     """The dense model: its files, GFLOPs and parameters (and TensorRT engine once built)."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"onnx_optimized", "engine"})
-    ORDER: ClassVar[tuple[str, ...]] = ("onnx", *TWIN_FIELDS, "gflops", "params")
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({OPTIMIZED_FIELD, ENGINE_FIELD})
+    ORDER: ClassVar[tuple[str, ...]] = (ONNX, *TWIN_FIELDS, "gflops", "params")
     gflops: float | None = None
     params: int | None = None
     engine: str | None = None
@@ -324,7 +332,7 @@ class Dense(_Files):
 class Budget(_Files):
     """One budget: asked and achieved sparsity, cost, kept units per layer, files, engine, error."""
 
-    ORDER: ClassVar[tuple[str, ...]] = ("sparsity", "achieved_sparsity", "gflops", "params", "onnx", "engine",
+    ORDER: ClassVar[tuple[str, ...]] = ("sparsity", "achieved_sparsity", "gflops", "params", ONNX, ENGINE_FIELD,
                                         "heads_per_layer", "neurons_per_layer", "max_abs_error", *TWIN_FIELDS)
     sparsity: float = 0.0
     achieved_sparsity: float | None = None

@@ -14,3 +14,6 @@ from __future__ import annotations
 PRECISIONS = ("fp32", "fp16", "int8", "int8-qdq")
 FILE_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8", "int8-qdq": "onnx_int8_qdq"}
 """Precision -> manifest field (per budget and in ``dense``) naming its file."""
+ERROR_KEYS = {"fp16": "fp16_max_rel_error", "int8": "int8_min_cosine", "int8-qdq": "int8_qdq_min_cosine"}
+"""Twin precision -> manifest field (next to its file) of its measured error against the fp32 file:
+the largest relative error (fp16), the smallest embedding cosine (int8, int8-qdq)."""

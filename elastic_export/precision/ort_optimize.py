@@ -51,11 +51,12 @@ import onnx
 
 from elastic_export.core import onnx_io
 from elastic_export.core.errors import UserError, first_line
+from elastic_export.core.manifest import OPTIMIZED_FIELD
 
 OPT_SUFFIX = ".opt.onnx"
 EXTERNAL_REFUSAL = ("{src}: onnxruntime-optimised copies of models with external data (weights in a .onnx.data "
                     "file) are not supported yet; drop --ort-optimize")
-MANIFEST_KEY = "onnx_optimized"
+MANIFEST_KEY = OPTIMIZED_FIELD  # the manifest field of each optimised copy
 METHODS = ("auto", "transformers", "ort")
 FUSED_OPS = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "EmbedLayerNormalization",
              "BiasGelu", "FastGelu", "Gelu", "FusedMatMul", "LayerNormalization")

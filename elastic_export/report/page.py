@@ -44,7 +44,8 @@ import numpy as np
 from elastic_export.core import results
 from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import atomic_write, check_creatable
-from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, REPORT, Manifest, resolve
+from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, REPORT, Budget, Dense, Manifest, resolve
+from elastic_export.core.precisions import PRECISIONS
 from elastic_export.measure.evaluation import CI_KEY, EVAL_RESULTS, NEIGHBOUR_OVERLAP, SAMPLES_KEY, metric_label
 
 QUALITY_METRICS = ("fidelity_cosine", NEIGHBOUR_OVERLAP, "recall@1", "recall@10", "sym_recall@1", "sym_recall@10",
@@ -319,8 +320,8 @@ def _gflops(v: Any) -> str:
     return _num(v, ".3f" if not isinstance(v, (int, float)) or abs(v) >= 0.1 else ".3g")
 
 
-def _files(entry: Any) -> str:
-    names = [entry.get(k) for k in ("onnx", "onnx_fp16", "onnx_int8", "onnx_int8_qdq", "onnx_optimized")]
+def _files(entry: Dense | Budget) -> str:
+    names = [entry.file(p) for p in PRECISIONS] + [entry.onnx_optimized]
     return " ".join(f"<code>{_e(n)}</code>" for n in names if n) or "-"
 
 

@@ -89,7 +89,6 @@ from elastic_export.serving.policies import (  # noqa: F401 - re-exported
 from elastic_export.targets.onnxruntime import SessionConfig  # noqa: F401 - re-exported: from_dir's config
 
 MODES = ("per-budget", "elastic")
-PRECISION_KEYS = FILE_KEYS  # precision -> manifest key
 _key, _fmt = key, fmt  # the names this module used before the split
 
 
@@ -109,7 +108,7 @@ class ElasticRuntime:
         self._budgets: dict[Pair, RunnableBudget] = {b.pair: b for b in budgets}
         self.pairs: list[Pair] = sorted(self._budgets, key=lambda p: (p[0], PRECISION_ORDER.index(p[1])))
         self.sparsities: list[float] = sorted({s for s, _ in self.pairs})
-        self.precisions: list[str] = [p for p in PRECISION_KEYS if any(q == p for _, q in self.pairs)]
+        self.precisions: list[str] = [p for p in FILE_KEYS if any(q == p for _, q in self.pairs)]
         self._lock = threading.Lock()
         precision = precision if precision in self.precisions else self.precisions[0]
         self._current: Pair = next(p for p in self.pairs if p[1] == precision)
@@ -395,7 +394,7 @@ def measure_switch_cost(rt: ElasticRuntime, n: int = 20000) -> float:
 
 # --- helpers ------------------------------------------------------------------------------------
 def _precisions(manifest: Manifest, mode: str, precision: str | None, precisions: Sequence[str] | str | None) -> list[str]:
-    """The precisions to load, in :data:`PRECISION_KEYS` order; UserError for unknown ones."""
+    """The precisions to load, in :data:`FILE_KEYS` order; UserError for unknown ones."""
     if precisions == "all":
         have = manifest.precisions or ["fp32"]
         if mode == "elastic":
@@ -405,14 +404,14 @@ def _precisions(manifest: Manifest, mode: str, precision: str | None, precisions
         precisions = [p.strip() for p in precisions.split(",")]
     asked = list(precisions) if precisions else [precision or "fp32"]
     for p in asked + ([precision] if precision else []):
-        if p not in PRECISION_KEYS:
-            raise UserError(f"precision {p!r}: unknown; choose from {', '.join(PRECISION_KEYS)}")
+        if p not in FILE_KEYS:
+            raise UserError(f"precision {p!r}: unknown; choose from {', '.join(FILE_KEYS)}")
     if precision and precision not in asked:
         raise UserError(f"precision {precision!r} is not among precisions {', '.join(asked)}")
     int8 = [p for p in asked if p.startswith("int8")]
     if int8 and mode == "elastic":
         raise UserError(f"precision {int8[0]!r}: the elastic graph has no int8 twin; use mode='per-budget'")
-    return [p for p in PRECISION_KEYS if p in asked]
+    return [p for p in FILE_KEYS if p in asked]
 
 
 def _sparsity_filter(directory: Path, manifest: Manifest, sparsities: Sequence[float] | None) -> Callable[[float], bool]:

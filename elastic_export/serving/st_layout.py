@@ -35,7 +35,7 @@ from elastic_export.core.budgets import budget_tag, parse_budgets
 from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import OutputLock, check_creatable, umask
 from elastic_export.core.manifest import Budget, Manifest, as_manifest, resolve
-from elastic_export.serving.runtime import PRECISION_KEYS  # precision -> manifest key of its file
+from elastic_export.core.precisions import FILE_KEYS
 
 LAYOUT = "sentence-transformers"  # the main job's --layout value, and its folder in the artifact directory
 ONNX_FILE = "onnx/model.onnx"
@@ -124,10 +124,10 @@ def select(manifest: Manifest, budgets: str | None, precisions: str | None) -> l
             raise UserError(f"--budgets: sparsity {missing[0]:g} is not one of the artifact's budgets ({have})")
         entries = [by_key[s] for s in dict.fromkeys(wanted)]
     names = [p.strip() for p in precisions.split(",")] if precisions is not None else (manifest.precisions or ["fp32"])
-    bad = [p for p in names if p not in PRECISION_KEYS]
+    bad = [p for p in names if p not in FILE_KEYS]
     if bad or not names:
         raise UserError(f"--precision {precisions}: {'unknown precision ' + repr(bad[0]) if bad else 'none given'}; "
-                        f"choose a comma list of {', '.join(PRECISION_KEYS)}")
+                        f"choose a comma list of {', '.join(FILE_KEYS)}")
     if not entries:
         raise UserError("the artifact directory has no budgets")
     pairs = [(b, p) for b in entries for p in dict.fromkeys(names)]
