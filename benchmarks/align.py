@@ -46,7 +46,8 @@ def make_ranking(work: Path, method: str, given: str | None, rebuild: bool) -> t
     """(ranking file, its method): ``given``, or one built once with ``method`` on MiniLM."""
     from elastic_export.models.inventory import build_inventory
     from elastic_export.models.loader import load_encoder
-    from elastic_export.pipeline import Options, rank_encoder
+    from elastic_export.pipeline import Options
+    from elastic_export.ranking.driver import rank_encoder
     from elastic_export.ranking.file import load_ranking, save_ranking
 
     if given:

@@ -32,7 +32,8 @@ from elastic_export.data.retrieval_data import heldout_pairs  # noqa: E402
 from elastic_export.measure.evaluation import evaluate, plot_results, write_results  # noqa: E402
 from elastic_export.models.inventory import build_inventory  # noqa: E402
 from elastic_export.models.loader import load_encoder  # noqa: E402
-from elastic_export.pipeline import Options, rank_encoder, run  # noqa: E402
+from elastic_export.pipeline import Options, run  # noqa: E402
+from elastic_export.ranking.driver import rank_encoder  # noqa: E402
 from elastic_export.ranking.file import save_ranking  # noqa: E402
 
 METHODS = ["elastic", "initial", "fisher", "activation", "variance", "magnitude", "random"]

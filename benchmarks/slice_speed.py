@@ -45,7 +45,8 @@ from elastic_export.measure.timing import machine  # noqa: E402
 from elastic_export.models.inventory import build_inventory  # noqa: E402
 from elastic_export.models.loader import load_encoder  # noqa: E402
 from elastic_export.passes import BudgetSlicer, slice_model  # noqa: E402
-from elastic_export.pipeline import Options, rank_encoder  # noqa: E402
+from elastic_export.pipeline import Options  # noqa: E402
+from elastic_export.ranking.driver import rank_encoder  # noqa: E402
 from elastic_export.ranking.plans import make_plans  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -9,28 +9,25 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import onnx
-import torch
 from tqdm.auto import tqdm
 
 from elastic_export import __version__
-from elastic_export.checks.compare import ATOL, compare_outputs
+from elastic_export.checks.in_run import check_elastic, check_outputs, masked_outputs, ort_run
 from elastic_export.core import onnx_io
 from elastic_export.core.budgets import budget_tag
-from elastic_export.core.errors import Interrupted, UserError, first_line
-from elastic_export.core.fileio import OutputLock, check_creatable, umask
+from elastic_export.core.errors import UserError, first_line
+from elastic_export.core.fileio import OutputLock, umask
 from elastic_export.core.manifest import (
     BUDGET_INPUT,
     DENSE_FILE,
     ELASTIC_FILE,
-    MANIFEST,
     RANKING_FILE,
     TWIN_FIELDS,
     Budget,
@@ -43,7 +40,7 @@ from elastic_export.core.manifest import (
     io_specs,
     write_manifest,
 )
-from elastic_export.data.calibration import Calibration, load_calibration
+from elastic_export.core.outdir import claim_out, commit_out, make_tmp, prepare_out
 from elastic_export.export.dense import export_dense
 from elastic_export.models import preprocess, text
 from elastic_export.models.encoder import Encoder
@@ -54,14 +51,11 @@ from elastic_export.precision import int8_qdq
 from elastic_export.precision.fp16 import add_fp16
 from elastic_export.precision.int8 import add_int8, parse_precisions
 from elastic_export.precision.ort_optimize import EXTERNAL_REFUSAL, optimize_artifacts
-from elastic_export.ranking.file import Ranking, load_ranking, make_meta, save_ranking
-from elastic_export.ranking.options import cover_budgets, targets_spec
+from elastic_export.ranking.driver import check_device, load_calib, rank_or_reuse
+from elastic_export.ranking.file import Ranking, save_ranking
 from elastic_export.ranking.plans import BudgetPlan, check_align, make_plans
-from elastic_export.ranking.reference import hard_mask, ranked_keep
-from elastic_export.ranking.scoring import METHODS, NEEDS_DATA
-from elastic_export.ranking.soft_ranking import ElasticConfig, resume_hint
+from elastic_export.ranking.soft_ranking import ElasticConfig
 from elastic_export.serving import st_layout
-from elastic_export.targets.onnxruntime import cpu_session
 
 LAYOUTS = ("artifacts", st_layout.LAYOUT)
 
@@ -107,128 +101,6 @@ def _twins(name: str, fp16: dict, int8: dict, qdq: dict) -> dict:
     return dict(zip(TWIN_FIELDS, (v for d in (fp16, int8, qdq) for v in d.get(name, (None, None)))))
 
 
-def load_calib(encoder: Encoder, opts: Options) -> Calibration:
-    """The calibration data of ``opts`` (the ranking's and the int8-qdq calibrator's: the same call)."""
-    return load_calibration(encoder, opts.calib, size=opts.calib_size, batch_size=opts.batch_size, seed=opts.seed)
-
-
-def check_device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"--device {device}: not a device (use cpu or cuda)")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: CUDA is not available on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {device}: only cpu and cuda are supported")
-    return dev
-
-
-def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Options, echo: Callable[[str], None],
-                 calib: Calibration | None = None) -> Ranking:
-    """Score every unit with ``opts.method`` (on ``calib`` when given and the method needs data) and
-    wrap the scores with their metadata."""
-    if opts.method not in METHODS:
-        raise UserError(f"--method {opts.method}: unknown; choose from {', '.join(sorted(METHODS))}")
-    desc = {"source": None}
-    if opts.method not in NEEDS_DATA:
-        calib = None
-    else:
-        calib = calib if calib is not None else load_calib(encoder, opts)
-        desc = calib.description
-        skipped = desc.get("failed_to_decode") or 0
-        echo(f"calibration: {desc.get('samples')} samples from {desc.get('source')}"
-             + (f" ({skipped} images failed to decode and were skipped)" if skipped else ""))
-    dev = check_device(opts.device)
-    t0 = time.time()
-    encoder.module.to(dev)
-    checkpoint = Path(opts.checkpoint) if opts.checkpoint else None
-    config = ElasticConfig(**{**asdict(opts.elastic), "seed": opts.seed})
-    extra = {"echo": echo} if opts.method == "elastic" else {}
-    try:
-        heads, neurons = METHODS[opts.method](encoder, inventory, calib, seed=opts.seed, config=config,
-                                              checkpoint=checkpoint, resume=opts.resume, **extra)
-    except KeyboardInterrupt as e:
-        hint = resume_hint(checkpoint, config) if opts.method == "elastic" and not isinstance(e, Interrupted) else None
-        if hint is None:
-            raise
-        raise Interrupted(hint) from None
-    finally:
-        encoder.module.to("cpu")
-    hyper: dict = {"seed": opts.seed}
-    if opts.method in NEEDS_DATA:
-        hyper.update(calib_size=opts.calib_size, batch_size=opts.batch_size)
-    if opts.method == "elastic":
-        hyper.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()
-                      if k not in ("checkpoint_every",)})
-    meta = make_meta(inventory, encoder.fingerprint(), opts.method, hyper, desc)
-    echo(f"ranked {sum(L.heads + L.neurons for L in inventory.layers)} units with {opts.method!r} "
-         f"in {time.time() - t0:.1f}s")
-    return Ranking(heads, neurons, meta)
-
-
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse an output directory that holds something other than a previous artifact set, and one
-    that is (or contains) the working directory: the output is replaced as a whole."""
-    resolved = out.resolve()
-    if out.name in ("", ".", "..") or resolved == Path.cwd().resolve() or resolved in Path.cwd().resolve().parents:
-        raise UserError(f"--out {out}: give a directory of its own (e.g. {Path(out) / 'elastic-out'}); "
-                        "it is replaced as a whole")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not overwrite:
-        raise UserError(f"--out {out}: exists and holds other files; pass --overwrite to replace it")
-    check_creatable(out, "--out")  # parents are created only once the run succeeds this far
-
-
-def clean_stale(out: Path, echo: Callable[[str], None] = print) -> None:
-    """With ``out``'s lock held: remove the temporary directories that killed runs left next to
-    it; if a run was killed between moving the previous artifact set aside and moving the new one
-    in, put the previous set back first."""
-    import glob
-
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        return
-    name = glob.escape(out.name)
-    olds = sorted(parent.glob(f".{name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if olds and not out.exists():
-        os.replace(olds.pop(), out)
-        echo(f"restored the previous {out} (a run was killed while replacing it)")
-    for d in [*parent.glob(f".{name}.tmp-*"), *olds]:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def commit_out(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` directory to ``out``, replacing a previous one only now."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def masked_outputs(encoder: Encoder, plan: BudgetPlan, ranking: Ranking, feeds: dict) -> list[np.ndarray]:
-    """The hard-masked torch model's outputs for one budget: the reference every artifact meets."""
-    with torch.no_grad(), hard_mask(encoder.blocks(), ranked_keep(plan, ranking)):
-        return [t.numpy() for t in encoder.export_module()(*feeds.values())]
-
-
-def check_outputs(got: list[np.ndarray], want: list[np.ndarray], what: str) -> float:
-    """The max abs error of ``got`` against ``want`` (:func:`elastic_export.checks.compare.compare_outputs`;
-    the float32 difference, as the manifest has always recorded it).
-
-    Raises:
-        RuntimeError: ``"{what} by {error}"`` above :data:`elastic_export.checks.compare.ATOL`.
-    """
-    result = compare_outputs(got, want, ATOL, dtype=np.float32)
-    if not result.ok:
-        raise RuntimeError(f"{what} by {result.max_abs:.2e}" if result.max_abs is not None else f"{what}: {result.problem}")
-    return result.max_abs
-
-
 def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Path, feeds: dict | None,
                   refs: list[list[np.ndarray]] | None, echo: Callable[[str], None] = print,
                   precision: str = "fp32") -> Elastic:
@@ -260,7 +132,7 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
     onnx_io.save(model, directory / ELASTIC_FILE, onnx_io.external_like(directory / DENSE_FILE))
     worst = None
     if feeds is not None and refs is not None:
-        worst = _check_elastic(directory, feeds, refs + [_ort_run(directory / DENSE_FILE, feeds)],
+        worst = check_elastic(directory, feeds, refs + [ort_run(directory / DENSE_FILE, feeds)],
                                [f"budget {p.sparsity}" for p in plans] + [f"dense (index {len(plans)})"])
     size = sum(f.stat().st_size for f in onnx_io.files(directory / ELASTIC_FILE)) / 1e6
     echo(f"elastic graph {ELASTIC_FILE}: {len(plans)} budgets + dense, {size:.1f} MB, built in {time.time() - t0:.1f}s"
@@ -273,26 +145,6 @@ def write_elastic(dense: onnx.ModelProto, plans: list[BudgetPlan], directory: Pa
             for b in range(len(plans) + 1)]
         entry.onnx_fp16, entry.fp16_max_rel_error = add_fp16(model, directory, ELASTIC_FILE, per_index)
     return entry
-
-
-def _ort_run(path: Path, feeds: dict) -> list[np.ndarray]:
-    """The outputs of the ONNX file ``path`` (onnxruntime CPU) on torch ``feeds``."""
-    return cpu_session(path).run(None, {k: v.numpy() for k, v in feeds.items()})
-
-
-def _check_elastic(directory: Path, feeds: dict, wants: list[list[np.ndarray]], labels: list[str]) -> float:
-    """Run ``elastic.onnx`` at every index b and compare with ``wants[b]``; the largest max abs error.
-
-    Raises:
-        RuntimeError: an index differs by more than 1e-4.
-    """
-    sess = cpu_session(directory / ELASTIC_FILE)
-    np_feeds = {k: v.numpy() for k, v in feeds.items()}
-    worst = 0.0
-    for b, (want, label) in enumerate(zip(wants, labels)):
-        got = sess.run(None, {**np_feeds, BUDGET_INPUT: np.array([b], dtype=np.int64)})
-        worst = max(worst, check_outputs(got, want, f"elastic graph, {label}: differs from the reference"))
-    return worst
 
 
 def check_layout(layout: str, encoder: Encoder) -> None:
@@ -357,16 +209,6 @@ def run(opts: Options, echo: Callable[[str], None] = print) -> Manifest:
         lock.release()
 
 
-def claim_out(lock: OutputLock, out: Path, overwrite: bool, echo: Callable[[str], None]) -> bool:
-    """Take ``out``'s lock (False while its parent does not exist); holding it, clear what killed
-    runs left and check ``out`` again (another process may have written it meanwhile)."""
-    if lock.held or not lock.acquire():
-        return lock.held
-    clean_stale(out, echo)
-    prepare_out(out, overwrite)
-    return True
-
-
 def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> Manifest:
     """The stages of the main job, ``--out``'s lock taken: load, rank, then (in a temporary
     directory moved into place only when complete) export, slice, check, write the manifest, report."""
@@ -378,9 +220,9 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> Manife
     if int8_qdq.PRECISION in precisions:
         calib = load_calib(encoder, opts)
         qdq = int8_qdq.split_heldout(calib.batches, calib.description)
-    ranking, rank_seconds = _rank(encoder, inventory, opts, calib, echo)
+    ranking, rank_seconds = rank_or_reuse(encoder, inventory, opts, calib, echo)
     plans = make_plans(ranking, inventory, list(opts.budgets), align=opts.align)
-    tmp = _make_tmp(lock, out, opts, echo)
+    tmp = make_tmp(lock, out, opts.overwrite, echo)
     try:
         os.chmod(tmp, 0o777 & ~umask())
         dense = _export(encoder, ranking, tmp, opts, echo)
@@ -422,54 +264,6 @@ def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventor
         raise UserError(EXTERNAL_REFUSAL.format(src=DENSE_FILE))
     check_layout(opts.layout, encoder)  # fail before the (long) ranking, not after it
     return encoder, inventory
-
-
-def _rank(encoder: Encoder, inventory: Inventory, opts: Options, calib: Calibration | None,
-          echo: Callable[[str], None]) -> tuple[Ranking, float | None]:
-    """The ranking (``--ranking``'s, checked against the model, or a new one) and the seconds taken
-    to rank (None: reused)."""
-    if opts.ranking:
-        ranking = load_ranking(opts.ranking)
-        ranking.check_matches(inventory, encoder.fingerprint(), f"--ranking {opts.ranking}")
-        echo(f"reusing ranking {opts.ranking} (method {ranking.meta.get('method')!r})")
-        warn_uncovered(ranking, opts, echo)
-        return ranking, None
-    out = Path(opts.out)
-    checkpoint = opts.checkpoint or str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
-    opts = replace(opts, checkpoint=checkpoint)  # a copy: the caller's Options stay as they were
-    asked = opts.elastic.targets
-    if opts.method == "elastic":
-        opts = replace(opts, elastic=replace(opts.elastic, targets=cover_budgets(asked, opts.budgets)))
-    if opts.elastic.targets != asked:
-        echo(f"targets: the elastic targets stop at {max(asked):g} but --budgets go to {max(opts.budgets):g}; "
-             f"optimising {targets_spec(opts.elastic.targets)} ({len(opts.elastic.targets)} targets) instead "
-             "(recorded in the ranking file)")
-    t_rank = time.time()
-    ranking = rank_encoder(encoder, inventory, opts, echo, calib)
-    if opts.elastic.targets != asked:
-        ranking.meta["hyperparameters"]["targets_extended_from"] = list(asked)
-    return ranking, round(time.time() - t_rank, 1)
-
-
-def warn_uncovered(ranking: Ranking, opts: Options, echo: Callable[[str], None]) -> None:
-    """Warn (one line) when a reused elastic ranking's targets stop below the largest budget."""
-    targets = (ranking.meta.get("hyperparameters") or {}).get("targets")
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, (int, float)) for t in targets):
-        return
-    top = max(opts.budgets)
-    if max(targets) >= top - 1e-9:
-        return
-    echo(f"warning: --ranking {opts.ranking}: its targets stop at {max(targets):g} but --budgets go to {top:g}, "
-         f"so the budgets past {max(targets):g} are ranked less well; re-rank with --targets "
-         f"{targets_spec(cover_budgets(targets, opts.budgets))} (or drop --ranking)")
-
-
-def _make_tmp(lock: OutputLock, out: Path, opts: Options, echo: Callable[[str], None]) -> Path:
-    """Create ``out``'s parent, hold its lock and make the temporary directory next to it."""
-    parent = out.parent if str(out.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    claim_out(lock, out, opts.overwrite, echo)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
 
 
 def _export(encoder: Encoder, ranking: Ranking, tmp: Path, opts: Options, echo: Callable[[str], None]) -> onnx.ModelProto:
@@ -534,7 +328,7 @@ def _check_budgets(plans: list[BudgetPlan], names: list[str], tmp: Path, feeds: 
                                               disable=disable), names)):
         err = None
         if refs is not None:
-            err = check_outputs(_ort_run(tmp / name, feeds), refs[i],
+            err = check_outputs(ort_run(tmp / name, feeds), refs[i],
                                 f"budget {plan.sparsity}: ONNX differs from the masked model")
         twins.add(tmp, name)
         errors.append(err)

@@ -495,7 +495,7 @@ def test_killed_export_leaves_the_previous_artifacts(tmp_path, bert_dir, art):
 def test_killed_while_replacing_restores_the_previous_set(tmp_path, art):
     """Killed between moving the previous set aside and moving the new one in: the next run under
     the lock puts the previous set back before anything else."""
-    from elastic_export.pipeline import clean_stale
+    from elastic_export.core.outdir import clean_stale
 
     _copy(art, tmp_path / ".out.old-12345")
     (tmp_path / ".out.tmp-abc").mkdir()
@@ -507,7 +507,7 @@ def test_killed_while_replacing_restores_the_previous_set(tmp_path, art):
 
 @pytest.mark.parametrize("out", [".", "..", "./", "sub/.."])
 def test_out_that_is_the_working_directory_is_refused(tmp_path, monkeypatch, out):
-    from elastic_export.pipeline import prepare_out
+    from elastic_export.core.outdir import prepare_out
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "mine.txt").write_text("x")

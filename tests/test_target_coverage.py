@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from elastic_export import pipeline
 from elastic_export.cli.main import main
+from elastic_export.ranking import driver
 from elastic_export.ranking.file import META_KEY, Ranking
 from elastic_export.ranking.options import DEFAULT_TARGETS, cover_budgets, targets_spec
 
@@ -74,18 +75,18 @@ def test_targets_extend_to_the_largest_budget_and_a_reused_ranking_warns(tmp_pat
 
 
 def test_rank_leaves_the_callers_options_alone(tmp_path, monkeypatch):
-    """``_rank`` ranks with its own checkpoint per ``--out``; the Options given stay unchanged."""
+    """``rank_or_reuse`` ranks with its own checkpoint per ``--out``; the Options given stay unchanged."""
     seen: list[pipeline.Options] = []
 
     def fake_rank(encoder, inventory, opts, echo, calib=None):
         seen.append(opts)
         return Ranking([], [], {"hyperparameters": {}})
 
-    monkeypatch.setattr(pipeline, "rank_encoder", fake_rank)
+    monkeypatch.setattr(driver, "rank_encoder", fake_rank)
     opts = pipeline.Options(out=str(tmp_path / "one"), budgets=(0.5, 0.9))
-    pipeline._rank(None, None, opts, None, lambda msg: None)
+    driver.rank_or_reuse(None, None, opts, None, lambda msg: None)
     opts.out = str(tmp_path / "two")
-    pipeline._rank(None, None, opts, None, lambda msg: None)
+    driver.rank_or_reuse(None, None, opts, None, lambda msg: None)
     assert opts.checkpoint is None and opts.elastic.targets == DEFAULT_TARGETS
     assert [Path(o.checkpoint).name for o in seen] == [".one.ranking-checkpoint.safetensors",
                                                        ".two.ranking-checkpoint.safetensors"]
