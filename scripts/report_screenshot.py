@@ -1,4 +1,4 @@
-"""The README's report screenshot: a report page rendered in headless Chromium, saved as a PNG.
+"""The report screenshot of docs/evaluation.md: a report page rendered in headless Chromium, saved as a PNG.
 
     python scripts/report_screenshot.py DIR/report.html docs/report_minilm.png [--width 1280] [--max-height 20000]
 

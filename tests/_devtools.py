@@ -1,6 +1,6 @@
 """Headless Chromium driven through the DevTools protocol over ``--remote-debugging-pipe`` (no
 extra dependency): tests/test_report.py renders the report in it, scripts/report_screenshot.py
-takes the README's screenshot with it."""
+takes the screenshot in docs/evaluation.md with it."""
 
 from __future__ import annotations
 

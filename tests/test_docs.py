@@ -1,4 +1,6 @@
-"""The reliability table (docs/reliability.md) names tests that exist."""
+"""The docs hold together: README.md and docs/*.md are short where they must be, link only to files
+the repository holds, and every code block in them is run by a named test; the reliability table
+(docs/reliability.md) names tests that exist."""
 
 from __future__ import annotations
 
@@ -36,3 +38,122 @@ def test_reliability_table_names_existing_tests():
                 refs += 1
         assert current, f"row without a test: {cells[0].strip()}"
     assert refs >= 40
+
+
+# --- README.md and docs/ ------------------------------------------------------------------------------
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.S | re.M)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+QUICK_START = ['pip install -e . && elastic-export --budgets 0.1..0.6',
+               'pip install -e ".[test]" && python -m pytest']
+
+# Every python, bash and console block, by (page, its first line), and what runs it: tests as
+# "file.py::test_name" (python blocks are executed literally; shell blocks' commands are run by
+# those tests, on tiny inputs where the block's own would take minutes), or ".ci/run". Any other
+# block is ```text (output, layouts, usage synopses) or ```json (an excerpt of a file).
+RUN_BY = {
+    ("README.md", QUICK_START[0]): [".ci/run", "test_pipeline.py::test_default_run_manifest"],
+    ("README.md", "from elastic_export.serving.runtime import ElasticRuntime"):
+        ["test_pipeline.py::test_docs_runtime_snippet_on_the_default_run"],
+    ("docs/evaluation.md", "$ elastic-export --method initial --budgets 0.1..0.6 --out out-initial"):
+        ["test_cli_families.py::test_inspect_main_job_and_verify", "test_evaluation.py::test_text_eval_files_and_table",
+         "test_evaluation.py::test_heldout_pairs_deterministic_and_sized"],
+    ("docs/large_models.md", "# CPU, 2 processes (gloo): the same ranking as one process with the same --batch-size"):
+        ["test_distributed.py::test_torchrun_two_processes_match_one", "test_distributed.py::test_checkpointing_and_bf16",
+         "test_pipeline.py::test_reuse_ranking_and_replace_previous_output"],
+    ("docs/models.md", "from elastic_export.models.loader import load_encoder"): ["test_hub.py::test_docs_python_snippet_runs"],
+    ("docs/models.md", 'hf download sentence-transformers/all-MiniLM-L6-v2 --include "*.json" "*.safetensors" "*.txt"'):
+        ["test_hub.py::test_main_job_verify_and_export_st_on_a_hub_id"],
+    ("docs/python.md", "from elastic_export.pipeline import Options, run"):
+        ["test_pipeline.py::test_docs_python_snippets_on_the_default_run"],
+    ("docs/python.md", "import numpy as np"): ["test_pipeline.py::test_docs_python_snippets_on_the_default_run"],
+    ("docs/runtime.md", "from elastic_export.serving.runtime import ElasticRuntime, LatencyTargetPolicy, "
+                        "LoadAdaptivePolicy, load_profile"):
+        ["test_pipeline.py::test_docs_runtime_snippet_on_the_default_run"],
+    ("docs/runtime.md", "from elastic_export.serving.runtime import ElasticRuntime, LatencyTargetPolicy, load_profile"):
+        ["test_runtime_pairs.py::test_docs_runtime_pairs_snippet"],
+    ("docs/sentence_transformers.md", "elastic-export export-st elastic-out --out minilm-st --budgets 0.3"):
+        ["test_pipeline.py::test_docs_sentence_transformers_snippets_on_the_default_run"],
+    ("docs/sentence_transformers.md", "from sentence_transformers import SentenceTransformer"):
+        ["test_pipeline.py::test_docs_sentence_transformers_snippets_on_the_default_run"],
+    ("docs/serving.md", 'pip install -e ".[serve]"'): [".ci/run", "test_pipeline.py::test_readme_serve_on_the_default_run"],
+    ("docs/serving.md", "import numpy as np, tritonclient.grpc as grpcclient"):
+        ["test_triton_server.py::test_docs_serving_python_snippets_run"],
+}
+# Blocks no test can run, and why: keep this short.
+NOT_RUN = {
+    ("docs/serving.md", "docker run --rm --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 "
+                        "-v $PWD/elastic-out/triton:/models \\"):
+        "needs Docker, an NGC Triton container and a GPU",
+}
+
+
+def _rel(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def _blocks():
+    for page in PAGES:
+        for m in FENCE.finditer(page.read_text()):
+            first = next((line for line in m.group(2).splitlines() if line.strip()), "")
+            yield _rel(page), m.group(1).strip(), first.split("  #")[0].rstrip()
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 350, len(lines)
+
+
+def test_readme_quick_start_is_what_ci_runs():
+    """CI installs and tests the project with the README's own commands."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start\n\n```bash\n(.*?)```", readme, re.S).group(1)
+    assert [line.split("  #")[0].rstrip() for line in block.splitlines()] == QUICK_START
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_relative_links_point_at_files_in_the_repository():
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.is_relative_to(ROOT) and file.exists(), f"{_rel(page)}: {target}"
+            if anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+                assert anchor in {_slug(h) for h in headings}, f"{_rel(page)}: {target}"
+
+
+def test_no_page_points_outside_the_repository():
+    for page in PAGES:
+        text = page.read_text()
+        for word in ("../shared", "DESIGN.md", "load average", "this machine", "nothing can be downloaded"):
+            assert word not in text, f"{_rel(page)}: {word!r}"
+
+
+def test_every_code_block_is_run_by_a_test():
+    seen = set()
+    for page, lang, first in _blocks():
+        assert lang, f"{page}: a code block without a language ({first!r}): text, json, python, bash or console"
+        assert lang in ("text", "json", "python", "bash", "console"), f"{page}: ```{lang}"
+        if lang in ("text", "json"):
+            continue
+        key = (page, first)
+        assert key in RUN_BY or key in NOT_RUN, f"{page}: no test runs the {lang} block starting {first!r}"
+        seen.add(key)
+    assert seen == set(RUN_BY) | set(NOT_RUN), set(RUN_BY) | set(NOT_RUN) - seen
+    for refs in RUN_BY.values():
+        for ref in refs:
+            if ref == ".ci/run":
+                assert (ROOT / ".ci" / "run").is_file()
+                continue
+            file, name = ref.split("::")
+            assert name in _defined(file), ref

@@ -165,8 +165,8 @@ def test_timm_name_at_custom_resolution(tmp_path):
 
 
 def test_readme_serve_on_the_default_run(default_run, tmp_path):
-    """README, Triton: ``elastic-export serve elastic-out`` on the default main job's artifacts (a port
-    the OS reports free instead of 8000), then the README's client example against it."""
+    """docs/serving.md's commands: ``elastic-export serve elastic-out`` on the default main job's artifacts
+    (a port the OS reports free instead of 8000), then its client example against it."""
     from _helpers import link_copy, serve_process, stop_process
 
     from elastic_export.core.manifest import load_manifest
@@ -210,16 +210,53 @@ def test_docs_runtime_snippet_on_the_default_run(default_run, tmp_path, monkeypa
     np.testing.assert_allclose(ns2["emb"], ns["emb"], atol=1e-6)
 
 
-def test_readme_python_api_snippet(default_run, tmp_path, monkeypatch):
-    """The README's Python API snippet, run literally after the quick start."""
+def test_docs_python_snippets_on_the_default_run(default_run, tmp_path, monkeypatch):
+    """docs/python.md: the Python API snippet, then the elastic graph's, run literally after the quick start."""
     import re
+
+    import numpy as np
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elastic-out").symlink_to(default_run[0])
-    readme = (Path(__file__).parents[1] / "README.md").read_text().split("## Python API\n")[1]
+    doc = (Path(__file__).parents[1] / "docs" / "python.md").read_text()
+    api, graph = re.findall(r"```python\n(.*?)```", doc, re.S)
     ns: dict = {}
-    exec(compile(re.findall(r"```python\n(.*?)```", readme, re.S)[0], "README.md", "exec"), ns)
+    exec(compile(api, "docs/python.md", "exec"), ns)
     assert [b.sparsity for b in ns["manifest"].budgets] == [0.25, 0.45]
     assert (tmp_path / "results.json").is_file() and (tmp_path / "results.png").is_file()
     onnx.checker.check_model(onnx.load(tmp_path / "b.onnx"))
     assert len(ns["model"].graph.node) > 0
+    ns = {}
+    exec(compile(graph, "docs/python.md", "exec"), ns)
+    budget = ort.InferenceSession(str(default_run[0] / "budget_s040.onnx"), providers=["CPUExecutionProvider"])
+    for got, want in zip(ns["out"], budget.run(None, ns["feeds"])):  # index 3 is the 0.4 budget
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_docs_sentence_transformers_snippets_on_the_default_run(default_run, tmp_path, monkeypatch, capsys):
+    """docs/sentence_transformers.md: its ``export-st`` command, then its Python snippet, literally."""
+    import re
+    import shlex
+
+    import numpy as np
+    from _helpers import link_copy
+
+    from elastic_export.cli import main
+    from elastic_export.serving.runtime import ElasticRuntime
+
+    monkeypatch.chdir(tmp_path)
+    link_copy(default_run[0], tmp_path / "elastic-out")
+    doc = (Path(__file__).parents[1] / "docs" / "sentence_transformers.md").read_text()
+    (commands,) = re.findall(r"```bash\n(.*?)```", doc, re.S)
+    for line in commands.splitlines():
+        args = shlex.split(line, comments=True)
+        assert args[0] == "elastic-export", line
+        with pytest.raises(SystemExit) as e:
+            main(args[1:])
+        assert e.value.code == 0, capsys.readouterr().err[-2000:]
+    (code,) = re.findall(r"```python\n(.*?)```", doc, re.S)
+    ns: dict = {}
+    exec(compile(code, "docs/sentence_transformers.md", "exec"), ns)
+    want = ElasticRuntime.from_dir("elastic-out", sparsities=(0.0, 0.3)).encode(
+        ["elastic transformers", "one ranking, many budgets"], sparsity=0.3)
+    np.testing.assert_allclose(ns["embeddings"], want, atol=1e-5)
