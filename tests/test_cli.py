@@ -430,17 +430,18 @@ def test_defaults_are_read_from_where_they_are_defined(monkeypatch):
         token_weight: float = 0.5
         steps: int = 7
 
-    module = importlib.import_module("elastic_export.cli.main")
+    modules = [importlib.import_module(f"elastic_export.cli.{m}") for m in ("options", "measure")]
     monkeypatch.setattr(compare, "ATOL", 3e-4)
     monkeypatch.setattr(compare, "FP16_RTOL", 3e-2)
     monkeypatch.setattr(options, "ElasticConfig", Other)
     try:
-        importlib.reload(module)
-        verify = {p.name: p.default for p in module.cli.commands["verify"].params}
-        ranking = {p.name: p.default for p in click.command()(module.ranking_options(lambda **kw: None)).params}
+        cli_options, measure = (importlib.reload(m) for m in modules)
+        verify = {p.name: p.default for p in measure.verify_cmd.params}
+        ranking = {p.name: p.default for p in click.command()(cli_options.ranking_options(lambda **kw: None)).params}
     finally:
         monkeypatch.undo()
-        importlib.reload(module)
+        for m in modules:
+            importlib.reload(m)
     assert verify["atol"] == 3e-4 and verify["rtol_fp16"] == 3e-2
     assert ranking["targets"] == "0.1..0.3:0.1" and ranking["loss"] == "kl" and ranking["token_weight"] == 0.5
     assert ranking["steps"] == 7

@@ -200,7 +200,7 @@ def _legacy(entry: dict) -> dict:
 def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
     import shutil
 
-    from elastic_export.cli.main import _budget_rows
+    from elastic_export.cli.job import budget_rows
     from elastic_export.core.manifest import Manifest
     from elastic_export.report.page import render_report
 
@@ -217,7 +217,7 @@ def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
     assert qe["samples"] == {"fidelity_cosine": quick_eval.HELDOUT, quick_eval.OVERLAP: quick_eval.HELDOUT}
     res = quick_eval.results_of(manifest, "old-dir").eval_view()
     assert res["results"][0]["dir"] == "old-dir"
-    assert "3 runs" in _budget_rows(manifest)[-1] and "interleaved" not in _budget_rows(manifest)[-1]
+    assert "3 runs" in budget_rows(manifest)[-1] and "interleaved" not in budget_rows(manifest)[-1]
     page = render_report(old)
     assert "neighbour overlap@10 (vs dense)" in page and "Machine: not recorded" in page
     assert "could not be drawn" not in page
