@@ -58,6 +58,8 @@ RUN_BY = {
     ("docs/evaluation.md", "$ elastic-export --method initial --budgets 0.1..0.6 --out out-initial"):
         ["test_cli_families.py::test_inspect_main_job_and_verify", "test_evaluation.py::test_text_eval_files_and_table",
          "test_evaluation.py::test_heldout_pairs_deterministic_and_sized"],
+    ("docs/evaluation.md", "from elastic_export.core import results"):
+        ["test_report.py::test_docs_results_snippet_on_eval_and_bench_files"],
     ("docs/large_models.md", "# CPU, 2 processes (gloo): the same ranking as one process with the same --batch-size"):
         ["test_distributed.py::test_torchrun_two_processes_match_one", "test_distributed.py::test_checkpointing_and_bf16",
          "test_pipeline.py::test_reuse_ranking_and_replace_previous_output"],

@@ -310,3 +310,16 @@ def test_report_in_headless_chromium(full, tmp_path):
     assert state["title"].startswith("elastic-export report") and state["sections"] == len(SECTIONS)
     assert len(state["images"]) == 4  # quality, where sparsity goes, speed, the frontier
     assert all(done and w > 0 and h > 0 for done, w, h in state["images"]), state["images"]
+
+
+def test_docs_results_snippet_on_eval_and_bench_files(full, tmp_path, monkeypatch):
+    """docs/evaluation.md "Results files": its snippet, literally, on a directory with eval.json and bench.json."""
+    doc = (Path(__file__).parents[1] / "docs" / "evaluation.md").read_text()
+    snippet = re.findall(r"```python\n(.*?)```", doc.split("## Results files", 1)[1], re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elastic-out").symlink_to(full)
+    ns: dict = {}
+    exec(compile(snippet, "docs/evaluation.md", "exec"), ns)
+    assert ns["res"].kind == "eval" and ns["speed"].kind == "bench" and ns["best"]["sparsity"] > 0
+    ns["policy"].bind_pairs(sorted({(r["sparsity"], r["precision"]) for r in ns["speed"].speed()}), "fp32")
+    assert ns["policy"].select(1) in {(r["sparsity"], r["precision"]) for r in ns["speed"].speed()}
