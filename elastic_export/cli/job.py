@@ -141,8 +141,9 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
     """
     from elastic_export.models.inventory import build_inventory
     from elastic_export.models.loader import load_encoder
-    from elastic_export.pipeline import Options, rank_encoder
+    from elastic_export.pipeline import Options
     from elastic_export.ranking import distributed as ddp
+    from elastic_export.ranking.driver import rank_encoder
     from elastic_export.ranking.file import save_ranking
 
     if Path(out).is_dir():
