@@ -94,7 +94,7 @@ def engines(art: Path, args: argparse.Namespace) -> dict:
         return m
     log(f"building {1 + len(m['budgets'])} {args.precision} engines")
     return build_engines(art, precision=args.precision, min_batch=1, opt_batch=args.batch, max_batch=args.batch,
-                         workspace_gb=args.workspace_gb, opt_level=args.opt_level, echo=log)
+                         workspace_gb=args.workspace_gb, opt_level=args.opt_level, echo=log).to_dict()
 
 
 def _median_ms(xs: list[float]) -> float:

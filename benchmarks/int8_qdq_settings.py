@@ -41,6 +41,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from elastic_export.core.manifest import Manifest  # noqa: E402
 from elastic_export.measure.timing import machine, time_calls  # noqa: E402
 from elastic_export.precision.int8 import embedding, quantize  # noqa: E402
 from elastic_export.precision.int8_qdq import quantize_qdq, split_heldout  # noqa: E402
@@ -89,7 +90,7 @@ def inputs(manifest: dict) -> dict[str, list[dict]]:
     timing = enc.tokenizer(texts[:8], padding="max_length", truncation=True, max_length=128, return_tensors="np")
     return {"calib": data.calib, "heldout_calib": data.heldout,
             "heldout_texts": [{k: np.asarray(v, np.int64) for k, v in t.items() if k in names} for t in tok],
-            "verify_random": [sample_inputs(manifest, dense, batch=2, seed=s) for s in (0, 1)],
+            "verify_random": [sample_inputs(Manifest.load(manifest["_dir"]), dense, batch=2, seed=s) for s in (0, 1)],
             "timing": [{k: np.asarray(v, np.int64) for k, v in timing.items() if k in names}]}
 
 

@@ -60,7 +60,7 @@ CHILD = r"""
 import json, sys, time
 import numpy as np
 from elastic_export.measure.bench import sample_feeds
-from elastic_export.core.manifest import load_manifest
+from elastic_export.core.manifest import Manifest
 from elastic_export.serving.runtime import ElasticRuntime
 from elastic_export.targets.onnxruntime import SessionConfig
 from pathlib import Path
@@ -68,8 +68,7 @@ from pathlib import Path
 d, mode, share, threads = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
 precisions = sys.argv[5].split(",")
 sparsities = [float(x) for x in sys.argv[6].split(",")] if sys.argv[6] else None
-manifest = load_manifest(d)
-feeds = sample_feeds(d, manifest, 1, None)
+feeds = sample_feeds(d, Manifest.load(d), 1, None)
 before = ElasticRuntime.memory_rss()
 t0 = time.perf_counter()
 rt = ElasticRuntime.from_dir(d, mode=mode, config=SessionConfig(threads=threads, share_weights=share),

@@ -152,8 +152,8 @@ def check_layout(layout: str, encoder: Encoder) -> None:
     if layout not in LAYOUTS:
         raise UserError(f"--layout {layout}: unknown; choose from {', '.join(LAYOUTS)}")
     if layout == st_layout.LAYOUT:
-        st_layout.check_text({"model": {"modality": encoder.modality}}, f"--model {encoder.source}")
-        manifest = {"model": {"source": encoder.source, "revision": encoder.revision}}
+        manifest = Manifest(model=ModelInfo(source=encoder.source, revision=encoder.revision, modality=encoder.modality))
+        st_layout.check_text(manifest, f"--model {encoder.source}")
         st_layout.st_modules(st_layout.source_dir(manifest), encoder.output_names())
 
 

@@ -21,6 +21,6 @@ args = ap.parse_args()
 
 manifest = run(Options(model=args.model, budgets=parse_budgets(args.budgets), out=args.out, method=args.method,
                        seq_len=args.seq_len, overwrite=True))
-for b in manifest["budgets"]:
-    print(f"sparsity {b['sparsity']:.2f}: {b['gflops']:.3f} GFLOPs, {b['params'] / 1e6:.2f}M params, "
-          f"heads per layer {b['heads_per_layer']}, max abs error {b['max_abs_error']:.1e} -> {b['onnx']}")
+for b in manifest.budgets:
+    print(f"sparsity {b.sparsity:.2f}: {b.gflops:.3f} GFLOPs, {b.params / 1e6:.2f}M params, "
+          f"heads per layer {b.heads_per_layer}, max abs error {b.max_abs_error:.1e} -> {b.onnx}")

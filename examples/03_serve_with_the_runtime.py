@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 
 from elastic_export.checks.verify import sample_inputs
-from elastic_export.core.manifest import load_manifest, resolve
+from elastic_export.core.manifest import Manifest
 from elastic_export.serving.runtime import ElasticRuntime, LoadAdaptivePolicy, measure_switch_cost
 from elastic_export.targets.onnxruntime import SessionConfig
 
@@ -21,8 +21,8 @@ ap.add_argument("directory", type=Path)
 args = ap.parse_args()
 
 rt = ElasticRuntime.from_dir(args.directory, config=SessionConfig(threads=1))
-manifest = load_manifest(args.directory)
-dense = onnx.load(str(resolve(args.directory, manifest["dense"]["onnx"])), load_external_data=False)
+manifest = Manifest.load(args.directory)
+dense = onnx.load(str(manifest.path(manifest.dense.onnx)), load_external_data=False)
 feeds = sample_inputs(manifest, dense, batch=1, seed=0)
 for s in rt.sparsities:
     served, out = rt.serve(feeds, sparsity=s)

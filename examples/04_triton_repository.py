@@ -17,7 +17,7 @@ ap.add_argument("directory", type=Path)
 args = ap.parse_args()
 
 manifest = build_repository(args.directory)
-info = manifest["triton"]
+info = manifest.triton
 print({k: v for k, v in info.items() if k != "models"})
 router = args.directory / info["dir"] / info["router"] / "config.pbtxt"
 print(router.read_text())

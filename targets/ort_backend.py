@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from elastic_export.core.errors import UserError
-from elastic_export.core.manifest import BUDGET_INPUT, MANIFEST, Manifest, as_manifest
+from elastic_export.core.manifest import BUDGET_INPUT, MANIFEST, Manifest
 from elastic_export.core.precisions import FILE_KEYS
 from elastic_export.serving.backends import Backend, Loaded, RunnableBudget, manifest_sparsity
 from elastic_export.targets.onnxruntime import PROVIDERS, Runner, SessionConfig, check_provider, make_session, shared_initializers
@@ -102,10 +102,10 @@ def _elastic_budgets(directory: Path, manifest: Manifest, config: SessionConfig,
     name = e.budget_input
     out = []
     for prec in precisions:
-        k = FILE_KEYS[prec]
-        rel = e.get(k)
+        rel = e.file(prec)
         if not rel:
-            raise UserError(f"{directory / MANIFEST}: the elastic graph has no {k} file; export with --precision {prec}")
+            raise UserError(f"{directory / MANIFEST}: the elastic graph has no {FILE_KEYS[prec]} file; "
+                            f"export with --precision {prec}")
         sess = make_session(manifest.path(rel), config)
         if name not in [i.name for i in sess.get_inputs()]:
             raise UserError(f"{directory / rel}: has no input {name!r}")
@@ -116,7 +116,7 @@ def _elastic_budgets(directory: Path, manifest: Manifest, config: SessionConfig,
     return out
 
 
-def tensorrt_ep_profile(manifest: Manifest | dict, elastic: bool = False, **ranges: int | None) -> Profile | None:
+def tensorrt_ep_profile(manifest: Manifest, elastic: bool = False, **ranges: int | None) -> Profile | None:
     """The shape range for onnxruntime's TensorRT EP, from the manifest (see
     :func:`elastic_export.targets.profiles.compute_profile`; default batch 1..128 tuned for 32, text
     1..N tokens tuned for N).
@@ -130,7 +130,6 @@ def tensorrt_ep_profile(manifest: Manifest | dict, elastic: bool = False, **rang
     Returns:
         The profile, or None where the manifest cannot give one (the EP then picks its own ranges).
     """
-    manifest = as_manifest(manifest)
     try:
         profile = compute_profile(manifest, **{k: v for k, v in ranges.items() if v is not None})
     except UserError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastic_export.core.errors import UserError
-from elastic_export.core.manifest import MANIFEST, Manifest, as_manifest
+from elastic_export.core.manifest import MANIFEST, Manifest
 
 DEFAULT_MIN_BATCH, DEFAULT_OPT_BATCH, DEFAULT_MAX_BATCH = 1, 32, 128
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
@@ -50,7 +50,7 @@ def _check_range(what: str, lo: int, mid: int, hi: int) -> None:
         raise UserError(f"{what}: need min <= opt <= max, got {lo} / {mid} / {hi}")
 
 
-def compute_profile(manifest: Manifest | dict, *, min_batch: int = DEFAULT_MIN_BATCH, opt_batch: int = DEFAULT_OPT_BATCH,
+def compute_profile(manifest: Manifest, *, min_batch: int = DEFAULT_MIN_BATCH, opt_batch: int = DEFAULT_OPT_BATCH,
                     max_batch: int = DEFAULT_MAX_BATCH, min_tokens: int | None = None,
                     opt_tokens: int | None = None, max_tokens: int | None = None) -> Profile:
     """The optimisation profile for the manifest's inputs.
@@ -73,7 +73,6 @@ def compute_profile(manifest: Manifest | dict, *, min_batch: int = DEFAULT_MIN_B
         UserError: an inconsistent range or an input dim that cannot be resolved.
     """
     _check_range("batch", min_batch, opt_batch, max_batch)
-    manifest = as_manifest(manifest)
     tokens = manifest.tokens if isinstance(manifest.tokens, int) and manifest.tokens > 0 else None
     shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
     for spec in manifest.inputs:

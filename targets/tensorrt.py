@@ -58,7 +58,7 @@ import numpy as np
 
 from elastic_export.core.errors import ERROR_CHARS, UserError, first_line
 from elastic_export.core.fileio import atomic_write, existing_dir
-from elastic_export.core.manifest import MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.core.manifest import MANIFEST, Manifest, resolve, write_manifest
 from elastic_export.core.precisions import FILE_KEYS
 from elastic_export.targets.profiles import (
     DEFAULT_MAX_BATCH,
@@ -322,7 +322,7 @@ SOURCE_KEYS = {"fp32": FILE_KEYS["fp32"], "fp16": FILE_KEYS["fp16"], "int8": FIL
 REEXPORT = {FILE_KEYS[p]: p for p in ("fp16", "int8-qdq")}  # the --precision that writes those files
 
 
-def plan_jobs(directory: Path, manifest: Manifest | dict, use_fp16_onnx: bool = False, dense: bool = True,
+def plan_jobs(directory: Path, manifest: Manifest, use_fp16_onnx: bool = False, dense: bool = True,
               key: str | None = None) -> list[Job]:
     """The engines to build, with their ONNX sources checked to exist.
 
@@ -337,7 +337,6 @@ def plan_jobs(directory: Path, manifest: Manifest | dict, use_fp16_onnx: bool = 
         UserError: a listed ONNX file is missing (or a twin is not listed).
     """
     key = key or SOURCE_KEYS["fp16" if use_fp16_onnx else "fp32"]
-    manifest = as_manifest(manifest)
     entries: list[tuple[str | int, str, Any]] = [("dense", "dense", manifest.dense)] if dense else []
     entries += [(i, f"{b.sparsity}", b) for i, b in enumerate(manifest.budgets)]
     jobs = []
@@ -354,7 +353,7 @@ def plan_jobs(directory: Path, manifest: Manifest | dict, use_fp16_onnx: bool = 
     return jobs
 
 
-def record_engines(directory: str | Path, manifest: Manifest | dict, engines: Mapping[str | int, str],
+def record_engines(directory: str | Path, manifest: Manifest, engines: Mapping[str | int, str],
                    info: dict) -> Manifest:
     """Put built engines into the manifest and write it atomically.
 
@@ -372,7 +371,6 @@ def record_engines(directory: str | Path, manifest: Manifest | dict, engines: Ma
         UserError: an engine file is missing or outside the directory.
     """
     d = Path(directory)
-    manifest = as_manifest(manifest)
     for key, rel in engines.items():
         path = resolve(d, rel)
         if path is None or not path.is_file():
@@ -444,7 +442,7 @@ class BuildConfig:
         """The workspace limit in bytes (None: TensorRT's default)."""
         return None if self.workspace_gb is None else int(self.workspace_gb * (1 << 30))
 
-    def profile(self, manifest: dict) -> Profile:
+    def profile(self, manifest: Manifest) -> Profile:
         """The optimisation profile for ``manifest``'s inputs (raises :class:`UserError` on bad ranges)."""
         return compute_profile(manifest, min_batch=self.min_batch, opt_batch=self.opt_batch, max_batch=self.max_batch,
                                min_tokens=self.min_tokens, opt_tokens=self.opt_tokens, max_tokens=self.max_tokens)
@@ -490,14 +488,13 @@ class BuildConfig:
         return config, tf32_flag, pinned
 
 
-def precision_mode(trt: Any, precision: str, manifest: Manifest | dict) -> tuple[str | None, str | None]:
+def precision_mode(trt: Any, precision: str, manifest: Manifest) -> tuple[str | None, str | None]:
     """How this ``tensorrt`` builds ``precision`` and which manifest files it parses.
 
     Returns:
         ``(mode, source)``: :data:`BUILDER_FLAG` / :data:`STRONGLY_TYPED` (None for fp32), and the
         manifest key of the ONNX files parsed (None: ``onnx``).
     """
-    manifest = as_manifest(manifest)
     if precision == "fp16":
         have16 = all(isinstance(e.onnx_fp16, str) for e in [manifest.dense, *manifest.budgets])
         mode = fp16_mode(trt, have16)

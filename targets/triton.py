@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 from elastic_export.core.budgets import budget_tag
 from elastic_export.core.errors import UserError, first_line
 from elastic_export.core.fileio import existing_dir, umask
-from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, Manifest, as_manifest, resolve, write_manifest
+from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, Manifest, resolve, write_manifest
 from elastic_export.serving.backends import TRITON_BUDGET_BACKENDS
 from elastic_export.serving.policies import ROUTER_POLICIES
 from elastic_export.targets import triton_onnx_model as ort_model
@@ -244,7 +244,6 @@ def plan_models(directory: Path, manifest: Manifest, *, name: str = DEFAULT_NAME
         raise UserError(f"--precision {precision}: choose fp32 or fp16")
     if platform not in PLATFORMS:
         raise UserError(f"--budget-backend {platform}: choose {', '.join(PLATFORMS)}")
-    manifest = as_manifest(manifest)
     entries = ([(0.0, manifest.dense)] if dense else []) + [(float(b.sparsity), b) for b in manifest.budgets]
     if not entries:
         raise UserError(f"{directory}: the manifest lists no budgets to serve")

@@ -43,7 +43,7 @@ class ReferenceBackend(Backend):
     def load_budgets(self, directory, manifest, mode, keep, precisions, config=None, providers=None) -> Loaded:
         if mode != "per-budget":
             raise UserError(f"backend {self.name!r} runs the per-budget files; use mode='per-budget'")
-        rows = [(0.0, manifest["dense"]["onnx"])] + [(b["sparsity"], b["onnx"]) for b in manifest["budgets"]]
+        rows = [(0.0, manifest.dense.onnx)] + [(b.sparsity, b.onnx) for b in manifest.budgets]
         rows = [(manifest_sparsity(directory, s), rel) for s, rel in rows]
         return Loaded([RunnableBudget(s, rel, _evaluator(resolve(directory, rel))) for s, rel in rows if keep(s)], "numpy")
 

@@ -206,29 +206,29 @@ def test_pipeline_writes_and_verifies_the_elastic_graph(tmp_path):
     ``--no-elastic-graph`` leaves it out."""
     from elastic_export import pipeline
     from elastic_export.cli.main import main
-    from elastic_export.core.manifest import load_manifest
+    from elastic_export.core.manifest import Manifest
 
     model = tmp_path / "tiny-bert"
     tiny_encoder("hf-bert").module.save_pretrained(model)
     out = tmp_path / "out"
     opts = pipeline.Options(model=str(model), budgets=(0.2, 0.5, 0.9), out=str(out), seq_len=16, method="magnitude")
     m = pipeline.run(opts, echo=lambda s: None)
-    assert load_manifest(out)["elastic"] == m["elastic"]
-    e = m["elastic"]
-    assert e["onnx"] == "elastic.onnx" and e["budget_input"] == "budget_index" and e["budgets"] == [0.2, 0.5, 0.9]
-    assert e["dense_index"] == 3 and e["max_abs_error"] <= 1e-4
+    assert Manifest.load(out).elastic == m.elastic
+    e = m.elastic
+    assert e.onnx == "elastic.onnx" and e.budget_input == "budget_index" and e.budgets == [0.2, 0.5, 0.9]
+    assert e.dense_index == 3 and e.max_abs_error <= 1e-4
     ids = np.array([[5, 17, 300, 9, 2, 0]], dtype=np.int64)
     feeds = {"input_ids": ids, "attention_mask": (ids > 0).astype(np.int64), "token_type_ids": np.zeros_like(ids)}
-    sess = ort.InferenceSession(str(out / e["onnx"]), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(out / e.onnx), providers=["CPUExecutionProvider"])
     # every budget index equals its budget's file, and the dense index equals dense.onnx
-    for b, entry in enumerate([*m["budgets"], m["dense"]]):
-        own = ort.InferenceSession(str(out / entry["onnx"]), providers=["CPUExecutionProvider"]).run(None, feeds)
-        got = sess.run(None, {**feeds, e["budget_input"]: np.array([b], dtype=np.int64)})
+    for b, entry in enumerate([*m.budgets, m.dense]):
+        own = ort.InferenceSession(str(out / entry.onnx), providers=["CPUExecutionProvider"]).run(None, feeds)
+        got = sess.run(None, {**feeds, e.budget_input: np.array([b], dtype=np.int64)})
         assert max_err(got, own) <= 1e-4
-    assert get_elastic(onnx.load(str(out / e["onnx"])))["heads"][3] == [u["heads"]["count"] for u in
+    assert get_elastic(onnx.load(str(out / e.onnx)))["heads"][3] == [u["heads"]["count"] for u in
                                                                          get_units(onnx.load(str(out / "dense.onnx")))]
     with pytest.raises(SystemExit) as exit_:
         main(["--model", str(model), "--budgets", "0.3", "--seq-len", "16", "--method", "magnitude",
               "--no-elastic-graph", "--no-verify", "--out", str(out)])
     assert exit_.value.code == 0
-    assert load_manifest(out)["elastic"] is None and not (out / "elastic.onnx").exists()
+    assert Manifest.load(out).elastic is None and not (out / "elastic.onnx").exists()

@@ -154,21 +154,21 @@ def test_pipeline_precision(tmp_path):
     bert = _save_tiny_bert(tmp_path / "bert")
     common = dict(model=bert, budgets=(0.3, 0.6), method="magnitude", seq_len=16)
     m = run(Options(out=str(tmp_path / "half"), precision="fp16", **common), echo=lambda s: None)
-    assert m["precisions"] == ["fp32", "fp16"]
-    assert m["dense"]["onnx_fp16"] == "dense.fp16.onnx"
-    assert [b["onnx_fp16"] for b in m["budgets"]] == ["budget_s030.fp16.onnx", "budget_s060.fp16.onnx"]
-    for entry in [m["dense"], *m["budgets"]]:
-        assert 0 < entry["fp16_max_rel_error"] <= FP16_RTOL
-        half = onnx.load(str(tmp_path / "half" / entry["onnx_fp16"]))
-        assert_fp16_recipe(onnx.load(str(tmp_path / "half" / entry["onnx"])), half)
-    assert m["elastic"]["onnx_fp16"] == "elastic.fp16.onnx" and 0 < m["elastic"]["fp16_max_rel_error"] <= FP16_RTOL
+    assert m.precisions == ["fp32", "fp16"]
+    assert m.dense.onnx_fp16 == "dense.fp16.onnx"
+    assert [b.onnx_fp16 for b in m.budgets] == ["budget_s030.fp16.onnx", "budget_s060.fp16.onnx"]
+    for entry in [m.dense, *m.budgets]:
+        assert 0 < entry.fp16_max_rel_error <= FP16_RTOL
+        half = onnx.load(str(tmp_path / "half" / entry.onnx_fp16))
+        assert_fp16_recipe(onnx.load(str(tmp_path / "half" / entry.onnx)), half)
+    assert m.elastic.onnx_fp16 == "elastic.fp16.onnx" and 0 < m.elastic.fp16_max_rel_error <= FP16_RTOL
     assert_fp16_recipe(onnx.load(str(tmp_path / "half" / "elastic.onnx")),
                        onnx.load(str(tmp_path / "half" / "elastic.fp16.onnx")))
-    assert json.loads((tmp_path / "half" / "manifest.json").read_text()) == m
+    assert json.loads((tmp_path / "half" / "manifest.json").read_text()) == m.to_dict()
 
     m = run(Options(out=str(tmp_path / "full"), **common), echo=lambda s: None)
-    assert m["precisions"] == ["fp32"] and m["dense"]["onnx_fp16"] is None
-    assert all(b["onnx_fp16"] is None for b in m["budgets"]) and m["elastic"]["onnx_fp16"] is None
+    assert m.precisions == ["fp32"] and m.dense.onnx_fp16 is None
+    assert all(b.onnx_fp16 is None for b in m.budgets) and m.elastic.onnx_fp16 is None
     assert not list((tmp_path / "full").glob("*.fp16.onnx"))
 
     with pytest.raises(UserError, match="--precision"):

@@ -15,7 +15,7 @@ from conftest import save_tiny, tiny_encoder
 from elastic_export.checks.verify import sample_inputs
 from elastic_export.cli.main import main
 from elastic_export.core.errors import UserError
-from elastic_export.core.manifest import MANIFEST
+from elastic_export.core.manifest import MANIFEST, Manifest
 from elastic_export.passes import BudgetSlicer
 from elastic_export.precision.int8 import INT8_MIN_COSINE, add_int8, int8_name, parse_precisions, quantize, session_min_cosine
 from elastic_export.serving.runtime import ElasticRuntime, SessionConfig
@@ -88,7 +88,7 @@ def test_cli_precision_int8_and_verify(tmp_path, capsys, monkeypatch):
 
     # the runtime serves the int8 files (per-budget mode), each exactly as the file alone
     rt = ElasticRuntime.from_dir("out", precision="int8", config=SessionConfig(threads=1))
-    feeds = sample_inputs(m, onnx.load("out/dense.onnx"), batch=2, seed=5)
+    feeds = sample_inputs(Manifest.load("out"), onnx.load("out/dense.onnx"), batch=2, seed=5)
     for e in m["budgets"]:
         assert rt.file(e["sparsity"]) == e["onnx_int8"]
         alone = ort.InferenceSession(f"out/{e['onnx_int8']}", providers=["CPUExecutionProvider"]).run(None, feeds)

@@ -16,7 +16,7 @@ from onnx import numpy_helper
 from elastic_export.checks.verify import sample_inputs
 from elastic_export.cli.main import main
 from elastic_export.core.errors import UserError
-from elastic_export.core.manifest import MANIFEST
+from elastic_export.core.manifest import MANIFEST, Manifest
 from elastic_export.core.precisions import PRECISIONS
 from elastic_export.data.calibration import load_calibration
 from elastic_export.passes import BudgetSlicer
@@ -141,7 +141,7 @@ def test_verify_int8_qdq_and_corrupted(qdq_out, tmp_path, capsys):
 def test_runtime_serves_int8_qdq(qdq_out):
     m = json.loads((qdq_out / MANIFEST).read_text())
     rt = ElasticRuntime.from_dir(qdq_out, precision="int8-qdq", config=SessionConfig(threads=1))
-    feeds = sample_inputs(m, onnx.load(str(qdq_out / "dense.onnx")), batch=2, seed=5)
+    feeds = sample_inputs(Manifest.load(qdq_out), onnx.load(str(qdq_out / "dense.onnx")), batch=2, seed=5)
     e = m["budgets"][0]
     assert rt.file(e["sparsity"]) == e["onnx_int8_qdq"]
     alone = ort.InferenceSession(str(qdq_out / e["onnx_int8_qdq"]), providers=["CPUExecutionProvider"]).run(None, feeds)

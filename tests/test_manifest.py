@@ -68,7 +68,7 @@ def test_fields_set_later_go_after_the_written_ones_as_in_a_dict(tmp_path):
     m = Manifest.load(_write_raw(tmp_path, _minimal()))
     m.budgets[0].engine = "b.plan"
     m.tensorrt = {"version": "10"}
-    m["triton"] = {"dir": "triton"}
+    m.triton = {"dir": "triton"}
     d = m.to_dict()
     assert list(d)[-2:] == ["tensorrt", "triton"]
     assert list(d["budgets"][0]) == ["sparsity", "onnx", "engine"]
@@ -83,12 +83,18 @@ def test_a_new_manifest_leaves_out_optional_entries_until_set():
     assert list(m.to_dict())[-1] == "quick_eval"
 
 
-def test_mapping_reads_see_exactly_the_written_keys(tmp_path):
+def test_entries_are_typed_only(tmp_path):
+    """Fields are attributes (no mapping access); a plain dict is not a manifest until converted."""
     m = Manifest.load(_write_raw(tmp_path, _minimal()))
-    assert m["budgets"][0]["sparsity"] == 0.5 and m.get("elastic") is None and "elastic" not in m
-    with pytest.raises(KeyError):
-        m["elastic"]
-    assert dict(m)["dense"] == {"onnx": "dense.onnx"}
+    assert m.budgets[0].sparsity == 0.5 and m.elastic is None
+    for entry in (m, m.dense, m.budgets[0]):
+        assert not hasattr(entry, "get") and not hasattr(entry, "keys")
+        with pytest.raises(TypeError):
+            entry["onnx"]
+    assert m != m.to_dict() and m == Manifest.from_dict(m.to_dict())
+    assert write_manifest(tmp_path, m) and Manifest.load(tmp_path) == m
+    with pytest.raises(TypeError):
+        write_manifest(tmp_path, m.to_dict())
 
 
 @pytest.mark.parametrize("broken, message", [

@@ -107,12 +107,12 @@ def test_reuse_ranking_and_replace_previous_output(tmp_path):
     out = tmp_path / "out"
     opts = pipeline.Options(model=str(model), budgets=(0.2, 0.5), out=str(out), seq_len=16, calib_size=8)
     first = pipeline.run(opts, echo=lambda s: None)
-    ranking = out / first["ranking"]["file"]
+    ranking = out / first.ranking.file
     saved = tmp_path / "ranking.safetensors"
     saved.write_bytes(ranking.read_bytes())
     opts.ranking, opts.budgets = str(saved), (0.3,)
     second = pipeline.run(opts, echo=lambda s: None)  # a previous artifact set is replaced
-    assert [b["sparsity"] for b in second["budgets"]] == [0.3]
+    assert [b.sparsity for b in second.budgets] == [0.3]
     assert sorted(p.name for p in out.iterdir()) == ["budget_s030.onnx", "dense.onnx", "elastic.onnx",
                                                      "latency_profile.json", "manifest.json", "ranking.safetensors",
                                                      "report.html"]
@@ -156,10 +156,10 @@ def test_timm_name_at_custom_resolution(tmp_path):
     opts = pipeline.Options(model="vit_tiny_patch16_224", pretrained=False, image_size=48, budgets=(0.3,),
                             out=str(tmp_path / "out"), calib_size=4, align=8)
     m = pipeline.run(opts, echo=lambda s: None)
-    assert m["inputs"][0]["shape"] == ["batch", 3, 48, 48]
-    assert m["tokens"] == 9 + 1
-    assert all(n % 8 == 0 for n in m["budgets"][0]["neurons_per_layer"])
-    assert m["budgets"][0]["max_abs_error"] <= 1e-4
+    assert m.inputs[0].shape == ["batch", 3, 48, 48]
+    assert m.tokens == 9 + 1
+    assert all(n % 8 == 0 for n in m.budgets[0].neurons_per_layer)
+    assert m.budgets[0].max_abs_error <= 1e-4
 
 
 

@@ -225,7 +225,7 @@ def test_entry_written_before_the_rename_still_reads(text_art, tmp_path):
 
 def test_main_job_records_quality_and_speed_of_every_pair(text_art):
     out, m, said = text_art
-    qe = m[quick_eval.ENTRY]
+    qe = m.quick_eval
     assert qe == json.loads((out / MANIFEST).read_text())[quick_eval.ENTRY]
     assert qe["format"] == "elastic-export-results/1" and qe["kind"] == "quick_eval"  # the one results schema
     assert {(r["batch"], r["sparsity"], r["precision"]) for r in qe["records"]} == {
@@ -236,7 +236,7 @@ def test_main_job_records_quality_and_speed_of_every_pair(text_art):
     assert qe["heldout"]["samples"] == quick_eval.HELDOUT and "8 spread evenly" in qe["heldout"]["excluded"]
     pairs = [(r["sparsity"], r["precision"]) for r in qe["rows"]]
     assert pairs == [(s, p) for p in ("fp32", "int8") for s in (0.0, *BUDGETS)]
-    gflops = {0.0: m["dense"]["gflops"], **{b["sparsity"]: b["gflops"] for b in m["budgets"]}}
+    gflops = {0.0: m.dense.gflops, **{b.sparsity: b.gflops for b in m.budgets}}
     for r in qe["rows"]:
         assert r["gflops"] == gflops[r["sparsity"]]
         assert -1.0 <= r["fidelity_cosine"] <= 1.0 + 1e-6 and 0.0 <= r[quick_eval.OVERLAP] <= 1.0
@@ -312,7 +312,7 @@ def test_no_quick_eval_flag_and_failure_only_warns(bert_dir, tmp_path, capsys, m
     m = pipeline.run(pipeline.Options(model=str(bert_dir), budgets=(0.5,), out=str(tmp_path / "warned"), seq_len=16,
                                       method="magnitude", verify=False, elastic_graph=False, report=False),
                      echo=said.append)
-    assert m[quick_eval.ENTRY] is None and (tmp_path / "warned" / "budget_s050.onnx").is_file()
+    assert m.quick_eval is None and (tmp_path / "warned" / "budget_s050.onnx").is_file()
     assert any("quick eval skipped" in s and "timer exploded" in s for s in said)
 
 

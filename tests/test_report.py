@@ -161,7 +161,7 @@ def test_render_failure_keeps_artifacts(work, model, monkeypatch):
     assert not (out / REPORT).exists()
     assert sorted(p.name for p in out.iterdir()) == ["budget_s050.onnx", "dense.onnx", "latency_profile.json",
                                                      "manifest.json", "ranking.safetensors", "tokenizer"]
-    assert m["budgets"][0]["onnx"] == "budget_s050.onnx"
+    assert m.budgets[0].onnx == "budget_s050.onnx"
     assert any("report.html not written" in s and "renderer exploded" in s for s in said)
 
 

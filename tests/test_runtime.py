@@ -16,6 +16,7 @@ import pytest
 from conftest import tiny_encoder
 
 from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import Manifest
 from elastic_export.measure.timing import measure_profile
 from elastic_export.serving.runtime import (
     ElasticRuntime,
@@ -78,7 +79,7 @@ def _err(got: dict, want: list) -> float:
 
 def test_per_budget_mode_matches_each_budget_file(rt, feeds, expected):
     assert rt.sparsities == [0.0, *BUDGETS] and rt.budget == 0.0 and rt.mode == "per-budget"
-    assert list(rt.run(feeds)) == [o["name"] for o in rt.manifest["outputs"]]
+    assert list(rt.run(feeds)) == [o.name for o in rt.manifest.outputs]
     for s in rt.sparsities:
         assert _err(rt.run(feeds, sparsity=s), expected[s]) == 0.0  # the same file, the same session options
         rt.set_budget(s)
@@ -274,8 +275,8 @@ def test_tensorrt_ep_gets_the_manifest_shape_range(art, tmp_path):
     caches engines and timings together; the elastic graph adds its fixed budget input."""
     from elastic_export.targets.ort_backend import tensorrt_ep_profile
 
-    m = json.loads((art / "manifest.json").read_text())
-    names = [i["name"] for i in m["inputs"]]
+    m = Manifest.load(art)
+    names = [i.name for i in m.inputs]
     profile = tensorrt_ep_profile(m)
     opts = dict(SessionConfig(provider="tensorrt", trt_profile=profile, engine_cache_dir=str(tmp_path / "c"))
                 .providers()[0][1])
@@ -288,7 +289,7 @@ def test_tensorrt_ep_gets_the_manifest_shape_range(art, tmp_path):
     assert opts["trt_profile_max_shapes"] == ",".join([f"{n}:8x64" for n in names] + ["budget_index:1"])
     assert opts["trt_profile_min_shapes"].endswith(",budget_index:1")
     assert "trt_profile_min_shapes" not in dict(SessionConfig(provider="tensorrt").providers()[0][1])
-    m["tokens"] = None  # nothing to bound the token axis with: no explicit profile, the EP picks
+    m.tokens = None  # nothing to bound the token axis with: no explicit profile, the EP picks
     assert tensorrt_ep_profile(m) is None
 
 

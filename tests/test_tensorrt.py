@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from elastic_export.core.errors import UserError
-from elastic_export.core.manifest import FORMAT, load_manifest
+from elastic_export.core.manifest import FORMAT, Manifest, load_manifest
 from elastic_export.targets import tensorrt as T
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -73,7 +73,7 @@ def _snapshot(d: Path) -> dict[str, tuple[str, int]]:
 
 # --- profiles -------------------------------------------------------------------------------------
 def test_profile_text_defaults_from_manifest_tokens():
-    p = T.compute_profile(_text_manifest(), min_batch=1, opt_batch=8, max_batch=32)
+    p = T.compute_profile(Manifest.from_dict(_text_manifest()), min_batch=1, opt_batch=8, max_batch=32)
     assert p.shapes == {"input_ids": ((1, 1), (8, 64), (32, 64)), "attention_mask": ((1, 1), (8, 64), (32, 64))}
     j = p.to_json()
     assert j["input_ids"] == {"min": [1, 1], "opt": [8, 64], "max": [32, 64]}
@@ -81,14 +81,14 @@ def test_profile_text_defaults_from_manifest_tokens():
 
 
 def test_profile_text_custom_tokens():
-    p = T.compute_profile(_text_manifest(), min_batch=2, opt_batch=4, max_batch=4, min_tokens=8, opt_tokens=16,
-                          max_tokens=128)
+    p = T.compute_profile(Manifest.from_dict(_text_manifest()), min_batch=2, opt_batch=4, max_batch=4, min_tokens=8,
+                          opt_tokens=16, max_tokens=128)
     assert p.shapes["attention_mask"] == ((2, 8), (4, 16), (4, 128))
 
 
 def test_profile_vision_fixed_and_symbolic_size():
     for symbolic in (False, True):
-        p = T.compute_profile(_vision_manifest(symbolic), min_batch=1, opt_batch=128, max_batch=128)
+        p = T.compute_profile(Manifest.from_dict(_vision_manifest(symbolic)), min_batch=1, opt_batch=128, max_batch=128)
         assert p.shapes == {"pixel_values": ((1, 3, 224, 224), (128, 3, 224, 224), (128, 3, 224, 224))}
 
 
@@ -96,14 +96,14 @@ def test_profile_vision_fixed_and_symbolic_size():
                                 dict(max_batch=8, opt_batch=16), dict(min_tokens=32, opt_tokens=16)])
 def test_profile_bad_ranges_refused(kw):
     with pytest.raises(UserError, match="min"):
-        T.compute_profile(_text_manifest(), **kw)
+        T.compute_profile(Manifest.from_dict(_text_manifest()), **kw)
 
 
 def test_profile_unresolvable_dim_refused():
     m = _vision_manifest(symbolic=True)
     del m["preprocess"]
     with pytest.raises(UserError, match="image size"):
-        T.compute_profile(m)
+        T.compute_profile(Manifest.from_dict(m))
 
 
 # --- FP16 feature checks (our decision logic, on stand-in modules) ---------------------------------
@@ -152,10 +152,10 @@ def test_int8_mode_feature_checks():
 
 def test_int8_jobs_use_the_qdq_files(tmp_path):
     d = _fake_dir(tmp_path / "a")
-    m = load_manifest(d)
-    for entry in [m["dense"], *m["budgets"]]:
-        entry["onnx_int8_qdq"] = entry["onnx"][:-5] + ".int8-qdq.onnx"
-        (d / entry["onnx_int8_qdq"]).write_bytes(b"not really onnx")
+    m = Manifest.load(d)
+    for entry in [m.dense, *m.budgets]:
+        entry.onnx_int8_qdq = entry.onnx[:-5] + ".int8-qdq.onnx"
+        (d / entry.onnx_int8_qdq).write_bytes(b"not really onnx")
     jobs = T.plan_jobs(d, m, key=T.SOURCE_KEYS["int8"])
     assert [(j.onnx, j.engine) for j in jobs] == [("dense.int8-qdq.onnx", "dense.engine"),
                                                  ("budget_s010.int8-qdq.onnx", "budget_s010.engine"),
@@ -259,7 +259,7 @@ def test_engine_names():
 
 def test_plan_jobs(tmp_path):
     d = _fake_dir(tmp_path / "a", fp16=True)
-    m = load_manifest(d)
+    m = Manifest.load(d)
     jobs = T.plan_jobs(d, m, use_fp16_onnx=False)
     assert [(j.key, j.onnx, j.engine) for j in jobs] == [
         ("dense", "dense.onnx", "dense.engine"), (0, "budget_s010.onnx", "budget_s010.engine"),
@@ -272,22 +272,22 @@ def test_plan_jobs(tmp_path):
         T.plan_jobs(d, m, use_fp16_onnx=False)
     d2 = _fake_dir(tmp_path / "b")
     with pytest.raises(UserError, match="onnx_fp16"):
-        T.plan_jobs(d2, load_manifest(d2), use_fp16_onnx=True)
+        T.plan_jobs(d2, Manifest.load(d2), use_fp16_onnx=True)
 
 
 def test_record_engines_writes_manifest_atomically(tmp_path):
     d = _fake_dir(tmp_path / "a")
-    m = load_manifest(d)
+    m = Manifest.load(d)
     for name in ("dense.engine", "budget_s010.engine", "budget_s050.engine"):
         (d / name).write_bytes(b"plan")
     info = {"version": "10.x", "precision": "fp16", "fp16_mode": T.BUILDER_FLAG,
             "profiles": [T.compute_profile(m).to_json()], "timing_cache": T.TIMING_CACHE}
     T.record_engines(d, m, {"dense": "dense.engine", 0: "budget_s010.engine", 1: "budget_s050.engine"}, info)
-    again = load_manifest(d)  # passes the manifest's own checks (engine paths inside the directory)
-    assert again["dense"]["engine"] == "dense.engine"
-    assert [b["engine"] for b in again["budgets"]] == ["budget_s010.engine", "budget_s050.engine"]
-    assert again["tensorrt"]["precision"] == "fp16"
-    assert again["tensorrt"]["profiles"][0]["input_ids"]["max"] == [128, 64]
+    again = Manifest.load(d)  # passes the manifest's own checks (engine paths inside the directory)
+    assert again.dense.engine == "dense.engine"
+    assert [b.engine for b in again.budgets] == ["budget_s010.engine", "budget_s050.engine"]
+    assert again.tensorrt["precision"] == "fp16"
+    assert again.tensorrt["profiles"][0]["input_ids"]["max"] == [128, 64]
     assert not [p for p in d.iterdir() if p.name.endswith(".tmp")]
     # a partial rebuild drops engines it did not build (they would not match ``tensorrt`` any more)
     T.record_engines(d, again, {0: "budget_s010.engine"}, info)
@@ -297,7 +297,7 @@ def test_record_engines_writes_manifest_atomically(tmp_path):
 def test_record_engines_refuses_missing_or_escaping(tmp_path):
     d = _fake_dir(tmp_path / "a")
     before = _snapshot(d)
-    m = load_manifest(d)
+    m = Manifest.load(d)
     with pytest.raises(UserError, match="not written"):
         T.record_engines(d, m, {0: "budget_s010.engine"}, {})
     with pytest.raises(UserError, match="leaves the artifact directory"):
@@ -349,7 +349,7 @@ def test_build_config_refuses_bad_options(kw, needle):
 
 
 def test_build_config_profile_and_timing_cache(tmp_path):
-    m = _text_manifest()
+    m = Manifest.from_dict(_text_manifest())
     p = T.BuildConfig(opt_batch=8, max_batch=16, max_tokens=32).profile(m)
     assert p.shapes["input_ids"] == ((1, 1), (8, 32), (16, 32))
     with pytest.raises(UserError, match="min <= opt <= max"):
@@ -408,13 +408,13 @@ def test_build_config_create_builder_config_feature_checks():
 
 
 def test_precision_mode_picks_the_files():
-    m = _text_manifest()
+    m = Manifest.from_dict(_text_manifest())
     assert T.precision_mode(TRT10, "fp32", m) == (None, None)
     assert T.precision_mode(TRT10, "fp16", m) == (T.BUILDER_FLAG, None)  # the fp32 ONNX, built with the flag
     with pytest.raises(UserError, match="--precision fp16"):
         T.precision_mode(TRT11, "fp16", m)  # strongly typed needs the fp16 files
-    for entry in [m["dense"], *m["budgets"]]:
-        entry["onnx_fp16"] = "x.fp16.onnx"
+    for entry in [m.dense, *m.budgets]:
+        entry.onnx_fp16 = "x.fp16.onnx"
     assert T.precision_mode(TRT11, "fp16", m) == (T.STRONGLY_TYPED, "onnx_fp16")
     assert T.precision_mode(TRT11, "int8", m) == (T.STRONGLY_TYPED, "onnx_int8_qdq")
 
@@ -558,21 +558,21 @@ def test_engines_match_onnx(artifacts, tmp_path, precision, tol):
     d = Path(shutil.copytree(artifacts, tmp_path / precision))
     m = T.build_engines(d, precision=precision, min_batch=1, opt_batch=2, max_batch=4, max_tokens=16,
                         workspace_gb=1, progress=False)
-    assert (d / T.TIMING_CACHE).is_file() and m["tensorrt"]["precision"] == precision
-    assert m["tensorrt"]["tf32"] is False  # fp32 means fp32: the 1e-3 bound below holds without TF32
-    if m["tensorrt"]["fp16_mode"] == T.BUILDER_FLAG:  # TensorRT 10: norms / softmax asked to stay fp32
-        assert all(n > 0 for n in m["tensorrt"]["fp32_layers"].values()), m["tensorrt"]["fp32_layers"]
+    assert (d / T.TIMING_CACHE).is_file() and m.tensorrt["precision"] == precision
+    assert m.tensorrt["tf32"] is False  # fp32 means fp32: the 1e-3 bound below holds without TF32
+    if m.tensorrt["fp16_mode"] == T.BUILDER_FLAG:  # TensorRT 10: norms / softmax asked to stay fp32
+        assert all(n > 0 for n in m.tensorrt["fp32_layers"].values()), m.tensorrt["fp32_layers"]
     assert load_manifest(d)["dense"]["engine"] == "dense.engine"
-    for entry in [m["dense"], *m["budgets"]]:
-        with T.load_engine(d / entry["engine"]) as runner:
+    for entry in [m.dense, *m.budgets]:
+        with T.load_engine(d / entry.engine) as runner:
             for batch, seq in ((1, 16), (3, 9)):
                 feeds = _feeds(batch, seq)
-                names, want = _ort(d / entry["onnx"], feeds)
+                names, want = _ort(d / entry.onnx, feeds)
                 got = runner.run({n: feeds[n] for n in runner.inputs}, outputs=names)
                 assert [g.shape for g in got] == [w.shape for w in want]
                 if precision == "fp32":
                     err = max(float(np.abs(np.asarray(g, np.float64) - w).max()) for g, w in zip(got, want))
-                    assert err <= tol, (entry["engine"], err)
+                    assert err <= tol, (entry.engine, err)
                 else:
                     assert relative_error(want, [np.asarray(g, np.float32) for g in got]) <= tol
             with pytest.raises(UserError, match="outside the engine's profile"):

@@ -325,7 +325,7 @@ def test_engines_become_tensorrt_plans(tmp_path):
         assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 32  # the engines' profile maximum
         assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
         assert os.path.samefile(d / "triton" / name / "1" / "model.plan", d / src)
-    assert {x["platform"] for x in m["triton"]["models"]} == {"tensorrt_plan"}
+    assert {x["platform"] for x in m.triton["models"]} == {"tensorrt_plan"}
     with pytest.raises(UserError, match="accept at most batch 32"):
         TR.build_repository(d, max_batch=64)
     with pytest.raises(UserError, match="run on the GPU only"):

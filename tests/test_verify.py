@@ -51,7 +51,7 @@ def pristine(tmp_path_factory) -> Path:
     out = root / "out"
     m = run(Options(model=str(bert), budgets=(0.3, 0.6), out=str(out), method="magnitude", seq_len=16,
                     precision="fp16"), echo=lambda s: None)
-    assert sum(m["budgets"][1]["heads_per_layer"]) == 0  # one budget with no attention left at all
+    assert sum(m.budgets[1].heads_per_layer) == 0  # one budget with no attention left at all
     return out
 
 

@@ -56,7 +56,7 @@ from elastic_export.checks.compare import (
 )
 from elastic_export.checks.compare import fmt_error as _fmt
 from elastic_export.core.errors import ERROR_CHARS, UserError, first_line
-from elastic_export.core.manifest import MANIFEST, Budget, Elastic, Manifest, TensorSpec, as_manifest, resolve
+from elastic_export.core.manifest import MANIFEST, Budget, Elastic, Manifest, TensorSpec, resolve
 from elastic_export.core.precisions import FILE_KEYS
 from elastic_export.serving.backends import Backend, artifact_backends
 
@@ -211,7 +211,7 @@ def _image_size(spec: TensorSpec, manifest: Manifest) -> tuple[int, int]:
     raise UserError(f"{MANIFEST}: cannot tell the image size of input {spec.name!r} (shape {shape})")
 
 
-def sample_inputs(manifest: Manifest | dict, dense: onnx.ModelProto, batch: int = 2, seq_len: int | None = None,
+def sample_inputs(manifest: Manifest, dense: onnx.ModelProto, batch: int = 2, seq_len: int | None = None,
                   seed: int = 0) -> dict[str, np.ndarray]:
     """Sample feeds for the manifest's inputs.
 
@@ -229,7 +229,6 @@ def sample_inputs(manifest: Manifest | dict, dense: onnx.ModelProto, batch: int 
     """
     if batch < 1:
         raise UserError(f"--batch must be a positive integer, got {batch}")
-    manifest = as_manifest(manifest)
     tokens = manifest.tokens if isinstance(manifest.tokens, int) and manifest.tokens > 0 else 32
     seq = min(32, tokens) if seq_len is None else seq_len
     if seq < 1:

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from elastic_export.cli.options import apply_options, echo_err
+from elastic_export.core.manifest import MANIFEST
 from elastic_export.serving.backends import TRITON_BUDGET_BACKENDS
 from elastic_export.serving.policies import ROUTER_POLICIES
 
@@ -68,7 +69,7 @@ def _build_tensorrt(directory: str, no_dense: bool, **options) -> None:
     for entry in [manifest.dense, *manifest.budgets]:
         if entry.engine:
             click.echo(entry.engine)
-    click.echo(f"wrote {Path(directory) / 'manifest.json'}")
+    click.echo(f"wrote {Path(directory) / MANIFEST}")
 
 
 def _build_triton(directory: str, precision: str, max_batch: int | None, no_dense: bool, triton_name: str,
@@ -88,7 +89,7 @@ def _build_triton(directory: str, precision: str, max_batch: int | None, no_dens
         click.echo(f"{t['dir']}/{m['name']} ({m['platform']}, sparsity {m['sparsity']:g})")
     how = f"default sparsity {t['default_sparsity']:g}" if t["policy"] == "fixed" else "load-adaptive"
     click.echo(f"{t['dir']}/{t['router']} (router, python backend, {how})")
-    click.echo(f"wrote {Path(directory) / 'manifest.json'}")
+    click.echo(f"wrote {Path(directory) / MANIFEST}")
 
 
 @click.command("build")

@@ -11,6 +11,7 @@ import click
 from elastic_export.cli.options import echo_err, elastic_config, export_options, model_options, ranking_options
 from elastic_export.core.budgets import parse_budgets
 from elastic_export.core.errors import UserError
+from elastic_export.core.manifest import MANIFEST, RANKING_FILE, REPORT
 
 if TYPE_CHECKING:
     from elastic_export.core.manifest import Manifest
@@ -25,8 +26,8 @@ def run_main_job(**kw) -> None:
     opts = Options(budgets=tuple(budgets), elastic=elastic, **kw)
     manifest = run(opts, echo=echo_err)
     print_budget_table(manifest, Path(opts.out))
-    if opts.report and (Path(opts.out) / "report.html").is_file():
-        click.echo(f"wrote {Path(opts.out) / 'report.html'}")
+    if opts.report and (Path(opts.out) / REPORT).is_file():
+        click.echo(f"wrote {Path(opts.out) / REPORT}")
 
 
 def budget_rows(manifest: Manifest) -> list[str]:
@@ -53,7 +54,6 @@ def budget_rows(manifest: Manifest) -> list[str]:
 
 def print_budget_table(manifest: Manifest, out: Path) -> None:
     """The main job's summary on stdout: :func:`budget_rows`, the elastic graph, each twin precision's worst error."""
-    from elastic_export.core.manifest import MANIFEST
     from elastic_export.core.precisions import ERROR_KEYS
 
     for line in budget_rows(manifest):
@@ -125,7 +125,7 @@ def inspect_cmd(model, revision, pretrained, seq_len, image_size, trust_remote_c
 @click.command("rank")
 @model_options
 @ranking_options
-@click.option("--out", default="ranking.safetensors", show_default=True, type=click.Path(), help="Ranking file.")
+@click.option("--out", default=RANKING_FILE, show_default=True, type=click.Path(), help="Ranking file.")
 @click.option("--weights-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="Frozen weights while ranking (scores, masks and losses stay fp32); bf16 halves the memory "
                    "of large models.")
@@ -147,7 +147,7 @@ def rank_cmd(out, weights_dtype, checkpoint_activations, **kw):
     from elastic_export.ranking.file import save_ranking
 
     if Path(out).is_dir():
-        raise UserError(f"--out {out}: is a directory; give a file name, e.g. {Path(out) / 'ranking.safetensors'}")
+        raise UserError(f"--out {out}: is a directory; give a file name, e.g. {Path(out) / RANKING_FILE}")
     elastic = elastic_config(kw)
     model_kw = {k: kw.pop(k) for k in ("model", "revision", "pretrained", "seq_len", "image_size", "trust_remote_code",
                                           "tower")}

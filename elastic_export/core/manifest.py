@@ -91,11 +91,13 @@ def elastic_indices(elastic: dict, sparsities: list[float]) -> list[tuple[float,
     return pairs
 
 
-def write_manifest(directory: Path, manifest: Manifest | Mapping[str, Any]) -> Path:
+def write_manifest(directory: Path, manifest: Manifest) -> Path:
     """Write ``DIR/manifest.json`` atomically (a reader never sees half a manifest)."""
     from elastic_export.core.fileio import atomic_write
 
-    text = (manifest if isinstance(manifest, Manifest) else Manifest.from_dict(dict(manifest))).to_json()
+    if not isinstance(manifest, Manifest):
+        raise TypeError(f"write_manifest takes a Manifest (Manifest.from_dict converts a dict), not {type(manifest).__name__}")
+    text = manifest.to_json()
     path = Path(directory) / MANIFEST
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     return path
@@ -188,8 +190,9 @@ class Entry:
     Fields in ``OPTIONAL`` are left out of a new entry while they are None (they appear only when
     some step writes them: ``tower``, ``onnx_optimized``, ``quick_eval``, ``triton``, ...).
 
-    Read-only mapping access (``entry["key"]``, ``entry.get("key")``, ``"key" in entry``) is kept so
-    that readers not yet converted to attributes keep working; it sees exactly the written keys.
+    Typed only: fields are attributes (no mapping access); a plain dict becomes an entry through
+    :meth:`from_dict` (as :meth:`Manifest.load` reads the file). Two entries are equal when they write
+    the same JSON.
     """
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
@@ -238,33 +241,10 @@ class Entry:
         names = set(self._fields())
         return {k: _plain(getattr(self, k) if k in names else self.extra[k]) for k in self._order}
 
-    # read-only mapping access for readers not yet on attributes
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._order:
-            raise KeyError(key)
-        return getattr(self, key) if key in self._fields() else self.extra[key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key in self._fields():
-            setattr(self, key, value)
-        else:
-            self.extra[key] = value
-            if key not in self._order:
-                self._order.append(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self._order else default
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-    def keys(self) -> list[str]:
-        return list(self._order)
-
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Entry):
-            other = other.to_dict()
-        return isinstance(other, Mapping) and self.to_dict() == _plain(dict(other))
+        if not isinstance(other, Entry):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -356,6 +336,10 @@ class Elastic(Entry):
     onnx_fp16: str | None = None
     fp16_max_rel_error: float | None = None
 
+    def file(self, precision: str) -> str | None:
+        """The elastic graph's file of ``precision`` (it has fp32 and fp16 ones only), or None."""
+        return getattr(self, FILE_KEYS[precision], None) or None
+
     def indices(self, sparsities: list[float]) -> list[tuple[float, int]]:
         """(sparsity, index) of every budget the graph selects (:func:`elastic_indices`)."""
         return elastic_indices(self.to_dict(), sparsities)
@@ -435,8 +419,3 @@ class Manifest(Entry):
         """(sparsity, ``budget_index``) of every budget the elastic graph selects (none without one)."""
         return self.elastic.indices(self.sparsities) if self.elastic is not None else []
 
-
-def as_manifest(manifest: Manifest | Mapping[str, Any]) -> Manifest:
-    """``manifest`` typed: a :class:`Manifest` as it is, a plain dict (a hand-made or older caller's)
-    converted."""
-    return manifest if isinstance(manifest, Manifest) else Manifest.from_dict(manifest)

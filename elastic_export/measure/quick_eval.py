@@ -64,7 +64,7 @@ from elastic_export.core.latency_profile import (
     profile_of,
     save_profile,
 )
-from elastic_export.core.manifest import Manifest, as_manifest
+from elastic_export.core.manifest import Manifest
 from elastic_export.measure.evaluation import CI_KEY, NEIGHBOUR_OVERLAP, SAMPLES_KEY
 from elastic_export.measure.metrics import BOOTSTRAP, neighbour_overlaps
 from elastic_export.measure.timing import latency_stats, profile_stats
@@ -317,7 +317,7 @@ def entry_rows(manifest: Manifest, qual: dict[Pair, dict], prof: LatencyProfile)
     return rows
 
 
-def run_quick_eval(directory: Path, manifest: Manifest | dict, encoder, calib: str | None, calib_size: int, seed: int,
+def run_quick_eval(directory: Path, manifest: Manifest, encoder, calib: str | None, calib_size: int, seed: int,
                    echo: Callable[[str], None] = print) -> dict:
     """Measure every pair of the artifact ``directory`` (its manifest already written); write
     ``DIR/latency_profile.json``; return the manifest's ``quick_eval`` entry (module docstring).
@@ -336,7 +336,6 @@ def run_quick_eval(directory: Path, manifest: Manifest | dict, encoder, calib: s
     from elastic_export.serving.runtime import ElasticRuntime
     from elastic_export.targets.onnxruntime import SessionConfig
 
-    manifest = as_manifest(manifest)
     t0 = time.time()
     batches, heldout = heldout_feeds(encoder, calib, calib_size, seed, ranking_calibration(directory, manifest))
     if heldout.get("not_guaranteed"):

@@ -48,10 +48,8 @@ import numpy as np
 from elastic_export.checks.compare import QDQ_MIN_COSINE  # noqa: F401 - int8-qdq's bound
 from elastic_export.core import onnx_io
 from elastic_export.core.errors import UserError, first_line
-from elastic_export.core.precisions import ERROR_KEYS, FILE_KEYS
 
-PRECISION = "int8-qdq"
-FILE_KEY, COSINE_KEY = FILE_KEYS[PRECISION], ERROR_KEYS[PRECISION]  # manifest fields per file
+PRECISION = "int8-qdq"  # its manifest fields: core.precisions.FILE_KEYS[PRECISION], ERROR_KEYS[PRECISION]
 MANIFEST_ENTRY = "int8_qdq"  # top-level manifest entry: settings, bound, calibration data
 HELDOUT_EVERY = 4
 CALIBRATE_METHOD = "MinMax"

@@ -34,7 +34,7 @@ from elastic_export.core import onnx_io
 from elastic_export.core.budgets import budget_tag, parse_budgets
 from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import OutputLock, check_creatable, umask
-from elastic_export.core.manifest import Budget, Manifest, as_manifest, resolve
+from elastic_export.core.manifest import Budget, Manifest, resolve
 from elastic_export.core.precisions import FILE_KEYS
 
 LAYOUT = "sentence-transformers"  # the main job's --layout value, and its folder in the artifact directory
@@ -48,7 +48,7 @@ _MEAN_POOLING = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": Tr
                  "pooling_mode_mean_sqrt_len_tokens": False}
 
 
-def source_dir(manifest: Manifest | dict, model: str | None = None) -> Path:
+def source_dir(manifest: Manifest, model: str | None = None) -> Path:
     """The model directory the artifacts were made from (``model`` overrides the manifest's source).
 
     Raises:
@@ -56,7 +56,7 @@ def source_dir(manifest: Manifest | dict, model: str | None = None) -> Path:
     """
     from elastic_export.models.text import has_tokenizer_files, model_folder
 
-    info = as_manifest(manifest).model
+    info = manifest.model
     source = model if model is not None else info.source
     path = model_folder(source, None if model is not None else info.revision)  # the default imports torch
     what = f"--model {model}" if model is not None else f"model source {source!r}"
@@ -198,18 +198,18 @@ def write_folder(artifacts: Path, manifest: Manifest, source: Path, modules: lis
     return dest
 
 
-def check_text(manifest: Manifest | dict, where: str) -> None:
+def check_text(manifest: Manifest, where: str) -> None:
     """Refuse artifacts of a model that is not a text encoder."""
-    modality = as_manifest(manifest).model.modality
+    modality = manifest.model.modality
     if modality != "text":
         raise UserError(f"{where}: the model is not a text encoder (modality {modality!r}); the sentence-transformers "
                         "layout is for text encoders")
 
 
 def write_layout(artifacts: Path, dest: Path, budgets: str | None = None, precisions: str | None = None,
-                 model: str | None = None, manifest: Manifest | dict | None = None) -> list[Path]:
+                 model: str | None = None, manifest: Manifest | None = None) -> list[Path]:
     """Write every selected (budget, precision) folder under ``dest`` (created; no lock, no temp dir)."""
-    manifest = as_manifest(manifest) if manifest is not None else Manifest.load(artifacts)
+    manifest = manifest if manifest is not None else Manifest.load(artifacts)
     check_text(manifest, str(artifacts))
     source = source_dir(manifest, model)
     modules = st_modules(source, [o.name for o in manifest.outputs])
