@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_runtime import _export
 
+from elastic_export.core import results
 from elastic_export.core.errors import UserError
 from elastic_export.core.manifest import resolve
 from elastic_export.serving.backends import (
@@ -153,4 +154,4 @@ def test_added_backend_runs_through_bench_and_the_cli(registered, art, tmp_path,
         main(["bench", str(art), "--backend", NAME, "--batches", "1", "--repeats", "1", "--warmup", "0",
               "--no-plot", "--no-profile", "--out", str(tmp_path / "cli.json")])
     assert code.value.code == 0, capsys.readouterr().err
-    assert json.loads((tmp_path / "cli.json").read_text())["backend"] == NAME
+    assert results.load(tmp_path / "cli.json").meta["backend"] == NAME  # the one results schema
