@@ -3,8 +3,9 @@
 One ``tritonserver`` (the ``serve`` extra's, loopback only) serves the artifact directory's repository
 (``build triton --budget-backend python``, the router's load-adaptive policy with ``--slo-ms``). Then:
 
-1. **Router overhead**: batch-1 requests, alternately through the router (sparsity 0.6) and straight to
-   the 0.6 budget model; the median difference is what the router adds.
+1. **Router overhead**: pairs of batch-1 requests, one through the router (sparsity 0.6) and one straight
+   to the 0.6 budget model, back to back, which goes first alternating; the median of the pairs'
+   differences is what the router adds (robust to the machine's load drifting during the run).
 2. **Head-of-line**: a batch-1 request at 0.6 sent while a dense 64 x N request runs, against the same
    request alone (done means: within max(50 ms, 5x alone)).
 3. **Dense capacity**: closed-loop throughput of the dense model alone at batch 1 (``--concurrency``
@@ -12,15 +13,18 @@ One ``tritonserver`` (the ``serve`` extra's, loopback only) serves the artifact 
 4. **The spike**: the seeded Poisson arrivals of ``serve_sim.py`` (0.5x -> 1.5x -> 0.5x of that
    capacity), sent open-loop (each at its arrival time, never waiting for earlier answers) once to the
    dense model (the dense-only deployment) and once to the router with no sparsity named (the policy
-   picks). Per run: offered, served, failed, late (> SLO), p50 / p99, mean served sparsity, switches.
+   picks). Per run: offered, served, failed, late (> SLO), p50 / p99, mean served sparsity, switches,
+   and Triton's own count of successful and failed requests (its statistics extension).
 
 Both runs see the same arrivals; the client shares the machine's cores with the server, alike for both.
 
 Usage:
     python benchmarks/serve_triton.py [--artifacts DIR] [--duration 60] [--slo-ms MS] [--seed 0]
+        [--overhead-pairs 1000] [--parts overhead,head-of-line,spike]
 
 ``--artifacts`` defaults to ``~/.cache/elastic-export/serve_sim-minilm-fisher`` (shared with
-serve_sim.py, built on first use). Writes benchmarks/results/serve_triton.{json,md,png}.
+serve_sim.py, built on first use). Writes benchmarks/results/serve_triton.{json,md,png} when every part
+runs; ``--parts overhead`` (about a minute with the server's start) only prints, for iterating.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from elastic_export.targets.triton import build_repository  # noqa: E402
 from elastic_export.targets.tritonserver import TritonServer, free_port_block  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+PARTS = ("overhead", "head-of-line", "spike")
 
 
 def feeds_for(manifest: Manifest, batch: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -82,18 +87,39 @@ async def timed(client, model: str, inputs: list, outputs: list[str] | None = No
         return (time.perf_counter() - t0) * 1e3, None, str(e).splitlines()[0][:200]
 
 
+def median_ci(values: np.ndarray) -> tuple[float, float]:
+    """A distribution-free 95 % confidence interval of the median: the order statistics n/2 -+ 0.98 sqrt(n)
+    (the binomial(n, 1/2)'s normal approximation)."""
+    v = np.sort(values)
+    half = 0.98 * np.sqrt(len(v))
+    lo, hi = int(np.floor(len(v) / 2 - half)), int(np.ceil(len(v) / 2 + half))
+    return float(v[max(lo, 0)]), float(v[min(hi, len(v) - 1)])
+
+
 async def router_overhead(client, router: str, budget_model: str, feeds, n: int) -> dict:
-    via, direct = [], []
+    """``n`` pairs, each one request through the router (sparsity 0.6) and one straight to the budget
+    model, back to back, the order alternating from pair to pair; the added latency is the median of the
+    pairs' differences, so that what the machine does meanwhile (slower or faster minutes) falls on
+    both sides of a pair alike."""
     inputs_router, inputs_direct = grpc_inputs(feeds, 0.6), grpc_inputs(feeds)
-    for _ in range(10):  # warm both paths
-        await timed(client, router, inputs_router, ["sentence_embedding"])
-        await timed(client, budget_model, inputs_direct, ["sentence_embedding"])
-    for _ in range(n):
-        via.append((await timed(client, router, inputs_router, ["sentence_embedding"]))[0])
-        direct.append((await timed(client, budget_model, inputs_direct, ["sentence_embedding"]))[0])
-    return {"requests_each": n, "router_p50_ms": float(np.median(via)), "direct_p50_ms": float(np.median(direct)),
-            "added_p50_ms": float(np.median(via) - np.median(direct)),
-            "added_p50_ms_pairwise": float(np.median(np.array(via) - np.array(direct)))}
+    paths = [("router", router, inputs_router), ("direct", budget_model, inputs_direct)]
+    for _ in range(20):  # warm both paths
+        for _, model, inputs in paths:
+            await timed(client, model, inputs, ["sentence_embedding"])
+    ms = {"router": [], "direct": []}
+    for i in range(n):
+        for name, model, inputs in (paths if i % 2 == 0 else paths[::-1]):
+            latency, _, err = await timed(client, model, inputs, ["sentence_embedding"])
+            if err is not None:
+                raise RuntimeError(f"{model}: {err}")
+            ms[name].append(latency)
+    via, direct = np.array(ms["router"]), np.array(ms["direct"])
+    added = via - direct
+    lo, hi = median_ci(added)
+    return {"pairs": n, "router_p50_ms": float(np.median(via)), "direct_p50_ms": float(np.median(direct)),
+            "added_p50_ms": float(np.median(added)), "added_p50_ci95_ms": [lo, hi],
+            "added_p25_p75_ms": [float(np.percentile(added, 25)), float(np.percentile(added, 75))],
+            "added_p50_of_medians_ms": float(np.median(via) - np.median(direct))}
 
 
 async def head_of_line(client, router: str, manifest: Manifest, tokens: int, trials: int = 5) -> dict:
@@ -114,6 +140,13 @@ async def head_of_line(client, router: str, manifest: Manifest, tokens: int, tri
     bound = max(50.0, 5 * alone_ms)
     return {"small_alone_p50_ms": alone_ms, "trials": rows, "worst_small_ms": worst, "bound_ms": bound,
             "met": worst <= bound and not any(r["big_done_first"] for r in rows)}
+
+
+async def triton_counts(client, model: str) -> tuple[int, int]:
+    """Triton's own count of the model's successful and failed requests (its statistics extension)."""
+    stats = await client.get_inference_statistics(model, as_json=True)
+    s = stats["model_stats"][0]["inference_stats"]
+    return int(s["success"].get("count", 0)), int(s["fail"].get("count", 0))
 
 
 async def capacity(client, model: str, feeds, concurrency: int, seconds: float) -> float:
@@ -214,11 +247,16 @@ async def measure(server: TritonServer, manifest: Manifest, t: dict, args) -> di
     tokens = args.seq_len or manifest.tokens
     one = feeds_for(manifest, 1, tokens)
     router, by_s = t["router"], {m["sparsity"]: m["name"] for m in t["models"]}
+    out = {}
     try:
-        out = {"router_overhead": await router_overhead(client, router, by_s[max(by_s)], one, args.overhead_requests)}
-        print("router overhead", json.dumps(out["router_overhead"]))
-        out["head_of_line"] = await head_of_line(client, router, manifest, tokens)
-        print("head of line", {k: v for k, v in out["head_of_line"].items() if k != "trials"})
+        if "overhead" in args.parts:
+            out["router_overhead"] = await router_overhead(client, router, by_s[max(by_s)], one, args.overhead_pairs)
+            print("router overhead", json.dumps(out["router_overhead"]))
+        if "head-of-line" in args.parts:
+            out["head_of_line"] = await head_of_line(client, router, manifest, tokens)
+            print("head of line", {k: v for k, v in out["head_of_line"].items() if k != "trials"})
+        if "spike" not in args.parts:
+            return out
         cap = await capacity(client, by_s[0.0], one, args.concurrency, args.capacity_seconds)
         out["dense_capacity_rps"] = cap
         print(f"dense capacity {cap:.1f} requests/s (batch 1, {tokens} tokens, {args.concurrency} clients)")
@@ -227,8 +265,12 @@ async def measure(server: TritonServer, manifest: Manifest, t: dict, args) -> di
         runs = {}
         for name, model, flag in (("dense-only", by_s[0.0], False), ("elastic router", router, True)):
             await asyncio.sleep(2.0)  # the previous run's tail is gone
+            before = await triton_counts(client, model)
             rec = await spike(client, model, times, one, flag, args.drain)
             runs[name] = {"model": model, "summary": summarize(rec, args.slo_ms), "records": rec}
+            after = await triton_counts(client, model)
+            runs[name]["summary"]["triton_success"] = after[0] - before[0]
+            runs[name]["summary"]["triton_failure"] = after[1] - before[1]
             print(name, json.dumps(runs[name]["summary"]))
         out["runs"], out["profile"], out["tokens"] = runs, profile, tokens
         return out
@@ -251,9 +293,14 @@ def write(out: dict, args) -> None:
         ms = "-" if s["mean_sparsity"] is None else f"{s['mean_sparsity']:.3f}"
         lines.append(f"| {name} | {s['offered']} | {s['served']} | {s['failed']} | {s['late']} | {s['p50_ms']:.1f} | "
                      f"{s['p99_ms']:.1f} | {ms} |")
+    counted = "; ".join(f"{name} {run['summary']['triton_success']} / {run['summary']['triton_failure']}"
+                        for name, run in out["runs"].items())
     o, h = out["router_overhead"], out["head_of_line"]
-    lines += ["", f"Router added latency at batch 1 (median of {o['requests_each']} each): {o['added_p50_ms']:.2f} ms "
-              f"({o['router_p50_ms']:.2f} via the router vs {o['direct_p50_ms']:.2f} straight to the budget model).",
+    lo, hi = o["added_p50_ci95_ms"]
+    lines += ["", f"Triton's own count (statistics extension), success / failure: {counted}.", "",
+              f"Router added latency at batch 1: {o['added_p50_ms']:.2f} ms (95 % CI {lo:.2f}..{hi:.2f}), the median "
+              f"of {o['pairs']} back-to-back pairs (via the router, straight to the budget model, order alternating); "
+              f"medians {o['router_p50_ms']:.2f} ms via the router, {o['direct_p50_ms']:.2f} ms direct.",
               f"Head-of-line: batch-1 at 0.6 behind a dense 64 x {out['tokens']} request: worst {h['worst_small_ms']:.1f} ms "
               f"over {len(h['trials'])} trials, alone {h['small_alone_p50_ms']:.1f} ms, bound {h['bound_ms']:.1f} ms: "
               f"{'met' if h['met'] else 'NOT met'}.", "", "![load test](serve_triton.png)", ""]
@@ -271,11 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--capacity-seconds", type=float, default=10.0)
-    ap.add_argument("--overhead-requests", type=int, default=200)
+    ap.add_argument("--overhead-pairs", type=int, default=1000, help="router / direct pairs of the added latency")
+    ap.add_argument("--parts", default="overhead,head-of-line,spike",
+                    help="what to measure (comma-separated); the results files are written only when all three run")
     ap.add_argument("--server-log", type=Path, default=Path("/tmp/serve_triton.server.log"),
                     help="the server's output (kept)")
     ap.add_argument("--drain", type=float, default=60.0, help="seconds a request may wait after the last arrival")
     args = ap.parse_args(argv)
+    args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = args.parts - set(PARTS)
+    if unknown or not args.parts:
+        ap.error(f"--parts: choose among {', '.join(PARTS)}")
     d = ensure_artifacts(args.artifacts)
     t = build_repository(d, platform="python", kind="cpu", policy="adaptive", slo_ms=args.slo_ms, echo=print).triton
     manifest = Manifest.load(d)
@@ -287,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     out.update({"date": time.strftime("%Y-%m-%d"), "machine": machine(), "slo_ms": args.slo_ms,
                 "duration_s": args.duration, "seed": args.seed, "artifacts": str(d)})
-    write(out, args)
+    if args.parts == set(PARTS):
+        write(out, args)
+    else:
+        print(f"only {', '.join(sorted(args.parts))} measured: {RESULTS / 'serve_triton.*'} left as they are")
     return 0
 
 

@@ -27,8 +27,11 @@ load-adaptive policy picks from the load the router observes (``policy: adaptive
 No head-of-line blocking: once it has checked a request, ``execute`` hands it to a worker thread
 (``max_concurrency`` of them) and returns; each worker calls the budget model (BLS) and answers
 through the request's response sender, so a small request never waits behind a large one. (Threads rather
-than ``async`` BLS: measured here, a synchronous BLS call in a worker adds less latency.) The
-router does not batch (``max_batch_size: 0``); the budget models' dynamic batchers do.
+than ``async`` BLS: measured here, a synchronous BLS call in a worker adds less latency.) (Nor are
+requests answered in ``execute`` itself when the router is idle: that saves the thread handoff and
+the response sender, about 0.2 ms at batch 1, but requests arriving meanwhile wait, and under load
+the budget models then batch less: measured here, the load test's late requests grew several-fold.)
+The router does not batch (``max_batch_size: 0``); the budget models' dynamic batchers do.
 """
 
 import asyncio
@@ -37,9 +40,9 @@ import math
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -177,6 +180,7 @@ class RouterConfig:
     def __init__(self, model_config: Dict[str, Any]):
         params = {k: (v or {}).get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
         self.models = {float(s): str(n) for s, n in _table(params.get(MODELS_PARAMETER))}
+        self._chosen: Dict[Any, float] = {}  # requested sparsity -> served (route's memory)
         self.sparsities = sorted(self.models)
         if not self.sparsities:
             raise ValueError(f"config.pbtxt parameter {MODELS_PARAMETER!r} lists no budget models")
@@ -202,7 +206,19 @@ class RouterConfig:
         ``chosen`` (the policy's pick; default: the configured default) when none is named."""
         if rows is None:
             return [self.default if chosen is None else chosen]
-        return [choose_budget(r, self.sparsities, self.default) for r in rows]
+        first = rows[0] if rows else None
+        if all(r == first for r in rows):  # one budget for every row, the usual case
+            return [self._choose(first)] * len(rows)
+        return [self._choose(r) for r in rows]
+
+    def _choose(self, requested: Any) -> float:
+        """:func:`choose_budget`, remembered for the values requests name (at most 1024 of them)."""
+        served = self._chosen.get(requested)
+        if served is None:
+            served = choose_budget(requested, self.sparsities, self.default)
+            if len(self._chosen) < 1024:
+                self._chosen[requested] = served
+        return served
 
 
 def _table(text: Optional[str]) -> List[List[Any]]:
@@ -341,14 +357,15 @@ class RouterMetrics:
     success of the router, it answers after ``execute`` returned); ``elastic_router_rows_total{sparsity=...}``
     the rows served per budget; ``elastic_router_switches_total`` the adaptive policy's budget switches.
 
-    Counts gather in memory and one thread of their own adds them to the metrics (at most every
-    :attr:`FLUSH_S`): each update is a round trip to the server, which would otherwise sit on every
-    request's path, and this server crashes (``boost::interprocess::lock_exception``) when metrics are
+    Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them to the
+    metrics every :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread
+    of the server that also passes on the router's BLS requests and responses, so it stays off the
+    requests' path; and this server crashes (``boost::interprocess::lock_exception``) when metrics are
     updated from several threads at once (seen under load).
     """
 
     OUTCOMES = ("served", "refused", "failed")
-    FLUSH_S = 0.05
+    FLUSH_S = 0.5
 
     def __init__(self, router: str, sparsities: Sequence[float], switches=lambda: 0):
         family = pb_utils.MetricFamily
@@ -364,28 +381,25 @@ class RouterMetrics:
         self.rows = {s: rows.Metric(labels={"router": router, "sparsity": f"{s:g}"}) for s in sparsities}
         self.switches = switches_family.Metric(labels={"router": router})
         self._switches, self._switches_counted = switches, 0
-        self._pending_requests: Counter = Counter()
-        self._pending_rows: Counter = Counter()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closed = False
+        self._done: Deque[Tuple[str, Optional[List[float]], int]] = deque()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-metrics", daemon=True)
         self._thread.start()
 
     def count(self, outcome: str, served: Optional[List[float]] = None, requests: int = 1) -> None:
         """``requests`` answered with ``outcome``; ``served``: the served sparsity of each row."""
-        with self._lock:
-            self._pending_requests[outcome] += requests
-            if served:
-                self._pending_rows.update(served)
-        self._wake.set()
+        self._done.append((outcome, served, requests))  # deque.append: atomic, no lock
 
     def flush(self) -> None:
         """Add what was counted since the last flush to the server's metrics (only this thread, or
         :meth:`close` once it stopped, calls it)."""
-        with self._lock:
-            requests, self._pending_requests = self._pending_requests, Counter()
-            rows, self._pending_rows = self._pending_rows, Counter()
+        requests: Counter = Counter()
+        rows: Counter = Counter()
+        while self._done:
+            outcome, served, n = self._done.popleft()
+            requests[outcome] += n
+            if served:
+                rows.update(served)
         for outcome, n in requests.items():
             self.requests[outcome].increment(n)
         for s, n in rows.items():
@@ -396,19 +410,14 @@ class RouterMetrics:
             self._switches_counted = switches
 
     def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait()
-            time.sleep(self.FLUSH_S)  # what else arrives meanwhile goes in the same updates
-            self._wake.clear()
-            if not self._closed:
-                try:
-                    self.flush()
-                except Exception:  # the server refused an update (unloading): the counts are lost, not the thread
-                    pass
+        while not self._closed.wait(self.FLUSH_S):
+            try:
+                self.flush()
+            except Exception:  # the server refused an update (unloading): those counts are lost, not the thread
+                pass
 
     def close(self) -> None:
-        self._closed = True
-        self._wake.set()
+        self._closed.set()
         self._thread.join(timeout=5)
         self.flush()
 
@@ -451,15 +460,16 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
 
 class _Job:
     """A request ``execute`` accepted: its model-input tensors (None for text), its text tensor, batch size,
-    the served sparsity of every row (None: the policy's or the default), the outputs it asks for."""
+    the served sparsity of every row (named by the request, else picked by ``execute``: ``routed``), the
+    outputs it asks for, the requests in flight when it arrived (``queue``) and when (``arrived``)."""
 
-    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived")
+    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived", "routed")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Any, batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
         self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
         self.served, self.wanted = served, wanted
-        self.queue, self.arrived = 0, 0.0
+        self.queue, self.arrived, self.routed = 0, 0.0, False
 
 
 class TritonPythonModel:
@@ -498,27 +508,34 @@ class TritonPythonModel:
         per call (no dynamic batching in its config); were there several, a refused one among valid
         ones would be answered with an error response instead (raising fails every request of the call).
         """
-        refused = []
+        jobs, refused = [], []
         for request in requests:
             try:
-                job = self._accept(request)
+                jobs.append(self._accept(request))
             except BudgetError as e:
                 refused.append((request, str(e)))
-                continue
-            with self._lock:
-                job.queue = self.monitor.arrive()
-            job.arrived = time.monotonic()
+        if refused:
+            if self.metrics is not None:
+                self.metrics.count("refused", requests=len(refused))
+            if not jobs:
+                raise BudgetError(refused[0][1])
+            for request, message in refused:
+                request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message)),
+                                                   flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        for job in jobs:
+            self._arrive(job)
             self._pool.submit(self._serve, job)
-        if not refused:
-            return None
-        if self.metrics is not None:
-            self.metrics.count("refused", requests=len(refused))
-        if len(refused) == len(requests):
-            raise BudgetError(refused[0][1])
-        for request, message in refused:
-            request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message)),
-                                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
+
+    def _arrive(self, job: _Job) -> None:
+        """Count the job's arrival; pick its budget if it names none (the policy's, else the default)."""
+        with self._lock:
+            job.queue = self.monitor.arrive()
+            if job.served is None:
+                chosen = self.adaptive.choose(self.monitor, job.queue) if self.adaptive is not None else None
+                job.served = [self.config.default if chosen is None else chosen] * job.batch
+                job.routed = chosen is not None
+        job.arrived = time.monotonic()
 
     def _accept(self, request: Any) -> _Job:
         """The request's tensors and the served sparsity of its rows (when it names one), checked.
@@ -555,41 +572,35 @@ class TritonPythonModel:
         return _Job(request, None if text is not None else model_inputs, text, batch, served, wanted)
 
     def _serve(self, job: _Job) -> None:
-        served, routed, outcome = None, False, "served"
+        """A worker: the job's response (an error one if it fails), sent; counted."""
+        outcome = "served"
         try:
-            response, served, routed = self._answer(job)
+            response = self._answer(job)
         except BudgetError as e:  # the text input's (the tokenizer's) refusal
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e))), "refused"
         except Exception as e:  # a bug or a budget model's failure: answer it, never leave the client waiting
             error = pb_utils.TritonError(f"router: {e}")
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=error), "failed"
-        finally:
-            ms = (time.monotonic() - job.arrived) * 1e3
-            with self._lock:  # only the policy's picks (one budget for every row) steer it
-                self.monitor.leave(served[0] if routed else None, ms, alone=job.queue == 0)
+        ms = (time.monotonic() - job.arrived) * 1e3
+        with self._lock:  # only the policy's picks (one budget for every row) steer it
+            self.monitor.leave(job.served[0] if job.routed else None, ms, alone=job.queue == 0)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if self.metrics is not None:
-            self.metrics.count(outcome, served if outcome == "served" else None)
+            self.metrics.count(outcome, job.served if outcome == "served" else None)
 
-    def _answer(self, job: _Job):
-        served, chosen = job.served, None
-        if served is None:
-            if self.adaptive is not None:
-                with self._lock:
-                    chosen = self.adaptive.choose(self.monitor, job.queue)
-            served = [self.config.default if chosen is None else chosen] * job.batch
+    def _answer(self, job: _Job) -> Any:
         tensors, feeds = job.tensors, None
         if job.text is not None:
             values = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in job.text.as_numpy().reshape(-1)]
             feeds = self.tokenizer.encode(values)
         wanted = job.wanted
         names = [n for n in self.config.outputs if not wanted or n in wanted]
-        outputs = self._forward(tensors, feeds, served, names)
+        outputs = self._forward(tensors, feeds, job.served, names)
         if not wanted or SERVED_OUTPUT in wanted:
-            outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(served, dtype=np.float64).reshape(-1, 1)))
+            outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(job.served, dtype=np.float64).reshape(-1, 1)))
         if not wanted or PRECISION_OUTPUT in wanted:
-            outputs.append(pb_utils.Tensor(PRECISION_OUTPUT, np.repeat(self._precision, len(served), axis=0)))
-        return pb_utils.InferenceResponse(output_tensors=outputs), served, chosen is not None
+            outputs.append(pb_utils.Tensor(PRECISION_OUTPUT, np.repeat(self._precision, job.batch, axis=0)))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _forward(self, tensors: Optional[List[Any]], feeds: Optional[Dict[str, np.ndarray]], served: List[float],
                  names: List[str]) -> List[Any]:
@@ -603,8 +614,11 @@ class TritonPythonModel:
                                                  inputs=inputs).exec()
             if response.has_error():
                 raise RuntimeError(response.error().message())
-            out = {t.name(): t for t in response.output_tensors()}
-            return [out[n] for n in names]
+            out = response.output_tensors()
+            if [t.name() for t in out] == names:  # the budget model answers what was asked, in that order
+                return list(out)
+            by_name = {t.name(): t for t in out}
+            return [by_name[n] for n in names]
         if feeds is None:
             feeds = {t.name(): t.as_numpy() for t in tensors}
         groups: Dict[float, List[int]] = {}

@@ -87,16 +87,12 @@ def _metric(port: int, name: str, **labels) -> float:
 
 
 def _settled(port: int, name: str, **labels) -> float:
-    """The metric once two reads 0.2 s apart agree (the router adds its counts a moment after it answers,
-    up to ``RouterMetrics.FLUSH_S`` later), a bounded number of reads."""
-    got = _metric(port, name, **labels)
-    for _ in range(50):
-        time.sleep(0.2)
-        again = _metric(port, name, **labels)
-        if again == got:
-            break
-        got = again
-    return got
+    """The router's metric with every count made so far in it: the router adds its counts to the metrics
+    every ``RouterMetrics.FLUSH_S``, so two of those later."""
+    from elastic_export.targets.triton_router import RouterMetrics
+
+    time.sleep(2 * RouterMetrics.FLUSH_S)
+    return _metric(port, name, **labels)
 
 
 def _metric_reaches(port: int, value: float, name: str, **labels) -> float:
