@@ -178,14 +178,14 @@ def plot(path: Path, results: dict, profile, capacity: float, duration: float, t
     fig.savefig(path, dpi=110)
 
 
-def ensure_artifacts(path: Path) -> Path:
-    """The artifact directory, built from the embedded MiniLM (fisher, 0.1..0.6) when missing."""
+def ensure_artifacts(path: Path, budgets: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)) -> Path:
+    """The artifact directory, built from the embedded MiniLM (fisher, ``budgets``) when missing."""
     if (path / "manifest.json").is_file():
         return path
     from elastic_export.pipeline import Options, run
 
     print(f"building artifacts in {path} (about a minute)")
-    run(Options(budgets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6), method="fisher", out=str(path)), echo=print)
+    run(Options(budgets=budgets, method="fisher", out=str(path)), echo=print)
     return path
 
 

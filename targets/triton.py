@@ -156,7 +156,8 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
     runs = 'backend: "python"' if model.platform == "python" else f'platform: "{model.platform}"'
     params = {"sparsity": repr(model.sparsity)}
     if model.platform == "python":
-        params.update({ort_model.THREADS_PARAMETER: str(ort_threads), ort_model.WARMUP_PARAMETER: str(warmup_tokens)})
+        params.update({ort_model.THREADS_PARAMETER: str(ort_threads), ort_model.WARMUP_PARAMETER: str(warmup_tokens),
+                       ort_model.SPIN_PARAMETER: "0"})
     return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"

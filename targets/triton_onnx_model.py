@@ -13,8 +13,9 @@ A run that fails answers its requests with onnxruntime's message; when every run
 ``execute`` raises instead, the one way Triton's Python backend counts requests as failed
 (``nv_inference_request_failure``; an error response counts as a success).
 
-Parameters of its ``config.pbtxt``: ``intra_op_threads`` (0: onnxruntime's default) and
-``warmup_tokens`` (the free dims of the warm-up runs at load: the manifest's nominal tokens).
+Parameters of its ``config.pbtxt``: ``intra_op_threads`` (0: onnxruntime's default), ``allow_spinning``
+(``"0"``: idle onnxruntime threads sleep, see :func:`session_options`) and ``warmup_tokens`` (the free
+dims of the warm-up runs at load: the manifest's nominal tokens).
 """
 
 import json
@@ -30,6 +31,7 @@ except ImportError:  # outside a Triton server: the module imports, the model ne
 
 THREADS_PARAMETER = "intra_op_threads"
 WARMUP_PARAMETER = "warmup_tokens"
+SPIN_PARAMETER = "allow_spinning"
 MODEL_FILE = "model.onnx"
 _NUMPY = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32,
           "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT8": np.int8, "TYPE_FP64": np.float64}
@@ -44,6 +46,21 @@ def group_by_shape(arrays: List[Dict[str, np.ndarray]]) -> List[List[int]]:
     return list(groups.values())
 
 
+def session_options(params: Dict[str, str]) -> Any:
+    """The session's options from the config's parameters: ``intra_op_threads``; ``allow_spinning: "0"``
+    lets idle onnxruntime threads sleep (``elastic-export build triton`` writes it: the budget models of
+    one server share its cores, and under load several run at once, as the router switches budgets;
+    spinning threads of one then take the cores from the others)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = int(params.get(THREADS_PARAMETER) or 0)
+    if params.get(SPIN_PARAMETER) == "0":
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return options
+
+
 class TritonPythonModel:
     """Runs ``model.onnx`` of its version folder on the CPU."""
 
@@ -54,10 +71,8 @@ class TritonPythonModel:
             raise RuntimeError("this model runs inside Triton's Python backend (triton_python_backend_utils)")
         config = json.loads(args["model_config"])
         params = {k: (v or {}).get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = int(params.get(THREADS_PARAMETER) or 0)
         path = os.path.join(args["model_repository"], str(args["model_version"]), MODEL_FILE)
-        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(path, session_options(params), providers=["CPUExecutionProvider"])
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]
         self._warm_up(config["input"], int(params.get(WARMUP_PARAMETER) or 16))

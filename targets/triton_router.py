@@ -245,6 +245,8 @@ class LoadMonitor:
 
     Attributes:
         in_flight: requests received and not yet answered.
+        at: per budget, the requests in flight there (those a new request sent there queues behind).
+        last_arrival: when the latest request arrived (``clock``).
         rate: arrival rate (requests/s), exponentially weighted.
         latency_ms: per budget, the moving average of its answers' latency (queueing included).
         service_ms: per budget, the moving average of the latency of requests that had the server to
@@ -253,6 +255,8 @@ class LoadMonitor:
 
     def __init__(self, half_life_s: float = 0.5, clock=time.monotonic):
         self.in_flight = 0
+        self.at: Dict[float, int] = {}
+        self.last_arrival = 0.0
         self.rate = 0.0
         self.latency_ms: Dict[float, float] = {}
         self.service_ms: Dict[float, float] = {}
@@ -265,16 +269,27 @@ class LoadMonitor:
         if self._last is not None:
             decay = 0.5 ** ((now - self._last) / self._half_life)
             self.rate = self.rate * decay + (1.0 - decay) / max(now - self._last, 1e-6)
-        self._last = now
+        self._last = self.last_arrival = now
         self.in_flight += 1
         return self.in_flight - 1
 
-    def leave(self, sparsity: Optional[float], latency_ms: Optional[float], alone: bool = False) -> None:
-        """Count an answer of ``sparsity`` after ``latency_ms``; ``alone``: nothing else was in flight."""
+    def start(self, budget: Optional[float]) -> None:
+        """The arrived request goes to ``budget`` (None: to several)."""
+        if budget is not None:
+            self.at[budget] = self.at.get(budget, 0) + 1
+
+    def leave(self, sparsity: Optional[float], latency_ms: Optional[float], alone: bool = False,
+              budget: Optional[float] = None, fresh: bool = True) -> None:
+        """Count an answer of ``sparsity`` after ``latency_ms`` (None: not a sample); ``alone``: nothing
+        else was in flight (a service time); ``budget``: where :meth:`start` counted it; ``fresh``: a
+        latency sample (False: a service time at most)."""
         self.in_flight -= 1
+        if budget is not None:
+            self.at[budget] -= 1
         if sparsity is None or latency_ms is None:
             return
-        _ewma(self.latency_ms, sparsity, latency_ms)
+        if fresh:
+            _ewma(self.latency_ms, sparsity, latency_ms)
         if alone and self.in_flight == 0:
             _ewma(self.service_ms, sparsity, latency_ms)
 
@@ -286,12 +301,17 @@ def _ewma(table: Dict[float, float], key: float, value: float, weight: float = 0
 
 class AdaptiveRouting:
     """The project's :class:`~elastic_export.serving.policies.LoadAdaptivePolicy` fed with what the router
-    observes. Queue depth: the requests already in flight when one arrives. Service times, where the
-    directory's latency profile has every served budget at batch 1: the profile's p50, scaled by the
-    router's own measurements (:attr:`LoadMonitor.service_ms`, :meth:`calibrated_service`), so that
-    the arrival rate x service time (utilisation) steers the level too. With an SLO, a budget whose
-    measured latency (queueing included) exceeds 80 % of it counts as a full queue, so the policy
-    steps to a faster budget at once. Imports :mod:`elastic_export.serving.policies`."""
+    observes. Queue depth: the requests in flight at the budget the policy serves now (those a new one
+    queues behind; requests still in flight at a budget it left do not push it further: counted, a
+    burst stepped through every budget at once, and on a CPU the budget models then run side by side
+    and slow each other down). Service times, where the directory's latency profile has every served
+    budget at batch 1: the profile's p50, scaled by the router's own measurements
+    (:attr:`LoadMonitor.service_ms`, :meth:`calibrated_service`), so that the arrival rate x service
+    time (utilisation) steers the level too. With an SLO, a budget whose measured latency (queueing
+    included) exceeds 80 % of it counts as a full queue, so the policy steps to a faster budget at
+    once; only requests that arrived since the last switch are samples (:attr:`switched_at`), so one
+    overload is not counted again at every faster budget it steps to. Imports
+    :mod:`elastic_export.serving.policies`."""
 
     def __init__(self, config: RouterConfig, profile_path: Optional[str]):
         from elastic_export.serving.policies import LoadAdaptivePolicy
@@ -306,6 +326,7 @@ class AdaptiveRouting:
         self.policy.bind_pairs(pairs, config.precision)
         self.config = config
         self.profile = {s: ms for (s, _), ms in service.items()} if service else None
+        self.switched_at = float("-inf")
 
     def calibrated_service(self, measured: Dict[float, float]) -> Optional[Dict[Any, float]]:
         """Every budget's service time: the profile's, scaled by how the budgets measured here compare
@@ -316,10 +337,11 @@ class AdaptiveRouting:
         k = ratios[len(ratios) // 2] if ratios else 1.0
         return {(s, self.config.precision): ms * k for s, ms in self.profile.items()}
 
-    def choose(self, monitor: LoadMonitor, queue: int) -> float:
-        """The budget for a request that arrived with ``queue`` others in flight."""
-        depth = queue
+    def choose(self, monitor: LoadMonitor, queue: Optional[int] = None) -> float:
+        """The budget for a request that arrived with ``queue`` others ahead of it (None: those in flight
+        at the current budget, :attr:`LoadMonitor.at`)."""
         current = self.policy.select(1)[0]
+        depth = monitor.at.get(current, 0) if queue is None else queue
         slo = self.config.slo_ms
         if slo is not None and monitor.latency_ms.get(current, 0.0) > 0.8 * slo:
             depth = max(depth, self.policy.up_depth)
@@ -327,8 +349,9 @@ class AdaptiveRouting:
             self.policy.service_ms.update(self.calibrated_service(monitor.service_ms))
         self.policy.observe(depth, monitor.rate if self.policy.service_ms is not None else None)
         chosen = float(self.policy.select(1)[0])
-        if chosen < current:  # back to a denser budget: its latency from the last visit is stale
+        if chosen != current:  # its latency from the last visit is stale
             monitor.latency_ms.pop(chosen, None)
+            self.switched_at = monitor.last_arrival
         return chosen
 
 
@@ -461,15 +484,16 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
 class _Job:
     """A request ``execute`` accepted: its model-input tensors (None for text), its text tensor, batch size,
     the served sparsity of every row (named by the request, else picked by ``execute``: ``routed``), the
-    outputs it asks for, the requests in flight when it arrived (``queue``) and when (``arrived``)."""
+    outputs it asks for, the requests in flight when it arrived (``queue``) and when (``arrived``), the one budget
+    that serves it (``budget``; None: several)."""
 
-    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived", "routed")
+    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived", "routed", "budget")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Any, batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
         self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
         self.served, self.wanted = served, wanted
-        self.queue, self.arrived, self.routed = 0, 0.0, False
+        self.queue, self.arrived, self.routed, self.budget = 0, 0.0, False, None
 
 
 class TritonPythonModel:
@@ -531,11 +555,14 @@ class TritonPythonModel:
         """Count the job's arrival; pick its budget if it names none (the policy's, else the default)."""
         with self._lock:
             job.queue = self.monitor.arrive()
+            job.arrived = self.monitor.last_arrival
             if job.served is None:
-                chosen = self.adaptive.choose(self.monitor, job.queue) if self.adaptive is not None else None
+                chosen = self.adaptive.choose(self.monitor) if self.adaptive is not None else None
                 job.served = [self.config.default if chosen is None else chosen] * job.batch
                 job.routed = chosen is not None
-        job.arrived = time.monotonic()
+            first = job.served[0]
+            job.budget = first if all(s == first for s in job.served) else None
+            self.monitor.start(job.budget)
 
     def _accept(self, request: Any) -> _Job:
         """The request's tensors and the served sparsity of its rows (when it names one), checked.
@@ -582,8 +609,10 @@ class TritonPythonModel:
             error = pb_utils.TritonError(f"router: {e}")
             response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=error), "failed"
         ms = (time.monotonic() - job.arrived) * 1e3
-        with self._lock:  # only the policy's picks (one budget for every row) steer it
-            self.monitor.leave(job.served[0] if job.routed else None, ms, alone=job.queue == 0)
+        with self._lock:  # only the policy's picks (one budget for every row) since its last switch steer it
+            fresh = self.adaptive is None or job.arrived >= self.adaptive.switched_at
+            self.monitor.leave(job.served[0] if job.routed else None, ms, alone=job.queue == 0, budget=job.budget,
+                               fresh=fresh)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if self.metrics is not None:
             self.metrics.count(outcome, job.served if outcome == "served" else None)

@@ -139,12 +139,28 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, tmp_path
     assert [(t.name, t.data_type, list(t.dims)) for t in cfg.output] == [
         (t.name, t.data_type, list(t.dims)) for t in onnx_flavor.output]
     assert cfg.HasField("dynamic_batching") and cfg.parameters["intra_op_threads"].string_value == "1"
+    assert cfg.parameters["allow_spinning"].string_value == "0"  # see test_python_budget_model_session_options
     files = sorted(p.name for p in (d / "triton" / "elastic_s050" / "1").iterdir())
     assert files == ["model.onnx", "model.py"]
     assert (d / "triton" / "elastic_s050" / "1" / "model.py").read_text() == TR._package_source(TR.ORT_MODEL_FILE)
     assert (d / "triton" / "elastic" / "1" / "model.py").read_text() == TR.router_source()
     t = load_manifest(d)["triton"]
     assert {x["platform"] for x in t["models"]} == {"python"} and t["policy"] == "adaptive"
+
+
+def test_python_budget_model_session_options():
+    """The config's parameters reach the budget model's onnxruntime session: threads, and spinning off
+    (the budget models of one server share its cores)."""
+    from elastic_export.targets import triton_onnx_model as M
+
+    quiet = M.session_options({M.THREADS_PARAMETER: "1", M.SPIN_PARAMETER: "0"})
+    assert quiet.intra_op_num_threads == 1
+    assert quiet.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert quiet.get_session_config_entry("session.inter_op.allow_spinning") == "0"
+    default = M.session_options({})
+    assert default.intra_op_num_threads == 0
+    with pytest.raises(Exception):  # onnxruntime's own default: the entry is not set
+        default.get_session_config_entry("session.intra_op.allow_spinning")
 
 
 def test_router_model_routes_on_the_built_repository(art, repo, monkeypatch):

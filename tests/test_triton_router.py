@@ -330,3 +330,46 @@ def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
     monitor.service_ms = {0.5: 0.5}  # measured here: 4x faster than the profile says, dense too then
     calm = [routing.choose(monitor, queue=0) for _ in range(routing.policy.down_after)]
     assert calm[-1] == 0.0 and routing.policy.service_ms == {(0.0, "fp32"): 1.0, (0.5, "fp32"): 0.5}
+
+
+def _adaptive(budgets, slo_ms="50"):
+    config = RouterConfig({"parameters": {"budget_models": {"string_value": json.dumps(
+        [[s, f"m{i}"] for i, s in enumerate(budgets)])}, "policy": {"string_value": "adaptive"},
+        "slo_ms": {"string_value": slo_ms}}, "input": [], "output": []})
+    return triton_router.AdaptiveRouting(config, None)
+
+
+def _arrive(routing, monitor) -> float:
+    """One arrival as the router handles it: counted, routed by the policy, counted at its budget."""
+    monitor.arrive()
+    chosen = routing.choose(monitor)
+    monitor.start(chosen)
+    return chosen
+
+
+def test_adaptive_routing_counts_the_queue_at_the_budget_it_serves():
+    """A burst at dense steps up once: the requests still in flight at dense do not push every later
+    arrival one budget further (each step would put one more budget model to work beside the others)."""
+    routing = _adaptive([0.0, 0.3, 0.6])
+    monitor = triton_router.LoadMonitor(clock=iter(np.arange(0, 100, 0.001)).__next__)
+    assert [_arrive(routing, monitor) for _ in range(8)] == [0.0] * 8
+    assert monitor.at == {0.0: 8}
+    later = [_arrive(routing, monitor) for _ in range(5)]
+    assert later == [0.3] * 5  # 8 ahead at dense: one step; the queue at 0.3 is short: no more
+    assert monitor.in_flight == 13 and monitor.at == {0.0: 8, 0.3: 5}
+    monitor.leave(0.0, 40.0, budget=0.0)
+    assert monitor.at[0.0] == 7 and monitor.in_flight == 12
+
+
+def test_adaptive_routing_takes_latency_samples_only_since_its_last_switch():
+    """A request that arrived before the switch and answers late measures the overload that caused the
+    switch, not the budget switched to; one that arrived after it does."""
+    routing = _adaptive([0.0, 0.3, 0.6])
+    monitor = triton_router.LoadMonitor(clock=iter(np.arange(0, 100, 0.001)).__next__)
+    for _ in range(9):
+        _arrive(routing, monitor)
+    assert routing.policy.select(1)[0] == 0.3 and routing.switched_at == monitor.last_arrival
+    monitor.leave(0.3, 45.0, budget=0.3, fresh=False)  # near the SLO, but from before the switch
+    assert 0.3 not in monitor.latency_ms and _arrive(routing, monitor) == 0.3
+    monitor.leave(0.3, 45.0, budget=0.3, fresh=True)
+    assert monitor.latency_ms[0.3] == 45.0 and _arrive(routing, monitor) == 0.6
