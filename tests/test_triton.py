@@ -121,7 +121,7 @@ def test_repository_layout_and_configs_parse(art, repo):
         assert sorted(p.name for p in (repo / name).rglob("*")) == ["1", "config.pbtxt", "model.onnx"]
 
 
-def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, tmp_path):
+def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, repo, tmp_path):
     """--budget-backend python: each budget a Python-backend model (onnxruntime on its model.onnx),
     same inputs, outputs, dims and batching as the onnxruntime flavor; the router is the same file."""
     import shutil as sh
@@ -131,7 +131,7 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, tmp_path
     r = _cli("build", "triton", str(d), "--budget-backend", "python", "--max-batch", "16", "--ort-threads", "1")
     assert r.returncode == 0, r.stderr
     assert "triton/elastic_s050 (python, sparsity 0.5)" in r.stdout and "load-adaptive" in r.stdout
-    onnx_flavor = _parse(art / "triton" / "elastic_s050" / "config.pbtxt")
+    onnx_flavor = _parse(repo / "elastic_s050" / "config.pbtxt")
     cfg = _parse(d / "triton" / "elastic_s050" / "config.pbtxt")
     assert cfg.backend == "python" and cfg.platform == "" and cfg.max_batch_size == 16
     assert [(t.name, t.data_type, list(t.dims)) for t in cfg.input] == [
