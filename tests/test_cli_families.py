@@ -48,7 +48,10 @@ EDGES = {
     "SiglipVisionModel": {"no-pooler": {"vision_use_head": False}},  # no attention-pooling head
     "LlamaModel": {"no-bias": {"attention_bias": False, "mlp_bias": False}},  # the base has both biases
 }
-EDGE_CASES = [(c, "one-layer", ONE_LAYER.get(c.__name__, {"num_hidden_layers": 1})) for c in CLASSES] + [
+# One layer: once per adapter (the first class by name; the block loop is the adapter's, and every
+# class has its own base test above).
+ONE_LAYER_CLASSES = [c for i, c in enumerate(CLASSES) if all(ADAPTERS[c] != ADAPTERS[d] for d in CLASSES[:i])]
+EDGE_CASES = [(c, "one-layer", ONE_LAYER.get(c.__name__, {"num_hidden_layers": 1})) for c in ONE_LAYER_CLASSES] + [
     (c, case, overrides) for c in CLASSES for case, overrides in EDGES.get(c.__name__, {}).items()]
 
 
