@@ -246,7 +246,7 @@ class LoadMonitor:
     Attributes:
         in_flight: requests received and not yet answered.
         at: per budget, the requests in flight there (those a new request sent there queues behind).
-        last_arrival: when the latest request arrived (``clock``).
+        last_arrival: when the latest request arrived (``clock``; None before the first).
         rate: arrival rate (requests/s), exponentially weighted.
         latency_ms: per budget, the moving average of its answers' latency (queueing included).
         service_ms: per budget, the moving average of the latency of requests that had the server to
@@ -256,20 +256,20 @@ class LoadMonitor:
     def __init__(self, half_life_s: float = 0.5, clock=time.monotonic):
         self.in_flight = 0
         self.at: Dict[float, int] = {}
-        self.last_arrival = 0.0
+        self.last_arrival: Optional[float] = None
         self.rate = 0.0
         self.latency_ms: Dict[float, float] = {}
         self.service_ms: Dict[float, float] = {}
         self._half_life, self._clock = half_life_s, clock
-        self._last: Optional[float] = None
 
     def arrive(self) -> int:
         """Count an arrival; returns how many other requests were in flight (the queue it joins)."""
         now = self._clock()
-        if self._last is not None:
-            decay = 0.5 ** ((now - self._last) / self._half_life)
-            self.rate = self.rate * decay + (1.0 - decay) / max(now - self._last, 1e-6)
-        self._last = self.last_arrival = now
+        last = self.last_arrival
+        if last is not None:
+            decay = 0.5 ** ((now - last) / self._half_life)
+            self.rate = self.rate * decay + (1.0 - decay) / max(now - last, 1e-6)
+        self.last_arrival = now
         self.in_flight += 1
         return self.in_flight - 1
 
@@ -624,7 +624,7 @@ class TritonPythonModel:
             feeds = self.tokenizer.encode(values)
         wanted = job.wanted
         names = [n for n in self.config.outputs if not wanted or n in wanted]
-        outputs = self._forward(tensors, feeds, job.served, names)
+        outputs = self._forward(tensors, feeds, job.served, job.budget, names)
         if not wanted or SERVED_OUTPUT in wanted:
             outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(job.served, dtype=np.float64).reshape(-1, 1)))
         if not wanted or PRECISION_OUTPUT in wanted:
@@ -632,14 +632,13 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _forward(self, tensors: Optional[List[Any]], feeds: Optional[Dict[str, np.ndarray]], served: List[float],
-                 names: List[str]) -> List[Any]:
+                 budget: Optional[float], names: List[str]) -> List[Any]:
         """Run every group of rows on its budget model (several groups: at once); the output tensors, in
         row order. ``tensors``: the request's own (forwarded as they are when one budget serves every
-        row), else ``feeds`` (the tokenized text)."""
-        first = served[0]
-        if all(s == first for s in served):  # one budget: the request's tensors in, the budget model's out
+        row), else ``feeds`` (the tokenized text); ``budget``: the one budget of every row (None: several)."""
+        if budget is not None:  # one budget: the request's tensors in, the budget model's out
             inputs = tensors if tensors is not None else [pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in feeds.items()]
-            response = pb_utils.InferenceRequest(model_name=self.config.models[first], requested_output_names=names,
+            response = pb_utils.InferenceRequest(model_name=self.config.models[budget], requested_output_names=names,
                                                  inputs=inputs).exec()
             if response.has_error():
                 raise RuntimeError(response.error().message())
