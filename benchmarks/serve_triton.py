@@ -57,6 +57,8 @@ RESULTS = Path(__file__).parent / "results"
 # costs of the server and the client do not shrink with the model), so bursts there miss the SLO.
 DEFAULT_ARTIFACTS = Path.home() / ".cache" / "elastic-export" / "serve_triton-minilm-fisher"
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+SMALL = 0.6  # the sparsity of the added-latency and head-of-line requests
+PARTS = ("overhead", "head-of-line", "spike")
 FLOOR = "bls_floor"  # the least a Python-backend model that forwards a request adds, measured beside the router
 FLOOR_MODEL = '''"""Forwards each request to one model (BLS) and returns its answer: no checks, no policy, no threads."""
 import json
@@ -90,7 +92,11 @@ def add_floor_model(repository: Path, router: str, target: str) -> str:
     (repository / FLOOR / "config.pbtxt").write_text(config)
     (repository / FLOOR / "1" / "model.py").write_text(FLOOR_MODEL)
     return FLOOR
-PARTS = ("overhead", "head-of-line", "spike")
+
+
+def budget_models(triton: dict) -> dict[float, str]:
+    """Served sparsity -> budget model name, from the manifest's ``triton`` entry."""
+    return {m["sparsity"]: m["name"] for m in triton["models"]}
 
 
 def feeds_for(manifest: Manifest, batch: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -143,7 +149,7 @@ async def router_overhead(client, router: str, budget_model: str, feeds, n: int)
     side of a round alike."""
     import random
 
-    paths = {"router": (router, grpc_inputs(feeds, 0.6)), "floor": (FLOOR, grpc_inputs(feeds, 0.6)),
+    paths = {"router": (router, grpc_inputs(feeds, SMALL)), "floor": (FLOOR, grpc_inputs(feeds, SMALL)),
              "direct": (budget_model, grpc_inputs(feeds))}
     for _ in range(20):  # warm every path
         for model, inputs in paths.values():
@@ -169,7 +175,7 @@ async def router_overhead(client, router: str, budget_model: str, feeds, n: int)
 
 
 async def head_of_line(client, router: str, manifest: Manifest, tokens: int, trials: int = 5) -> dict:
-    small = grpc_inputs(feeds_for(manifest, 1, tokens), 0.6)
+    small = grpc_inputs(feeds_for(manifest, 1, tokens), SMALL)
     big = grpc_inputs(feeds_for(manifest, 64, tokens, seed=1), 0.0)
     alone = [(await timed(client, router, small, ["sentence_embedding"]))[0] for _ in range(20)]
     alone_ms = float(np.median(alone))
@@ -292,11 +298,11 @@ async def measure(server: TritonServer, manifest: Manifest, t: dict, args) -> di
     client = aio.InferenceServerClient(server.grpc_url)
     tokens = args.seq_len or manifest.tokens
     one = feeds_for(manifest, 1, tokens)
-    router, by_s = t["router"], {m["sparsity"]: m["name"] for m in t["models"]}
+    router, by_s = t["router"], budget_models(t)
     out = {}
     try:
         if "overhead" in args.parts:
-            out["router_overhead"] = await router_overhead(client, router, by_s[0.6], one, args.overhead_rounds)
+            out["router_overhead"] = await router_overhead(client, router, by_s[SMALL], one, args.overhead_rounds)
             print("router overhead", json.dumps(out["router_overhead"]))
         if "head-of-line" in args.parts:
             out["head_of_line"] = await head_of_line(client, router, manifest, tokens)
@@ -348,11 +354,12 @@ def write(out: dict, args) -> None:
               f"Router added latency at batch 1: {o['added_p50_ms']:.2f} ms (95 % CI {lo:.2f}..{hi:.2f}); a bare BLS "
               f"forwarder (`{FLOOR}`: no checks, no policy, no threads) adds {o['floor_added_p50_ms']:.2f} ms "
               f"(95 % CI {flo:.2f}..{fhi:.2f}): the medians of {o['rounds']} rounds of back-to-back requests (via the "
-              f"router, via the forwarder, straight to the 0.6 budget model, order shuffled); medians "
+              f"router, via the forwarder, straight to the {SMALL:g} budget model, order shuffled); medians "
               f"{o['router_p50_ms']:.2f} ms via the router, {o['floor_p50_ms']:.2f} ms via the forwarder, "
               f"{o['direct_p50_ms']:.2f} ms direct.",
-              f"Head-of-line: batch-1 at 0.6 behind a dense 64 x {out['tokens']} request: worst {h['worst_small_ms']:.1f} ms "
-              f"over {len(h['trials'])} trials, alone {h['small_alone_p50_ms']:.1f} ms, bound {h['bound_ms']:.1f} ms: "
+              f"Head-of-line: batch-1 at {SMALL:g} behind a dense 64 x {out['tokens']} request: "
+              f"worst {h['worst_small_ms']:.1f} ms over {len(h['trials'])} trials, alone "
+              f"{h['small_alone_p50_ms']:.1f} ms, bound {h['bound_ms']:.1f} ms: "
               f"{'met' if h['met'] else 'NOT met'}.", "", "![load test](serve_triton.png)", ""]
     (RESULTS / "serve_triton.md").write_text("\n".join(lines))
     print("\n".join(lines))
@@ -387,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(d / "triton", port=free_port_block(), log=args.server_log)
     try:
         server.start_routed([m["name"] for m in t["models"]], t["router"])
-        server.load(add_floor_model(d / "triton", t["router"], next(m["name"] for m in t["models"]
-                                                                  if m["sparsity"] == 0.6)))
+        if "overhead" in args.parts:
+            server.load(add_floor_model(d / "triton", t["router"], budget_models(t)[SMALL]))
         out = asyncio.run(measure(server, manifest, t, args))
     finally:
         server.stop()
