@@ -3,11 +3,13 @@
 One ``tritonserver`` (the ``serve`` extra's, loopback only) serves the artifact directory's repository
 (``build triton --budget-backend python``, the router's load-adaptive policy with ``--slo-ms``). Then:
 
-1. **Router overhead**: rounds of three batch-1 requests, one through the router (sparsity 0.6), one
-   through a bare BLS forwarder (``bls_floor``: what any Python-backend model that forwards a request
-   adds, the floor under the router's figure) and one straight to the 0.6 budget model, back to back, the
-   order shuffled; the median of each forwarder's differences to the direct request is what it adds
-   (robust to the machine's load drifting during the run).
+1. **Router overhead**: rounds of four batch-1 requests, one through the router (sparsity 0.6: idle, it
+   runs the request itself), one through a copy of it that forwards every request (``<router>_bls``, as
+   with onnxruntime / TensorRT budget models), one through a bare BLS forwarder (``bls_floor``: what any
+   Python-backend model that forwards a request adds, the floor under a forwarding router's figure) and
+   one straight to the 0.6 budget model, back to back, the order shuffled; the median of each one's
+   differences to the direct request is what it adds (robust to the machine's load drifting during the
+   run).
 2. **Head-of-line**: a batch-1 request at 0.6 sent while a dense 64 x N request runs, against the same
    request alone (done means: within max(50 ms, 5x alone)).
 3. **Dense capacity**: closed-loop throughput of the dense model alone at batch 1 (``--concurrency``
@@ -36,6 +38,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,6 +53,7 @@ from serve_sim import DEFAULT_PROFILE, arrivals, ensure_artifacts, parse_profile
 
 from elastic_export.core.manifest import Manifest  # noqa: E402
 from elastic_export.targets.triton import build_repository  # noqa: E402
+from elastic_export.targets.triton_router import INLINE_PARAMETER  # noqa: E402
 from elastic_export.targets.tritonserver import TritonServer, free_port_block  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -92,6 +96,20 @@ def add_floor_model(repository: Path, router: str, target: str) -> str:
     (repository / FLOOR / "config.pbtxt").write_text(config)
     (repository / FLOOR / "1" / "model.py").write_text(FLOOR_MODEL)
     return FLOOR
+
+
+def add_bls_router(repository: Path, router: str) -> str:
+    """A copy of the router (``<router>_bls``) that never runs a request itself: every one goes to its
+    budget model (BLS), as in a repository of onnxruntime or TensorRT budget models."""
+    name = f"{router}_bls"
+    shutil.rmtree(repository / name, ignore_errors=True)
+    shutil.copytree(repository / router, repository / name, symlinks=True)
+    config = (repository / name / "config.pbtxt").read_text().replace(f'name: "{router}"', f'name: "{name}"', 1)
+    inline = f'key: "{INLINE_PARAMETER}"\n    value {{ string_value: "1" }}'
+    if inline not in config:
+        raise RuntimeError(f"{router}'s config has no {INLINE_PARAMETER!r} parameter")
+    (repository / name / "config.pbtxt").write_text(config.replace(inline, inline.replace('"1"', '"0"')))
+    return name
 
 
 def budget_models(triton: dict) -> dict[float, str]:
@@ -142,15 +160,16 @@ def median_ci(values: np.ndarray) -> tuple[float, float]:
 
 
 async def router_overhead(client, router: str, budget_model: str, feeds, n: int) -> dict:
-    """``n`` rounds, each one request through the router (sparsity 0.6), one through the BLS floor model
+    """``n`` rounds, each one request through the router (sparsity 0.6; idle, it runs the request itself),
+    one through its copy that always forwards (:func:`add_bls_router`), one through the BLS floor model
     (:data:`FLOOR_MODEL`) and one straight to the budget model, back to back, the order shuffled (seeded)
     from round to round; what each forwarder adds is the median of its differences to the direct request
     of the same round, so that what the machine does meanwhile (slower or faster minutes) falls on every
     side of a round alike."""
     import random
 
-    paths = {"router": (router, grpc_inputs(feeds, SMALL)), "floor": (FLOOR, grpc_inputs(feeds, SMALL)),
-             "direct": (budget_model, grpc_inputs(feeds))}
+    paths = {"router": (router, grpc_inputs(feeds, SMALL)), "bls_router": (f"{router}_bls", grpc_inputs(feeds, SMALL)),
+             "floor": (FLOOR, grpc_inputs(feeds, SMALL)), "direct": (budget_model, grpc_inputs(feeds))}
     for _ in range(20):  # warm every path
         for model, inputs in paths.values():
             await timed(client, model, inputs, ["sentence_embedding"])
@@ -166,7 +185,7 @@ async def router_overhead(client, router: str, budget_model: str, feeds, n: int)
             ms[name].append(latency)
     direct = np.array(ms["direct"])
     out = {"rounds": n, "direct_p50_ms": float(np.median(direct))}
-    for name, key in (("router", "added"), ("floor", "floor_added")):
+    for name, key in (("router", "added"), ("bls_router", "bls_added"), ("floor", "floor_added")):
         added = np.array(ms[name]) - direct
         out.update({f"{name}_p50_ms": float(np.median(ms[name])), f"{key}_p50_ms": float(np.median(added)),
                     f"{key}_p50_ci95_ms": list(median_ci(added)),
@@ -350,12 +369,16 @@ def write(out: dict, args) -> None:
     o, h = out["router_overhead"], out["head_of_line"]
     lo, hi = o["added_p50_ci95_ms"]
     flo, fhi = o["floor_added_p50_ci95_ms"]
+    blo, bhi = o["bls_added_p50_ci95_ms"]
     lines += ["", f"Triton's own count (statistics extension), success / failure: {counted}.", "",
-              f"Router added latency at batch 1: {o['added_p50_ms']:.2f} ms (95 % CI {lo:.2f}..{hi:.2f}); a bare BLS "
-              f"forwarder (`{FLOOR}`: no checks, no policy, no threads) adds {o['floor_added_p50_ms']:.2f} ms "
-              f"(95 % CI {flo:.2f}..{fhi:.2f}): the medians of {o['rounds']} rounds of back-to-back requests (via the "
-              f"router, via the forwarder, straight to the {SMALL:g} budget model, order shuffled); medians "
-              f"{o['router_p50_ms']:.2f} ms via the router, {o['floor_p50_ms']:.2f} ms via the forwarder, "
+              f"Router added latency at batch 1: {o['added_p50_ms']:.2f} ms (95 % CI {lo:.2f}..{hi:.2f}; idle, it runs "
+              f"the request on the budget's ONNX file itself); the same router forwarding every request to the budget "
+              f"model (BLS, as with onnxruntime or TensorRT budget models) adds {o['bls_added_p50_ms']:.2f} ms (95 % CI "
+              f"{blo:.2f}..{bhi:.2f}), a bare BLS forwarder (`{FLOOR}`: no checks, no policy, no threads) "
+              f"{o['floor_added_p50_ms']:.2f} ms (95 % CI {flo:.2f}..{fhi:.2f}): the medians of {o['rounds']} rounds of "
+              f"back-to-back requests (via the router, its forwarding copy, the forwarder, straight to the {SMALL:g} "
+              f"budget model, order shuffled); medians {o['router_p50_ms']:.2f} ms via the router, "
+              f"{o['bls_router_p50_ms']:.2f} ms via its forwarding copy, {o['floor_p50_ms']:.2f} ms via the forwarder, "
               f"{o['direct_p50_ms']:.2f} ms direct.",
               f"Head-of-line: batch-1 at {SMALL:g} behind a dense 64 x {out['tokens']} request: "
               f"worst {h['worst_small_ms']:.1f} ms over {len(h['trials'])} trials, alone "
@@ -396,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         server.start_routed([m["name"] for m in t["models"]], t["router"])
         if "overhead" in args.parts:
             server.load(add_floor_model(d / "triton", t["router"], budget_models(t)[SMALL]))
+            server.load(add_bls_router(d / "triton", t["router"]))
         out = asyncio.run(measure(server, manifest, t, args))
     finally:
         server.stop()

@@ -174,6 +174,8 @@ class RouterSettings:
         slo_ms: the latency objective the adaptive policy steps down for (None: none).
         precision: the precision the budget models serve (reported as ``served_precision``).
         text: declare the ``text`` input (BYTES; the router tokenizes it).
+        inline: the router runs a request on the budget's ONNX file itself when it has nothing else in
+            flight (written for ``python`` budget models: their Python has onnxruntime).
     """
 
     default: float
@@ -181,17 +183,19 @@ class RouterSettings:
     slo_ms: float | None = None
     precision: str = "fp32"
     text: bool = False
+    inline: bool = False
 
 
 def router_config(name: str, models: Sequence[ServedModel], settings: RouterSettings, inputs: Sequence[dict],
-                  outputs: Sequence[dict]) -> str:
+                  outputs: Sequence[dict], ort_threads: int = 0, warmup_tokens: int = 16) -> str:
     """``config.pbtxt`` of the router (Python backend, ``max_batch_size: 0``: it forwards, the budget
     models batch). Inputs: the model's (optional where ``text`` may replace them), ``sparsity`` (FP32
     ``[-1, 1]``: one value for every row or one per row) and ``text`` (BYTES ``[-1]``) when asked;
     outputs: the model's plus ``served_sparsity`` (FP64 ``[-1, 1]``) and ``served_precision`` (BYTES).
     Its ``parameters`` carry the budget table (``budget_models``: JSON ``[[sparsity, model name], ...]``),
-    ``default_sparsity``, ``policy``, ``slo_ms`` and ``precision``: editing them changes the routing
-    without touching ``model.py``."""
+    ``default_sparsity``, ``policy``, ``slo_ms``, ``precision`` and, with ``settings.inline``, ``inline``
+    (with the inline sessions' ``intra_op_threads`` and ``warmup_tokens``): editing them changes the
+    routing without touching ``model.py``."""
     table = json.dumps([[m.sparsity, m.name] for m in models])
     own_in = [_tensor(SPARSITY_INPUT, "TYPE_FP32", [-1, 1], optional=True)]
     if settings.text:
@@ -202,6 +206,9 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
               router.READY_TIMEOUT_PARAMETER: repr(float(READY_TIMEOUT_S))}
     if settings.slo_ms is not None:
         params[router.SLO_PARAMETER] = repr(float(settings.slo_ms))
+    if settings.inline:
+        params.update({router.INLINE_PARAMETER: "1", router.THREADS_PARAMETER: str(ort_threads),
+                       router.WARMUP_PARAMETER: str(warmup_tokens)})
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
             + _tensors("input", inputs, own_in, batch_dim=True, optional=settings.text)
             + _tensors("output", outputs, own_out, batch_dim=True)
@@ -445,7 +452,8 @@ class RepositoryPlan:
                                         instances=self.instances, queue_delay_us=self.queue_delay_us,
                                         ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens)
                    for m in self.models}
-        configs[self.name] = router_config(self.name, self.models, self.router, self.inputs, self.outputs)
+        configs[self.name] = router_config(self.name, self.models, self.router, self.inputs, self.outputs,
+                                           ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens)
         if _can_validate():
             for model_name, text in configs.items():
                 try:
@@ -538,14 +546,14 @@ def _tokenizer_folder(directory: Path, manifest: Manifest) -> Path | None:
 
 
 def _router_settings(models: Sequence[ServedModel], default_sparsity: float | None, policy: str | None,
-                     slo_ms: float | None, precision: str, text: bool) -> RouterSettings:
+                     slo_ms: float | None, precision: str, text: bool, inline: bool = False) -> RouterSettings:
     """The router's settings: ``policy`` None means ``fixed`` when a default sparsity is given, else ``adaptive``."""
     policy = policy or ("fixed" if default_sparsity is not None else "adaptive")
     if policy not in POLICIES:
         raise UserError(f"--policy {policy}: choose {', '.join(POLICIES)}")
     if slo_ms is not None and (isinstance(slo_ms, bool) or not slo_ms > 0 or not math.isfinite(slo_ms)):
         raise UserError(f"--slo-ms must be a positive number of milliseconds, got {slo_ms}")
-    return RouterSettings(_default_budget(models, default_sparsity), policy, slo_ms, precision, text)
+    return RouterSettings(_default_budget(models, default_sparsity), policy, slo_ms, precision, text, inline)
 
 
 def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_batch: int | None = None,
@@ -589,7 +597,8 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     models = plan_models(d, manifest, name=name, precision=precision, dense=dense, platform=platform)
     max_batch = _served_max_batch(manifest, models, kind, max_batch)
     tokenizer = _tokenizer_folder(d, manifest)
-    settings = _router_settings(models, default_sparsity, policy, slo_ms, precision, tokenizer is not None)
+    inline = all(m.platform == "python" for m in models)  # the router's Python has onnxruntime
+    settings = _router_settings(models, default_sparsity, policy, slo_ms, precision, tokenizer is not None, inline)
     _check_replaceable(d, manifest)
     inputs, outputs = _served_io(d, manifest, models)
     profile = d / LATENCY_PROFILE if (d / LATENCY_PROFILE).is_file() else None

@@ -33,8 +33,6 @@ THREADS_PARAMETER = "intra_op_threads"
 WARMUP_PARAMETER = "warmup_tokens"
 SPIN_PARAMETER = "allow_spinning"
 MODEL_FILE = "model.onnx"
-_NUMPY = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32,
-          "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT8": np.int8, "TYPE_FP64": np.float64}
 
 
 def group_by_shape(arrays: List[Dict[str, np.ndarray]]) -> List[List[int]]:
@@ -61,6 +59,29 @@ def session_options(params: Dict[str, str]) -> Any:
     return options
 
 
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+              "tensor(int32)": np.int32, "tensor(bool)": np.bool_, "tensor(uint8)": np.uint8,
+              "tensor(int8)": np.int8, "tensor(double)": np.float64}
+
+
+def warm_up(session: Any, free: int) -> None:
+    """Runs ``session`` on zeros at batch 1 and 8 (its other free dims ``free``: the model's nominal
+    tokens), so the first requests do not pay onnxruntime's first-run allocations (a load-adaptive
+    router would read that as load). Best effort: a model that needs other shapes warms up on its first
+    request."""
+    for batch in (1, 8):
+        feeds = {}
+        for i in session.get_inputs():
+            dims = [d if isinstance(d, int) and d > 0 else free for d in i.shape]
+            if dims:
+                dims[0] = batch
+            feeds[i.name] = np.zeros(dims, dtype=_ORT_TYPES.get(i.type, np.float32))
+        try:
+            session.run(None, feeds)
+        except Exception:
+            pass
+
+
 class TritonPythonModel:
     """Runs ``model.onnx`` of its version folder on the CPU."""
 
@@ -75,22 +96,7 @@ class TritonPythonModel:
         self.session = ort.InferenceSession(path, session_options(params), providers=["CPUExecutionProvider"])
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]
-        self._warm_up(config["input"], int(params.get(WARMUP_PARAMETER) or 16))
-
-    def _warm_up(self, specs: List[Dict[str, Any]], free: int) -> None:
-        """Runs on zeros (batch 1 and 8, free dims ``free``: the model's nominal tokens) at load, so the
-        first requests do not pay onnxruntime's first-run allocations (a load-adaptive router would
-        read that as load)."""
-        for batch in (1, 8):
-            self._run_zeros(specs, batch, free)
-
-    def _run_zeros(self, specs: List[Dict[str, Any]], batch: int, free: int) -> None:
-        feeds = {t["name"]: np.zeros([batch] + [free if int(d) < 0 else int(d) for d in t.get("dims", [])],
-                                     dtype=_NUMPY.get(t.get("data_type"), np.float32)) for t in specs}
-        try:
-            self.session.run(None, feeds)
-        except Exception:  # best effort: a model that needs other shapes warms up on its first request
-            pass
+        warm_up(self.session, int(params.get(WARMUP_PARAMETER) or 16))
 
     def execute(self, requests: List[Any]) -> List[Any]:
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]

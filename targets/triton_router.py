@@ -65,6 +65,9 @@ SLO_PARAMETER = "slo_ms"
 PRECISION_PARAMETER = "precision"
 READY_TIMEOUT_PARAMETER = "ready_timeout_s"
 CONCURRENCY_PARAMETER = "max_concurrency"
+INLINE_PARAMETER = "inline"  # "1": the router runs a request itself when it has nothing else in flight
+THREADS_PARAMETER = "intra_op_threads"  # of the router's own (inline) onnxruntime sessions
+WARMUP_PARAMETER = "warmup_tokens"  # their warm-up runs' free dims
 DEFAULT_CONCURRENCY = 64
 POLICIES = ("fixed", "adaptive")
 PROFILE_FILE = "latency_profile.json"  # next to model.py, copied from the artifact directory when it has one
@@ -175,6 +178,10 @@ class RouterConfig:
         text: whether the config declares the ``text`` input.
         ready_timeout_s: how long ``initialize`` waits for the budget models to be ready.
         max_concurrency: requests the router works on at once (its worker threads); more wait.
+        inline: run a request on the budget's ``model.onnx`` in the router's own process when nothing
+            else is in flight (see :class:`TritonPythonModel`).
+        intra_op_threads: onnxruntime intra-op threads of those sessions (0: its default).
+        warmup_tokens: the free dims of their warm-up runs at load.
     """
 
     def __init__(self, model_config: Dict[str, Any]):
@@ -196,6 +203,9 @@ class RouterConfig:
         self.ready_timeout_s = _number(params.get(READY_TIMEOUT_PARAMETER) or 300, READY_TIMEOUT_PARAMETER)
         self.max_concurrency = int(_number(params.get(CONCURRENCY_PARAMETER) or DEFAULT_CONCURRENCY,
                                            CONCURRENCY_PARAMETER))
+        self.inline = params.get(INLINE_PARAMETER) == "1"
+        self.intra_op_threads = int(_number(params.get(THREADS_PARAMETER) or 0, THREADS_PARAMETER))
+        self.warmup_tokens = int(_number(params.get(WARMUP_PARAMETER) or 16, WARMUP_PARAMETER))
         names = [t["name"] for t in model_config.get("input", [])]
         self.text = TEXT_INPUT in names
         self.inputs = [n for n in names if n not in OWN_TENSORS]
@@ -481,19 +491,38 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
         sleep(0.2)
 
 
+def inline_sessions(config: RouterConfig, repository: str) -> Dict[float, Any]:
+    """One onnxruntime session per served budget, on its budget model's ``1/model.onnx`` under
+    ``repository`` (the model repository's root), with the budget models' options (threads sleep when
+    idle), warmed up. Imports onnxruntime and :mod:`elastic_export.targets.triton_onnx_model`."""
+    import onnxruntime as ort
+
+    from elastic_export.targets import triton_onnx_model as ort_model
+
+    options = ort_model.session_options({ort_model.THREADS_PARAMETER: str(config.intra_op_threads),
+                                         ort_model.SPIN_PARAMETER: "0"})
+    sessions = {}
+    for s, name in config.models.items():
+        path = os.path.join(repository, name, "1", ort_model.MODEL_FILE)
+        sessions[s] = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        ort_model.warm_up(sessions[s], config.warmup_tokens)
+    return sessions
+
+
 class _Job:
     """A request ``execute`` accepted: its model-input tensors (None for text), its text tensor, batch size,
     the served sparsity of every row (named by the request, else picked by ``execute``: ``routed``), the
     outputs it asks for, the requests in flight when it arrived (``queue``) and when (``arrived``), the one budget
-    that serves it (``budget``; None: several)."""
+    that serves it (``budget``; None: several), whether the router runs it itself (``inline``)."""
 
-    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived", "routed", "budget")
+    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived", "routed", "budget",
+                 "inline")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Any, batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
         self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
         self.served, self.wanted = served, wanted
-        self.queue, self.arrived, self.routed, self.budget = 0, 0.0, False, None
+        self.queue, self.arrived, self.routed, self.budget, self.inline = 0, 0.0, False, None, False
 
 
 class TritonPythonModel:
@@ -518,6 +547,8 @@ class TritonPythonModel:
         switches = (lambda: self.adaptive.policy.switches) if self.adaptive is not None else (lambda: 0)
         self.metrics = (RouterMetrics(args.get("model_name", "router"), self.config.sparsities, switches)
                         if hasattr(pb_utils, "MetricFamily") else None)
+        self.sessions = (inline_sessions(self.config, os.path.dirname(args.get("model_repository", "")))
+                         if self.config.inline else None)
         self._precision = np.array([[self.config.precision]], dtype=object)
         self._lock = threading.Lock()  # the monitor and the policy, shared by the worker threads
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrency, thread_name_prefix="router")
@@ -562,6 +593,7 @@ class TritonPythonModel:
                 job.routed = chosen is not None
             first = job.served[0]
             job.budget = first if all(s == first for s in job.served) else None
+            job.inline = self.sessions is not None and job.queue == 0 and job.budget is not None
             self.monitor.start(job.budget)
 
     def _accept(self, request: Any) -> _Job:
@@ -624,7 +656,11 @@ class TritonPythonModel:
             feeds = self.tokenizer.encode(values)
         wanted = job.wanted
         names = [n for n in self.config.outputs if not wanted or n in wanted]
-        outputs = self._forward(tensors, feeds, job.served, job.budget, names)
+        if job.inline:  # nothing else in flight: run it here, no round trip to the budget model
+            arrays = feeds if feeds is not None else {t.name(): t.as_numpy() for t in tensors}
+            outputs = [pb_utils.Tensor(n, a) for n, a in zip(names, self.sessions[job.budget].run(names, arrays))]
+        else:
+            outputs = self._forward(tensors, feeds, job.served, job.budget, names)
         if not wanted or SERVED_OUTPUT in wanted:
             outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(job.served, dtype=np.float64).reshape(-1, 1)))
         if not wanted or PRECISION_OUTPUT in wanted:

@@ -107,6 +107,7 @@ def test_router_initialises_from_the_built_config(tmp_path, monkeypatch):
     assert c.models == {0.0: "elastic_s000", 0.25: "elastic_s025", 0.5: "elastic_s050"}
     assert c.sparsities == [0.0, 0.25, 0.5] and c.default == 0.5
     assert c.inputs == ["input_ids", "attention_mask"] and c.outputs == ["last_hidden_state"]
+    assert not c.inline and model.sessions is None  # onnxruntime budget models: the router only forwards
 
 
 def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch):
@@ -131,6 +132,27 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
     want = server.run("elastic_s050", requests[0].tensors[:2], ["last_hidden_state"]).as_dict()["last_hidden_state"]
     np.testing.assert_array_equal(responses[0].as_dict()["last_hidden_state"], want)
     assert sorted(responses[3].as_dict()) == ["served_sparsity"]  # only what was asked for
+
+
+def test_an_idle_router_runs_a_request_itself_on_the_budget_models_file(tmp_path, monkeypatch):
+    """Python budget models: the router holds a session on each one's ``model.onnx`` and runs a request
+    itself when nothing else is in flight (no round trip); with others in flight it forwards (the budget
+    model's dynamic batcher gathers them). Both answer what the budget model does."""
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d, platform="python", dense=False)
+    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    assert model.config.inline and sorted(model.sessions) == [0.25, 0.5]
+    feeds = _feeds()
+    (alone,) = execute(model, [Request(feeds, {"sparsity": 0.5})])
+    assert server.calls == []
+    model.monitor.in_flight += 1  # as if another request were in flight
+    (busy,) = execute(model, [Request(feeds, {"sparsity": 0.5})])
+    model.monitor.in_flight -= 1
+    assert [n for e, n in server.calls if e == "start"] == ["elastic_s050"]
+    want = server.run("elastic_s050", Request(feeds).tensors, ["last_hidden_state"]).as_dict()["last_hidden_state"]
+    for response in (alone, busy):
+        assert not response.has_error() and response.as_dict()["served_sparsity"].tolist() == [[0.5], [0.5]]
+        np.testing.assert_allclose(response.as_dict()["last_hidden_state"], want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("request_kw,message", [
