@@ -59,6 +59,16 @@ def session_options(params: Dict[str, str]) -> Any:
     return options
 
 
+def open_session(path: str, params: Dict[str, str]) -> Any:
+    """A CPU session on ``path`` with :func:`session_options` from ``params``, warmed up (:func:`warm_up`,
+    free dims ``warmup_tokens``): the budget model's, and the router's own for its inline runs."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(path, session_options(params), providers=["CPUExecutionProvider"])
+    warm_up(session, int(params.get(WARMUP_PARAMETER) or 16))
+    return session
+
+
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
               "tensor(int32)": np.int32, "tensor(bool)": np.bool_, "tensor(uint8)": np.uint8,
               "tensor(int8)": np.int8, "tensor(double)": np.float64}
@@ -86,17 +96,14 @@ class TritonPythonModel:
     """Runs ``model.onnx`` of its version folder on the CPU."""
 
     def initialize(self, args: Dict[str, str]) -> None:
-        import onnxruntime as ort
-
         if pb_utils is None:
             raise RuntimeError("this model runs inside Triton's Python backend (triton_python_backend_utils)")
         config = json.loads(args["model_config"])
         params = {k: (v or {}).get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
         path = os.path.join(args["model_repository"], str(args["model_version"]), MODEL_FILE)
-        self.session = ort.InferenceSession(path, session_options(params), providers=["CPUExecutionProvider"])
+        self.session = open_session(path, params)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]
-        warm_up(self.session, int(params.get(WARMUP_PARAMETER) or 16))
 
     def execute(self, requests: List[Any]) -> List[Any]:
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]

@@ -500,19 +500,13 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
 def inline_sessions(config: RouterConfig, repository: str) -> Dict[float, Any]:
     """One onnxruntime session per served budget, on its budget model's ``1/model.onnx`` under
     ``repository`` (the model repository's root), with the budget models' options (threads sleep when
-    idle), warmed up. Imports onnxruntime and :mod:`elastic_export.targets.triton_onnx_model`."""
-    import onnxruntime as ort
-
+    idle), warmed up: :func:`elastic_export.targets.triton_onnx_model.open_session`, the budget models' own."""
     from elastic_export.targets import triton_onnx_model as ort_model
 
-    options = ort_model.session_options({ort_model.THREADS_PARAMETER: str(config.intra_op_threads),
-                                         ort_model.SPIN_PARAMETER: "0"})
-    sessions = {}
-    for s, name in config.models.items():
-        path = os.path.join(repository, name, "1", ort_model.MODEL_FILE)
-        sessions[s] = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        ort_model.warm_up(sessions[s], config.warmup_tokens)
-    return sessions
+    params = {ort_model.THREADS_PARAMETER: str(config.intra_op_threads), ort_model.SPIN_PARAMETER: "0",
+              ort_model.WARMUP_PARAMETER: str(config.warmup_tokens)}
+    return {s: ort_model.open_session(os.path.join(repository, name, "1", ort_model.MODEL_FILE), params)
+            for s, name in config.models.items()}
 
 
 class _Job:

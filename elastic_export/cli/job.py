@@ -18,11 +18,13 @@ if TYPE_CHECKING:
 
 
 def run_main_job(**kw) -> None:
-    """The main job on the parsed options (:func:`elastic_export.pipeline.run`), then its budget table."""
-    from elastic_export.pipeline import Options, run
-
+    """The main job on the parsed options (:func:`elastic_export.pipeline.run`), then its budget table.
+    The options are checked before the pipeline (torch, transformers) is imported: bad ones are
+    refused in well under a second."""
     budgets = parse_budgets(kw.pop("budgets"))
     elastic = elastic_config(kw)
+    from elastic_export.pipeline import Options, run
+
     opts = Options(budgets=tuple(budgets), elastic=elastic, **kw)
     manifest = run(opts, echo=echo_err)
     print_budget_table(manifest, Path(opts.out))
