@@ -79,6 +79,8 @@ def _inputs(module, feeds: dict[str, np.ndarray], sparsity: np.ndarray | None = 
 
 
 def _metric(port: int, name: str, **labels) -> float:
+    if name.startswith("elastic_router_"):  # the router "elastic"'s, not a copy's loaded beside it
+        labels.setdefault("router", "elastic")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/metrics", timeout=TIMEOUT_S).read().decode()
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -151,6 +153,46 @@ def test_served_outputs_equal_the_runtime(served, protocol):
                     assert np.abs(got - want[name]).max() <= 1e-5, (protocol, sparsity, params, name)
     finally:
         client.close()
+
+
+def _forwarding_router(repository: Path) -> str:
+    """``benchmarks/serve_triton.py``'s copy of the router with ``inline: "0"``, written into ``repository``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_triton", Path(__file__).parents[1] / "benchmarks" / "serve_triton.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.add_bls_router(repository, "elastic")
+
+
+def test_a_router_that_always_forwards_answers_the_same(served):
+    """Idle, the router runs a request itself (the tests above); its copy with ``inline: "0"`` sends every
+    request to the budget model (BLS, as with onnxruntime or TensorRT budget models): the same answers,
+    and the budget model counts each one."""
+    from elastic_export.serving.runtime import ElasticRuntime
+
+    d, port = served["dir"], served["port"]
+    name = _forwarding_router(d / "triton")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+
+    def budget_successes() -> int:
+        stats = client.get_inference_statistics("elastic_s050", as_json=True, client_timeout=TIMEOUT_S)
+        return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
+
+    try:
+        client.load_model(name, client_timeout=TIMEOUT_S)
+        feeds, before = _feeds(), budget_successes()
+        res = client.infer(name, _inputs(grpcclient, feeds, np.full((1, 1), 0.5)), client_timeout=TIMEOUT_S)
+        want = ElasticRuntime.from_dir(d).run(feeds, sparsity=0.5)
+        assert np.abs(res.as_numpy("sentence_embedding") - want["sentence_embedding"]).max() <= 1e-5
+        assert res.as_numpy("served_sparsity").ravel().tolist() == [0.5] * 3
+        assert budget_successes() == before + 1
+    finally:
+        try:
+            client.unload_model(name, client_timeout=TIMEOUT_S)
+        finally:
+            client.close()
+            shutil.rmtree(d / "triton" / name, ignore_errors=True)
 
 
 def test_text_in_embedding_out(served):
