@@ -52,6 +52,7 @@ DEFAULT_MAX_BATCH = 128
 DEFAULT_INSTANCES = 1
 DEFAULT_QUEUE_DELAY_US = 100
 READY_TIMEOUT_S = 300  # how long the router waits, at load, for its budget models to be READY
+INLINE_MAX_BYTES = 2 << 30  # the router holds its own copy of every budget for inline runs up to this many bytes
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 PLATFORMS = TRITON_BUDGET_BACKENDS
 POLICIES = ROUTER_POLICIES
@@ -535,6 +536,21 @@ def write_repository(directory: Path, plan: RepositoryPlan, configs: dict[str, s
     return placed
 
 
+def _inline(directory: Path, models: Sequence[ServedModel], echo: Callable[[str], None]) -> bool:
+    """Whether the router runs idle requests itself: Python budget models (their Python has onnxruntime)
+    whose files (external data included) come to at most :data:`INLINE_MAX_BYTES`: the router's sessions
+    are one more copy of them in memory."""
+    if not all(m.platform == "python" for m in models):
+        return False
+    files = [resolve(directory, m.source) for m in models]
+    size = sum(f.stat().st_size for model in files for f in [model, *_data_files(model)])
+    if size > INLINE_MAX_BYTES:
+        echo(f"the router forwards every request: the budget models' {size / 2**30:.1f} GiB are more than it holds "
+             f"a second copy of ({INLINE_MAX_BYTES / 2**30:g} GiB)")
+        return False
+    return True
+
+
 def _tokenizer_folder(directory: Path, manifest: Manifest) -> Path | None:
     """Where the text input's tokenizer files are (:func:`elastic_export.models.text.tokenizer_folder`); None
     for a model without text inputs or without a ``tokenizer.json`` anywhere."""
@@ -597,8 +613,8 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     models = plan_models(d, manifest, name=name, precision=precision, dense=dense, platform=platform)
     max_batch = _served_max_batch(manifest, models, kind, max_batch)
     tokenizer = _tokenizer_folder(d, manifest)
-    inline = all(m.platform == "python" for m in models)  # the router's Python has onnxruntime
-    settings = _router_settings(models, default_sparsity, policy, slo_ms, precision, tokenizer is not None, inline)
+    settings = _router_settings(models, default_sparsity, policy, slo_ms, precision, tokenizer is not None,
+                                _inline(d, models, echo))
     _check_replaceable(d, manifest)
     inputs, outputs = _served_io(d, manifest, models)
     profile = d / LATENCY_PROFILE if (d / LATENCY_PROFILE).is_file() else None

@@ -146,6 +146,23 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, repo, tm
     assert (d / "triton" / "elastic" / "1" / "model.py").read_text() == TR.router_source()
     t = load_manifest(d)["triton"]
     assert {x["platform"] for x in t["models"]} == {"python"} and t["policy"] == "adaptive"
+    routing = {k: v.string_value for k, v in _parse(d / "triton" / "elastic" / "config.pbtxt").parameters.items()}
+    assert routing["inline"] == "1" and routing["intra_op_threads"] == "1"  # idle requests run in the router
+    assert routing["warmup_tokens"] == str(load_manifest(d)["tokens"])
+    assert "inline" not in _parse(repo / "elastic" / "config.pbtxt").parameters  # onnxruntime models: BLS only
+
+
+def test_large_python_budget_models_are_not_held_twice(art, tmp_path, monkeypatch):
+    """Above INLINE_MAX_BYTES the router holds no second copy of the budgets: it forwards every request."""
+    import shutil as sh
+
+    d = tmp_path / "py"
+    sh.copytree(art, d, copy_function=os.link, ignore=sh.ignore_patterns("triton"))
+    monkeypatch.setattr(TR, "INLINE_MAX_BYTES", 1 << 20)
+    said: list[str] = []
+    TR.build_repository(d, platform="python", echo=said.append)
+    assert "inline" not in _parse(d / "triton" / "elastic" / "config.pbtxt").parameters
+    assert any("the router forwards every request" in line for line in said), said
 
 
 def test_python_budget_model_session_options():
