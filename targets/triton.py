@@ -139,6 +139,13 @@ def _quote(text: str) -> str:
     return json.dumps(text)  # a JSON string is a valid protobuf text-format string literal
 
 
+def _session_parameters(ort_threads: int, warmup_tokens: int) -> dict[str, str]:
+    """The onnxruntime session parameters (:func:`elastic_export.targets.triton_onnx_model.open_session`)
+    of a python budget model and of the router's inline sessions: threads, no spinning, warm-up length."""
+    return {ort_model.THREADS_PARAMETER: str(ort_threads), ort_model.WARMUP_PARAMETER: str(warmup_tokens),
+            ort_model.SPIN_PARAMETER: "0"}
+
+
 def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[dict], *, max_batch: int,
                  kind: str, instances: int, queue_delay_us: int, ort_threads: int = 0, warmup_tokens: int = 16) -> str:
     """``config.pbtxt`` of one budget model.
@@ -157,8 +164,7 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
     runs = 'backend: "python"' if model.platform == "python" else f'platform: "{model.platform}"'
     params = {"sparsity": repr(model.sparsity)}
     if model.platform == "python":
-        params.update({ort_model.THREADS_PARAMETER: str(ort_threads), ort_model.WARMUP_PARAMETER: str(warmup_tokens),
-                       ort_model.SPIN_PARAMETER: "0"})
+        params.update(_session_parameters(ort_threads, warmup_tokens))
     return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
@@ -195,8 +201,8 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
     outputs: the model's plus ``served_sparsity`` (FP64 ``[-1, 1]``) and ``served_precision`` (BYTES).
     Its ``parameters`` carry the budget table (``budget_models``: JSON ``[[sparsity, model name], ...]``),
     ``default_sparsity``, ``policy``, ``slo_ms``, ``precision`` and, with ``settings.inline``, ``inline``
-    (with the inline sessions' ``intra_op_threads`` and ``warmup_tokens``): editing them changes the
-    routing without touching ``model.py``."""
+    (with the inline sessions' ``intra_op_threads``, ``allow_spinning`` and ``warmup_tokens``): editing
+    them changes the routing without touching ``model.py``."""
     table = json.dumps([[m.sparsity, m.name] for m in models])
     own_in = [_tensor(SPARSITY_INPUT, "TYPE_FP32", [-1, 1], optional=True)]
     if settings.text:
@@ -208,8 +214,7 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
     if settings.slo_ms is not None:
         params[router.SLO_PARAMETER] = repr(float(settings.slo_ms))
     if settings.inline:
-        params.update({router.INLINE_PARAMETER: "1", router.THREADS_PARAMETER: str(ort_threads),
-                       router.WARMUP_PARAMETER: str(warmup_tokens)})
+        params.update({router.INLINE_PARAMETER: "1", **_session_parameters(ort_threads, warmup_tokens)})
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
             + _tensors("input", inputs, own_in, batch_dim=True, optional=settings.text)
             + _tensors("output", outputs, own_out, batch_dim=True)

@@ -72,8 +72,6 @@ PRECISION_PARAMETER = "precision"
 READY_TIMEOUT_PARAMETER = "ready_timeout_s"
 CONCURRENCY_PARAMETER = "max_concurrency"
 INLINE_PARAMETER = "inline"  # "1": the router runs a request itself when it has nothing else in flight
-THREADS_PARAMETER = "intra_op_threads"  # of the router's own (inline) onnxruntime sessions
-WARMUP_PARAMETER = "warmup_tokens"  # their warm-up runs' free dims
 DEFAULT_CONCURRENCY = 64
 POLICIES = ("fixed", "adaptive")
 PROFILE_FILE = "latency_profile.json"  # next to model.py, copied from the artifact directory when it has one
@@ -186,8 +184,8 @@ class RouterConfig:
         max_concurrency: requests the router works on at once (its worker threads); more wait.
         inline: run a request on the budget's ``model.onnx`` in the router's own process when nothing
             else is in flight (see :class:`TritonPythonModel`).
-        intra_op_threads: onnxruntime intra-op threads of those sessions (0: its default).
-        warmup_tokens: the free dims of their warm-up runs at load.
+        parameters: every parameter, as text (the inline sessions read theirs: threads, spinning,
+            warm-up length, as the python budget models do).
     """
 
     def __init__(self, model_config: Dict[str, Any]):
@@ -210,8 +208,7 @@ class RouterConfig:
         self.max_concurrency = int(_number(params.get(CONCURRENCY_PARAMETER) or DEFAULT_CONCURRENCY,
                                            CONCURRENCY_PARAMETER))
         self.inline = params.get(INLINE_PARAMETER) == "1"
-        self.intra_op_threads = int(_number(params.get(THREADS_PARAMETER) or 0, THREADS_PARAMETER))
-        self.warmup_tokens = int(_number(params.get(WARMUP_PARAMETER) or 16, WARMUP_PARAMETER))
+        self.parameters = params
         names = [t["name"] for t in model_config.get("input", [])]
         self.text = TEXT_INPUT in names
         self.inputs = [n for n in names if n not in OWN_TENSORS]
@@ -499,13 +496,12 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
 
 def inline_sessions(config: RouterConfig, repository: str) -> Dict[float, Any]:
     """One onnxruntime session per served budget, on its budget model's ``1/model.onnx`` under
-    ``repository`` (the model repository's root), with the budget models' options (threads sleep when
-    idle), warmed up: :func:`elastic_export.targets.triton_onnx_model.open_session`, the budget models' own."""
+    ``repository`` (the model repository's root), opened and warmed up as the budget models open theirs
+    (:func:`elastic_export.targets.triton_onnx_model.open_session`, with the session parameters the build
+    wrote into the router's config too)."""
     from elastic_export.targets import triton_onnx_model as ort_model
 
-    params = {ort_model.THREADS_PARAMETER: str(config.intra_op_threads), ort_model.SPIN_PARAMETER: "0",
-              ort_model.WARMUP_PARAMETER: str(config.warmup_tokens)}
-    return {s: ort_model.open_session(os.path.join(repository, name, "1", ort_model.MODEL_FILE), params)
+    return {s: ort_model.open_session(os.path.join(repository, name, "1", ort_model.MODEL_FILE), config.parameters)
             for s, name in config.models.items()}
 
 

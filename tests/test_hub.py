@@ -170,8 +170,8 @@ def test_the_env_variables_reach_a_fresh_process(hub_cache, tmp_path):
         cached, missing = pool.map(inspect, (MINILM, "BAAI/bge-small-en-v1.5"))
     assert cached.returncode == 0, cached.stderr[-3000:]
     assert "BertModel" in cached.stdout
-    r = missing
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and str(hub_cache) in r.stderr, r.stderr
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and str(hub_cache) in missing.stderr, \
+        missing.stderr
 
 
 def test_docs_python_snippet_runs(offline_cache, capsys):

@@ -148,7 +148,7 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, repo, tm
     assert {x["platform"] for x in t["models"]} == {"python"} and t["policy"] == "adaptive"
     routing = {k: v.string_value for k, v in _parse(d / "triton" / "elastic" / "config.pbtxt").parameters.items()}
     assert routing["inline"] == "1" and routing["intra_op_threads"] == "1"  # idle requests run in the router
-    assert routing["warmup_tokens"] == str(load_manifest(d)["tokens"])
+    assert routing["warmup_tokens"] == str(load_manifest(d)["tokens"]) and routing["allow_spinning"] == "0"
     assert "inline" not in _parse(repo / "elastic" / "config.pbtxt").parameters  # onnxruntime models: BLS only
 
 
