@@ -51,6 +51,8 @@ DEFAULT_NAME = "elastic"
 DEFAULT_MAX_BATCH = 128
 DEFAULT_INSTANCES = 1
 DEFAULT_QUEUE_DELAY_US = 100
+QUEUE_BATCHES = 4  # a budget model's queue holds at most this many max-size batches of requests
+QUEUE_TIMEOUT_MS = 30e3  # without an SLO, a request waits at most twice this in a budget model's queue
 READY_TIMEOUT_S = 300  # how long the router waits, at load, for its budget models to be READY
 INLINE_MAX_BYTES = 2 << 30  # the router holds its own copy of every budget for inline runs up to this many bytes
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
@@ -146,8 +148,18 @@ def _session_parameters(ort_threads: int, warmup_tokens: int) -> dict[str, str]:
             ort_model.SPIN_PARAMETER: "0"}
 
 
+def queue_policy(max_batch: int, slo_ms: float | None) -> str:
+    """The dynamic batcher's queue policy of a budget model: at most ``QUEUE_BATCHES x max_batch`` requests
+    wait, and one that waited longer than twice the SLO (:data:`QUEUE_TIMEOUT_MS` without one) is rejected
+    (the router answers it as an overload, HTTP 503): a queue never holds work that is already late."""
+    timeout_us = int(2 * (slo_ms or QUEUE_TIMEOUT_MS) * 1e3)
+    return (f"  default_queue_policy {{\n    timeout_action: REJECT\n    default_timeout_microseconds: {timeout_us}\n"
+            f"    allow_timeout_override: true\n    max_queue_size: {QUEUE_BATCHES * max_batch}\n  }}\n")
+
+
 def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[dict], *, max_batch: int,
-                 kind: str, instances: int, queue_delay_us: int, ort_threads: int = 0, warmup_tokens: int = 16) -> str:
+                 kind: str, instances: int, queue_delay_us: int, ort_threads: int = 0, warmup_tokens: int = 16,
+                 slo_ms: float | None = None) -> str:
     """``config.pbtxt`` of one budget model.
 
     Args:
@@ -160,6 +172,7 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
         queue_delay_us: the dynamic batcher's ``max_queue_delay_microseconds``.
         ort_threads: onnxruntime intra-op threads of a ``python`` budget model (0: its default).
         warmup_tokens: free dims of a ``python`` budget model's warm-up runs at load.
+        slo_ms: the router's SLO (the queue policy's timeout, :func:`queue_policy`).
     """
     runs = 'backend: "python"' if model.platform == "python" else f'platform: "{model.platform}"'
     params = {"sparsity": repr(model.sparsity)}
@@ -167,7 +180,8 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
         params.update(_session_parameters(ort_threads, warmup_tokens))
     return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
-            + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}\n"
+            + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n"
+            + queue_policy(max_batch, slo_ms) + "}\n"
             + _instances(kind, instances) + _parameters(params))
 
 
@@ -183,6 +197,8 @@ class RouterSettings:
         text: declare the ``text`` input (BYTES; the router tokenizes it).
         inline: the router runs a request on the budget's ONNX file itself when it has nothing else in
             flight (written for ``python`` budget models: their Python has onnxruntime).
+        slo_quantile: the latency quantile the SLO bounds (None: the router's default, p99).
+        max_sparsity: the adaptive policy never serves a budget sparser than this (None: no floor).
     """
 
     default: float
@@ -191,10 +207,12 @@ class RouterSettings:
     precision: str = "fp32"
     text: bool = False
     inline: bool = False
+    slo_quantile: float | None = None
+    max_sparsity: float | None = None
 
 
 def router_config(name: str, models: Sequence[ServedModel], settings: RouterSettings, inputs: Sequence[dict],
-                  outputs: Sequence[dict], ort_threads: int = 0, warmup_tokens: int = 16) -> str:
+                  outputs: Sequence[dict], ort_threads: int = 0, warmup_tokens: int = 16, max_batch: int = 128) -> str:
     """``config.pbtxt`` of the router (Python backend, ``max_batch_size: 0``: it forwards, the budget
     models batch). Inputs: the model's (optional where ``text`` may replace them), ``sparsity`` (FP32
     ``[-1, 1]``: one value for every row or one per row) and ``text`` (BYTES ``[-1]``) when asked;
@@ -210,9 +228,12 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
     own_out = [_tensor(SERVED_OUTPUT, "TYPE_FP64", [-1, 1]), _tensor(router.PRECISION_OUTPUT, "TYPE_STRING", [-1, 1])]
     params = {router.MODELS_PARAMETER: table, router.DEFAULT_PARAMETER: repr(settings.default),
               router.POLICY_PARAMETER: settings.policy, router.PRECISION_PARAMETER: settings.precision,
-              router.READY_TIMEOUT_PARAMETER: repr(float(READY_TIMEOUT_S))}
-    if settings.slo_ms is not None:
-        params[router.SLO_PARAMETER] = repr(float(settings.slo_ms))
+              router.READY_TIMEOUT_PARAMETER: repr(float(READY_TIMEOUT_S)), router.MAX_ROWS_PARAMETER: str(max_batch),
+              router.TOKENS_PARAMETER: str(warmup_tokens)}
+    for key, value in ((router.SLO_PARAMETER, settings.slo_ms), (router.QUANTILE_PARAMETER, settings.slo_quantile),
+                       (router.MAX_SPARSITY_PARAMETER, settings.max_sparsity)):
+        if value is not None:
+            params[key] = repr(float(value))
     if settings.inline:
         params.update({router.INLINE_PARAMETER: "1", **_session_parameters(ort_threads, warmup_tokens)})
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
@@ -456,10 +477,12 @@ class RepositoryPlan:
         configs = {m.name: model_config(m, self.inputs, self.outputs, max_batch=self.max_batch,
                                         kind="KIND_GPU" if m.platform == "tensorrt_plan" else KINDS[self.kind],
                                         instances=self.instances, queue_delay_us=self.queue_delay_us,
-                                        ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens)
+                                        ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens,
+                                        slo_ms=self.router.slo_ms)
                    for m in self.models}
         configs[self.name] = router_config(self.name, self.models, self.router, self.inputs, self.outputs,
-                                           ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens)
+                                           ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens,
+                                           max_batch=self.max_batch)
         if _can_validate():
             for model_name, text in configs.items():
                 try:
@@ -476,6 +499,8 @@ class RepositoryPlan:
             "default_sparsity": self.default,
             "policy": self.router.policy,
             "slo_ms": self.router.slo_ms,
+            "slo_quantile": self.router.slo_quantile,
+            "max_sparsity": self.router.max_sparsity,
             "text_input": self.router.text,
             "models": [{"name": m.name, "sparsity": m.sparsity, "platform": m.platform,
                         "source": m.source, "file": f"{TRITON_DIR}/{m.name}/1/{m.filename}"} for m in self.models],
@@ -567,20 +592,28 @@ def _tokenizer_folder(directory: Path, manifest: Manifest) -> Path | None:
 
 
 def _router_settings(models: Sequence[ServedModel], default_sparsity: float | None, policy: str | None,
-                     slo_ms: float | None, precision: str, text: bool, inline: bool = False) -> RouterSettings:
+                     slo_ms: float | None, precision: str, text: bool, inline: bool = False,
+                     slo_quantile: float | None = None, max_sparsity: float | None = None) -> RouterSettings:
     """The router's settings: ``policy`` None means ``fixed`` when a default sparsity is given, else ``adaptive``."""
     policy = policy or ("fixed" if default_sparsity is not None else "adaptive")
     if policy not in POLICIES:
         raise UserError(f"--policy {policy}: choose {', '.join(POLICIES)}")
     if slo_ms is not None and (isinstance(slo_ms, bool) or not slo_ms > 0 or not math.isfinite(slo_ms)):
         raise UserError(f"--slo-ms must be a positive number of milliseconds, got {slo_ms}")
-    return RouterSettings(_default_budget(models, default_sparsity), policy, slo_ms, precision, text, inline)
+    if slo_quantile is not None and not (isinstance(slo_quantile, (int, float)) and 0 < slo_quantile < 1):
+        raise UserError(f"--slo-quantile must be in (0, 1) (0.99: p99), got {slo_quantile}")
+    sparsities = sorted(m.sparsity for m in models)
+    if max_sparsity is not None and not (isinstance(max_sparsity, (int, float)) and max_sparsity >= sparsities[0]):
+        raise UserError(f"--max-sparsity {max_sparsity} leaves no budget; served: {', '.join(f'{x:g}' for x in sparsities)}")
+    return RouterSettings(_default_budget(models, default_sparsity), policy, slo_ms, precision, text, inline,
+                          slo_quantile, max_sparsity)
 
 
 def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_batch: int | None = None,
                      instances: int = DEFAULT_INSTANCES, kind: str = "auto", default_sparsity: float | None = None,
                      queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, precision: str = "fp32", dense: bool = True,
                      platform: str = "auto", policy: str | None = None, slo_ms: float | None = None,
+                     slo_quantile: float | None = None, max_sparsity: float | None = None,
                      ort_threads: int = 0, echo: Callable[[str], None] = lambda s: None) -> Manifest:
     """Write ``DIR/triton/`` (one model per budget + the router) and record it in the manifest.
 
@@ -600,7 +633,9 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
         platform: the budget models' backend: ``auto``, ``onnxruntime``, ``python`` or ``tensorrt``
             (see :func:`plan_models`).
         policy: ``adaptive`` or ``fixed`` (default: ``fixed`` when ``default_sparsity`` is given).
-        slo_ms: the adaptive policy's latency objective.
+        slo_ms: the adaptive policy's latency objective (default: the router's, 250 ms).
+        slo_quantile: the latency quantile the SLO bounds (default 0.99).
+        max_sparsity: the adaptive policy's quality floor: it never serves a sparser budget.
         ort_threads: onnxruntime intra-op threads of ``python`` budget models (0: its default).
         echo: progress messages.
 
@@ -619,7 +654,7 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     max_batch = _served_max_batch(manifest, models, kind, max_batch)
     tokenizer = _tokenizer_folder(d, manifest)
     settings = _router_settings(models, default_sparsity, policy, slo_ms, precision, tokenizer is not None,
-                                _inline(d, models, echo))
+                                _inline(d, models, echo), slo_quantile, max_sparsity)
     _check_replaceable(d, manifest)
     inputs, outputs = _served_io(d, manifest, models)
     profile = d / LATENCY_PROFILE if (d / LATENCY_PROFILE).is_file() else None

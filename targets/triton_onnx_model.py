@@ -20,7 +20,8 @@ dims of the warm-up runs at load: the manifest's nominal tokens).
 
 import json
 import os
-from typing import Any, Dict, List
+import time
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
@@ -74,22 +75,44 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
               "tensor(int8)": np.int8, "tensor(double)": np.float64}
 
 
+def zero_feeds(session: Any, batch: int, free: int) -> Dict[str, np.ndarray]:
+    """Zeros for every input of ``session`` at ``batch`` rows, its other free dims ``free``."""
+    feeds = {}
+    for i in session.get_inputs():
+        dims = [d if isinstance(d, int) and d > 0 else free for d in i.shape]
+        if dims:
+            dims[0] = batch
+        feeds[i.name] = np.zeros(dims, dtype=_ORT_TYPES.get(i.type, np.float32))
+    return feeds
+
+
 def warm_up(session: Any, free: int) -> None:
     """Runs ``session`` on zeros at batch 1 and 8 (its other free dims ``free``: the model's nominal
     tokens), so the first requests do not pay onnxruntime's first-run allocations (a load-adaptive
     router would read that as load). Best effort: a model that needs other shapes warms up on its first
     request."""
     for batch in (1, 8):
-        feeds = {}
-        for i in session.get_inputs():
-            dims = [d if isinstance(d, int) and d > 0 else free for d in i.shape]
-            if dims:
-                dims[0] = batch
-            feeds[i.name] = np.zeros(dims, dtype=_ORT_TYPES.get(i.type, np.float32))
         try:
-            session.run(None, feeds)
+            session.run(None, zero_feeds(session, batch, free))
         except Exception:
             pass
+
+
+def service_times(session: Any, free: int, batches: Sequence[int] = (1, 8), repeats: int = 5,
+                  clock=time.perf_counter) -> Dict[int, float]:
+    """The median ms of ``repeats`` runs of ``session`` at each of ``batches`` rows (free dims ``free``):
+    what the load-adaptive router's latency model starts from, measured on the serving machine."""
+    out = {}
+    for batch in batches:
+        feeds = zero_feeds(session, batch, free)
+        session.run(None, feeds)
+        runs = []
+        for _ in range(repeats):
+            t = clock()
+            session.run(None, feeds)
+            runs.append((clock() - t) * 1e3)
+        out[batch] = float(np.median(runs))
+    return out
 
 
 class TritonPythonModel:

@@ -72,7 +72,14 @@ PRECISION_PARAMETER = "precision"
 READY_TIMEOUT_PARAMETER = "ready_timeout_s"
 CONCURRENCY_PARAMETER = "max_concurrency"
 INLINE_PARAMETER = "inline"  # "1": the router runs a request itself when it has nothing else in flight
+QUANTILE_PARAMETER = "slo_quantile"
+MAX_SPARSITY_PARAMETER = "max_sparsity"
+MAX_ROWS_PARAMETER = "max_rows"  # the budget models' max_batch_size: larger requests are refused
+TOKENS_PARAMETER = "warmup_tokens"  # the model's nominal tokens (the latency model's measurements)
 DEFAULT_CONCURRENCY = 64
+DEFAULT_SLO_MS = 250.0  # the adaptive policy's objective when the config names none
+DEFAULT_QUANTILE = 0.99
+DEFAULT_MAX_ROWS = 128
 POLICIES = ("fixed", "adaptive")
 PROFILE_FILE = "latency_profile.json"  # next to model.py, copied from the artifact directory when it has one
 TOKENIZER_DIR = "tokenizer"  # next to model.py, for the text input
@@ -184,6 +191,11 @@ class RouterConfig:
         max_concurrency: requests the router works on at once (its worker threads); more wait.
         inline: run a request on the budget's ``model.onnx`` in the router's own process when nothing
             else is in flight (see :class:`TritonPythonModel`).
+        slo_quantile: the latency quantile the SLO bounds (0.99: p99).
+        max_sparsity: the adaptive policy's quality floor (None: every budget).
+        max_rows: the largest request (rows) the router accepts: the budget models' ``max_batch_size``.
+        tokens: the model's nominal tokens (the free dims of the latency model's measurements).
+        input_specs: the forwarded inputs' config entries (name, data_type, dims).
         parameters: every parameter, as text (the inline sessions read theirs: threads, spinning,
             warm-up length, as the python budget models do).
     """
@@ -208,10 +220,19 @@ class RouterConfig:
         self.max_concurrency = int(_number(params.get(CONCURRENCY_PARAMETER) or DEFAULT_CONCURRENCY,
                                            CONCURRENCY_PARAMETER))
         self.inline = params.get(INLINE_PARAMETER) == "1"
+        self.slo_quantile = _number(params.get(QUANTILE_PARAMETER) or DEFAULT_QUANTILE, QUANTILE_PARAMETER)
+        if not 0 < self.slo_quantile < 1:
+            raise ValueError(f"config.pbtxt parameter {QUANTILE_PARAMETER!r}: {self.slo_quantile:g} is not in (0, 1)")
+        floor = params.get(MAX_SPARSITY_PARAMETER)
+        self.max_sparsity = _number(floor, MAX_SPARSITY_PARAMETER) if floor else None
+        self.max_rows = int(_number(params.get(MAX_ROWS_PARAMETER) or DEFAULT_MAX_ROWS, MAX_ROWS_PARAMETER))
+        self.tokens = int(_number(params.get(TOKENS_PARAMETER) or 16, TOKENS_PARAMETER))
         self.parameters = params
-        names = [t["name"] for t in model_config.get("input", [])]
+        specs = model_config.get("input", [])
+        names = [t["name"] for t in specs]
         self.text = TEXT_INPUT in names
         self.inputs = [n for n in names if n not in OWN_TENSORS]
+        self.input_specs = [t for t in specs if t["name"] in self.inputs]
         self.outputs = [t["name"] for t in model_config.get("output", []) if t["name"] not in OWN_TENSORS]
 
     def route(self, rows: Optional[List[float]], chosen: Optional[float] = None) -> List[float]:
@@ -247,203 +268,268 @@ def _table(text: Optional[str]) -> List[List[Any]]:
     return table
 
 
-# --- what the router observes ----------------------------------------------------------------------
+# --- what the router observes and decides --------------------------------------------------------
+class Overload(Exception):
+    """A request refused because it cannot be answered within the SLO (HTTP 503 / gRPC UNAVAILABLE:
+    retryable); ``reason`` labels the refusal in the metrics."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class LoadMonitor:
-    """In-flight requests, the arrival rate and each budget's measured latency, as the router sees them.
-
-    Args:
-        half_life_s: the arrival-rate estimate's memory (an exponentially weighted rate).
-        clock: seconds (monotonic).
-
+    """Requests and rows in flight, as the router sees them.
 
     Attributes:
         in_flight: requests received and not yet answered.
-        at: per budget, the requests in flight there (those a new request sent there queues behind).
+        rows_at: per budget, the rows in flight there (what a new request sent there queues behind).
         last_arrival: when the latest request arrived (``clock``; None before the first).
-        rate: arrival rate (requests/s), exponentially weighted.
-        latency_ms: per budget, the moving average of its answers' latency (queueing included).
-        service_ms: per budget, the moving average of the latency of requests that had the server to
-            themselves (nothing else in flight when they arrived or left): a service-time estimate.
     """
 
-    def __init__(self, half_life_s: float = 0.5, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic):
         self.in_flight = 0
-        self.at: Dict[float, int] = {}
+        self.rows_at: Dict[float, int] = {}
         self.last_arrival: Optional[float] = None
-        self.rate = 0.0
-        self.latency_ms: Dict[float, float] = {}
-        self.service_ms: Dict[float, float] = {}
-        self._half_life, self._clock = half_life_s, clock
+        self._clock = clock
 
-    def arrive(self) -> int:
-        """Count an arrival; returns how many other requests were in flight (the queue it joins)."""
-        now = self._clock()
-        last = self.last_arrival
-        if last is not None:
-            decay = 0.5 ** ((now - last) / self._half_life)
-            self.rate = self.rate * decay + (1.0 - decay) / max(now - last, 1e-6)
-        self.last_arrival = now
+    def arrive(self, budget: Optional[float], rows: int) -> int:
+        """Count an arrival of ``rows`` for ``budget`` (None: several); returns the rows ahead of it there."""
+        self.last_arrival = self._clock()
         self.in_flight += 1
-        return self.in_flight - 1
+        if budget is None:
+            return 0
+        ahead = self.rows_at.get(budget, 0)
+        self.rows_at[budget] = ahead + rows
+        return ahead
 
-    def start(self, budget: Optional[float]) -> None:
-        """The arrived request goes to ``budget`` (None: to several)."""
-        if budget is not None:
-            self.at[budget] = self.at.get(budget, 0) + 1
-
-    def leave(self, sparsity: Optional[float], latency_ms: Optional[float], alone: bool = False,
-              budget: Optional[float] = None, fresh: bool = True) -> None:
-        """Count an answer of ``sparsity`` after ``latency_ms`` (None: not a sample); ``alone``: nothing
-        else was in flight (a service time); ``budget``: where :meth:`start` counted it; ``fresh``: a
-        latency sample (False: a service time at most)."""
+    def leave(self, budget: Optional[float], rows: int) -> None:
         self.in_flight -= 1
         if budget is not None:
-            self.at[budget] -= 1
-        if sparsity is None or latency_ms is None:
-            return
-        if fresh:
-            _ewma(self.latency_ms, sparsity, latency_ms)
-        if alone and self.in_flight == 0:
-            _ewma(self.service_ms, sparsity, latency_ms)
+            self.rows_at[budget] = self.rows_at.get(budget, 0) - rows
 
 
-def _ewma(table: Dict[float, float], key: float, value: float, weight: float = 0.2) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else (1 - weight) * old + weight * value
+class SloRouting:
+    """The router's use of :class:`elastic_export.serving.slo.SloPolicy` (imported here, only for
+    ``policy: adaptive``): the best-quality budget whose predicted latency quantile meets the SLO, and
+    admission (a request predicted to miss the SLO behind the rows in flight at its budget is refused).
 
+    Args:
+        config: the router's configuration (SLO, quantile, quality floor, precision).
+        points: per served budget, measured ``{batch: ms}`` service times.
+        clock: seconds (monotonic).
+    """
 
-class AdaptiveRouting:
-    """The project's :class:`~elastic_export.serving.policies.LoadAdaptivePolicy` fed with what the router
-    observes. Queue depth: the requests in flight at the budget the policy serves now (those a new one
-    queues behind; requests still in flight at a budget it left do not push it further: counted, a
-    burst stepped through every budget at once, and on a CPU the budget models then run side by side
-    and slow each other down). Service times, where the directory's latency profile has every served
-    budget at batch 1: the profile's p50, scaled by the router's own measurements
-    (:attr:`LoadMonitor.service_ms`, :meth:`calibrated_service`), so that the arrival rate x service
-    time (utilisation) steers the level too. With an SLO, a budget whose measured latency (queueing
-    included) exceeds 80 % of it counts as a full queue, so the policy steps to a faster budget at
-    once; only requests that arrived since the last switch are samples (:attr:`switched_at`), so one
-    overload is not counted again at every faster budget it steps to. Imports
-    :mod:`elastic_export.serving.policies`."""
-
-    def __init__(self, config: RouterConfig, profile_path: Optional[str]):
-        from elastic_export.serving.policies import LoadAdaptivePolicy
+    def __init__(self, config: RouterConfig, points: Dict[float, Dict[int, float]], clock=time.monotonic):
+        from elastic_export.serving import slo
 
         pairs = [(s, config.precision) for s in config.sparsities]
-        service = _profile_service(profile_path, config) if profile_path and os.path.isfile(profile_path) else None
-        # Headroom below the policy's default band (0.85 / 0.6): the service times are batch-1 ones
-        # and the server's own overheads and arrival bursts come on top. With an SLO the measured
-        # latency steers too, so a longer queue is tolerated before it alone steps up.
-        self.policy = LoadAdaptivePolicy(up_depth=8 if config.slo_ms else 4, down_depth=1, down_after=8,
-                                         service_ms=service, high_utilization=0.75, low_utilization=0.55)
-        self.policy.bind_pairs(pairs, config.precision)
-        self.config = config
-        self.profile = {s: ms for (s, _), ms in service.items()} if service else None
-        self.switched_at = float("-inf")
+        service = slo.ServiceModel({(s, config.precision): points[s] for s in config.sparsities})
+        self.policy = slo.SloPolicy(pairs, service, config.slo_ms or DEFAULT_SLO_MS, quantile=config.slo_quantile,
+                                    max_sparsity=config.max_sparsity, rate=slo.RateEstimator(clock=clock))
+        self.precision, self._clock = config.precision, clock
+        self.last = None  # the latest decision
 
-    def calibrated_service(self, measured: Dict[float, float]) -> Optional[Dict[Any, float]]:
-        """Every budget's service time: the profile's, scaled by how the budgets measured here compare
-        with it (the median ratio), so one measured budget calibrates them all."""
-        if self.profile is None:
-            return None
-        ratios = sorted(measured[s] / self.profile[s] for s in measured if self.profile.get(s))
-        k = ratios[len(ratios) // 2] if ratios else 1.0
-        return {(s, self.config.precision): ms * k for s, ms in self.profile.items()}
+    def arrive(self, rows: int) -> Any:
+        """Count an arrival; the decision (pair, prediction, rate) for it."""
+        now = self._clock()
+        self.policy.rate.arrive(now, rows)
+        self.last = self.policy.decide(now)
+        return self.last
 
-    def choose(self, monitor: LoadMonitor, queue: Optional[int] = None) -> float:
-        """The budget for a request that arrived with ``queue`` others ahead of it (None: those in flight
-        at the current budget, :attr:`LoadMonitor.at`)."""
-        current = self.policy.select(1)[0]
-        depth = monitor.at.get(current, 0) if queue is None else queue
-        slo = self.config.slo_ms
-        if slo is not None and monitor.latency_ms.get(current, 0.0) > 0.8 * slo:
-            depth = max(depth, self.policy.up_depth)
-        if self.policy.service_ms is not None:
-            self.policy.service_ms.update(self.calibrated_service(monitor.service_ms))
-        self.policy.observe(depth, monitor.rate if self.policy.service_ms is not None else None)
-        chosen = float(self.policy.select(1)[0])
-        if chosen != current:  # its latency from the last visit is stale
-            monitor.latency_ms.pop(chosen, None)
-            self.switched_at = monitor.last_arrival
-        return chosen
+    def admit(self, budget: float, rows: int, ahead: int) -> float:
+        """The request's predicted latency (ms) at ``budget``, or :class:`Overload` when it misses the SLO
+        behind ``ahead`` rows in flight there (a request with nothing ahead of it always runs)."""
+        ok, ms = self.policy.admit((budget, self.precision), rows, ahead)
+        if not ok and ahead > 0:
+            raise Overload(f"overloaded: predicted {ms:.0f} ms at sparsity {budget:g} exceeds the SLO of "
+                           f"{self.policy.slo_ms:g} ms; retry later", "overload")
+        return ms
+
+    def raw_prediction(self, budget: float) -> float:
+        """The uncorrected predicted latency quantile at ``budget`` under the current rate (ms)."""
+        rate = self.last.rate if self.last is not None else 0.0
+        factor = self.policy.correction.factor
+        return self.policy.predict((budget, self.precision), rate) / factor
+
+    def set_down(self, down: Sequence[float]) -> None:
+        self.policy.unavailable = {(s, self.precision) for s in down}
 
 
-def _profile_service(path: str, config: RouterConfig) -> Optional[Dict[Any, float]]:
-    """p50 ms at batch 1 of every served budget from a latency profile, or None when it lacks one."""
-    from elastic_export.core.latency_profile import load_profile
+def service_points(config: RouterConfig, sessions: Optional[Dict[float, Any]], profile_path: Optional[str],
+                   tokens: int) -> Optional[Dict[float, Dict[int, float]]]:
+    """Every budget's measured service times ``{batch: ms}``: measured here on the router's inline sessions
+    (the serving machine, the budget models' session options) when it has them, else the directory's
+    latency profile (every profiled batch size); None when neither covers every budget (then the router
+    measures them through the budget models themselves, :meth:`TritonPythonModel._calibrate`)."""
+    if sessions:
+        from elastic_export.targets.triton_onnx_model import service_times
 
-    profile = load_profile(path)
-    b = profile.batch_for(1)
-    rows = profile.rows(config.precision).get(b, {})
-    service = {}
-    for s in config.sparsities:
-        row = next((r for k, r in rows.items() if abs(k - s) <= TOLERANCE), None)
-        if row is None or "p50_ms" not in row:
-            return None
-        service[(s, config.precision)] = float(row["p50_ms"])
-    return service
+        return {s: service_times(sess, tokens) for s, sess in sessions.items()}
+    if profile_path and os.path.isfile(profile_path):
+        from elastic_export.core.latency_profile import load_profile
+        from elastic_export.serving.slo import service_points_from_profile
+
+        points = service_points_from_profile(load_profile(profile_path).rows(config.precision), config.precision,
+                                             config.sparsities)
+        if points is not None:
+            return {s: v for (s, _), v in points.items()}
+    return None
+
+
+# --- budget models that fail ----------------------------------------------------------------------
+_DOWN_MARKERS = ("not healthy", "unknown model", "not found", "not ready", "is not available", "unavailable")
+_OVERLOAD_MARKERS = ("timeout", "timed out", "exceeds maximum queue size", "queue size")
+
+
+def classify_failure(message: str) -> str:
+    """A budget model's error: ``overload`` (its queue policy refused or timed out the request), ``down``
+    (the model or its stub is gone: route around it) or ``failed``."""
+    text = message.lower()
+    if any(m in text for m in _OVERLOAD_MARKERS):
+        return "overload"
+    if any(m in text for m in _DOWN_MARKERS):
+        return "down"
+    return "failed"
+
+
+class BudgetHealth:
+    """Which budget models are down (they failed as gone), and the nearest one up for a budget."""
+
+    def __init__(self, sparsities: Sequence[float]):
+        self.sparsities = sorted(sparsities)
+        self.down: Dict[float, float] = {}  # sparsity -> when it went down
+
+    def mark_down(self, budget: float, now: float) -> bool:
+        """True when it was up."""
+        if budget in self.down:
+            return False
+        self.down[budget] = now
+        return True
+
+    def mark_up(self, budget: float) -> bool:
+        return self.down.pop(budget, None) is not None
+
+    def nearest(self, budget: float) -> float:
+        """``budget`` when it is up, else the nearest one up (ties: the sparser, more savings); raises
+        :class:`Overload` when none is."""
+        if budget not in self.down:
+            return budget
+        up = [s for s in self.sparsities if s not in self.down]
+        if not up:
+            raise Overload("no budget model is available; retry later", "unavailable")
+        return min(up, key=lambda s: (abs(s - budget), -s))
+
+
+def probe_feeds(specs: Sequence[Dict[str, Any]], tokens: int = 4) -> Dict[str, np.ndarray]:
+    """One row of zeros for every model input (``specs``: the router config's inputs; free dims ``tokens``)."""
+    feeds = {}
+    for spec in specs:
+        dims = [int(d) for d in spec.get("dims", [])]
+        shape = [1] + [d if d > 0 else tokens for d in dims[1:]] if dims else [1]
+        feeds[spec["name"]] = np.zeros(shape, dtype=_NUMPY_TYPES.get(spec.get("data_type", ""), np.float32))
+    return feeds
+
+
+_NUMPY_TYPES = {"TYPE_INT64": np.int64, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_FP16": np.float16,
+                "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT8": np.int8, "TYPE_FP64": np.float64}
 
 
 class RouterMetrics:
-    """The router's own counters on Triton's metrics endpoint (Python backend custom metrics).
+    """The router's own metrics on Triton's metrics endpoint (Python backend custom metrics).
 
-    ``elastic_router_requests_total{outcome=...}`` counts the requests the router served, refused (bad
-    sparsity or inputs: also in Triton's own ``nv_inference_request_failure``, see
-    :meth:`TritonPythonModel.execute`) and failed (a budget model's error: Triton counts that one as a
-    success of the router, it answers after ``execute`` returned); ``elastic_router_rows_total{sparsity=...}``
-    the rows served per budget; ``elastic_router_switches_total`` the adaptive policy's budget switches.
+    Counters: ``elastic_router_requests_total{outcome}`` (served, refused, failed),
+    ``elastic_router_refused_total{reason}`` (bad_request, overload, queue_full, unavailable),
+    ``elastic_router_served_total{sparsity,path}`` (requests per served budget, ``path`` inline: run by the
+    router itself, or forwarded), ``elastic_router_rows_total{sparsity}``, ``elastic_router_failovers_total``
+    and ``elastic_router_switches_total``. Gauges, from :meth:`TritonPythonModel.snapshot`:
+    ``elastic_router_served_sparsity``, ``elastic_router_arrival_rate``, ``elastic_router_in_flight``,
+    ``elastic_router_predicted_latency_ms`` and ``elastic_router_measured_latency_ms`` (the SLO quantile),
+    ``elastic_router_slo_ms``, ``elastic_router_budget_up{sparsity}``.
 
-    Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them to the
-    metrics every :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread
-    of the server that also passes on the router's BLS requests and responses, so it stays off the
-    requests' path; and this server crashes (``boost::interprocess::lock_exception``) when metrics are
-    updated from several threads at once (seen under load).
+    Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them every
+    :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread of the server that
+    also passes on the router's BLS requests and responses, so it stays off the requests' path; and this
+    server crashes (``boost::interprocess::lock_exception``) when metrics are updated from several threads
+    at once (seen under load).
     """
 
     OUTCOMES = ("served", "refused", "failed")
+    REASONS = ("bad_request", "overload", "queue_full", "unavailable")
+    PATHS = ("inline", "forwarded")
+    GAUGES = ("served_sparsity", "arrival_rate", "in_flight", "predicted_latency_ms", "measured_latency_ms", "slo_ms")
     FLUSH_S = 0.5
 
-    def __init__(self, router: str, sparsities: Sequence[float], switches=lambda: 0):
-        family = pb_utils.MetricFamily
-        self._families = [
-            family(name="elastic_router_requests_total", description="requests answered by the elastic router, by outcome",
-                   kind=family.COUNTER),
-            family(name="elastic_router_rows_total", description="rows served per budget (sparsity)", kind=family.COUNTER),
-            family(name="elastic_router_switches_total", description="budget switches of the load-adaptive policy",
-                   kind=family.COUNTER),
-        ]
-        requests, rows, switches_family = self._families
-        self.requests = {o: requests.Metric(labels={"router": router, "outcome": o}) for o in self.OUTCOMES}
-        self.rows = {s: rows.Metric(labels={"router": router, "sparsity": f"{s:g}"}) for s in sparsities}
-        self.switches = switches_family.Metric(labels={"router": router})
-        self._switches, self._switches_counted = switches, 0
-        self._done: Deque[Tuple[str, Optional[List[float]], int]] = deque()
+    def __init__(self, router: str, sparsities: Sequence[float], snapshot=lambda: {}):
+        family, lab = pb_utils.MetricFamily, {"router": router}
+
+        def metrics(name, description, kind, labels):
+            f = family(name=name, description=description, kind=kind)
+            self._families.append(f)
+            return {k: f.Metric(labels={**lab, **extra}) for k, extra in labels.items()}
+
+        self._families: List[Any] = []
+        C, G = family.COUNTER, family.GAUGE
+        self.requests = metrics("elastic_router_requests_total", "requests answered by the router, by outcome", C,
+                                {o: {"outcome": o} for o in self.OUTCOMES})
+        self.refused = metrics("elastic_router_refused_total", "requests refused, by reason", C,
+                               {r: {"reason": r} for r in self.REASONS})
+        self.served = metrics("elastic_router_served_total", "requests served per budget and path", C,
+                              {(s, p): {"sparsity": f"{s:g}", "path": p} for s in sparsities for p in self.PATHS})
+        self.rows = metrics("elastic_router_rows_total", "rows served per budget (sparsity)", C,
+                            {s: {"sparsity": f"{s:g}"} for s in sparsities})
+        self.events = metrics("elastic_router_events_total", "budget switches and failovers", C,
+                              {e: {"event": e} for e in ("switch", "failover")})
+        self.gauges = {g: metrics(f"elastic_router_{g}", f"router gauge: {g.replace('_', ' ')}", G, {0: {}})[0]
+                       for g in self.GAUGES}
+        self.up = metrics("elastic_router_budget_up", "1 while the budget model answers, 0 while routed around", G,
+                          {s: {"sparsity": f"{s:g}"} for s in sparsities})
+        self._snapshot = snapshot
+        self._done: Deque[Tuple[str, Any, Any]] = deque()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-metrics", daemon=True)
         self._thread.start()
 
-    def count(self, outcome: str, served: Optional[List[float]] = None, requests: int = 1) -> None:
-        """``requests`` answered with ``outcome``; ``served``: the served sparsity of each row."""
-        self._done.append((outcome, served, requests))  # deque.append: atomic, no lock
+    def count(self, outcome: str, detail: Any = None, n: int = 1) -> None:
+        """``n`` requests answered with ``outcome``; ``detail``: (served rows, path) when served, the reason
+        when refused."""
+        self._done.append((outcome, detail, n))  # deque.append: atomic, no lock
+
+    def event(self, name: str) -> None:
+        self._done.append(("event", name, 1))
 
     def flush(self) -> None:
-        """Add what was counted since the last flush to the server's metrics (only this thread, or
-        :meth:`close` once it stopped, calls it)."""
-        requests: Counter = Counter()
-        rows: Counter = Counter()
+        """Add what was counted since the last flush, and set the gauges (only this thread, or :meth:`close`
+        once it stopped, calls it)."""
+        tally: Counter = Counter()
         while self._done:
-            outcome, served, n = self._done.popleft()
-            requests[outcome] += n
-            if served:
-                rows.update(served)
-        for outcome, n in requests.items():
-            self.requests[outcome].increment(n)
-        for s, n in rows.items():
-            self.rows[s].increment(n)
-        switches = self._switches()
-        if switches > self._switches_counted:
-            self.switches.increment(switches - self._switches_counted)
-            self._switches_counted = switches
+            outcome, detail, n = self._done.popleft()
+            if outcome == "event":
+                tally[("event", detail)] += n
+                continue
+            tally[("outcome", outcome)] += n
+            if outcome == "refused" and detail in self.refused:
+                tally[("reason", detail)] += n
+            elif outcome == "served" and detail:
+                rows, path = detail
+                tally[("served", (rows[0], path))] += n
+                for s, k in Counter(rows).items():
+                    tally[("rows", s)] += k
+        tables = {"outcome": self.requests, "reason": self.refused, "served": self.served, "rows": self.rows,
+                  "event": self.events}
+        for (kind, k), n in tally.items():
+            metric = tables[kind].get(k)
+            if metric is not None:
+                metric.increment(n)
+        self._set_gauges(self._snapshot())
+
+    def _set_gauges(self, snap: Dict[str, Any]) -> None:
+        for name, metric in self.gauges.items():
+            value = snap.get(name)
+            if value is not None and math.isfinite(value):
+                metric.set(float(value))
+        for s, metric in self.up.items():
+            metric.set(0.0 if s in snap.get("down", ()) else 1.0)
 
     def _run(self) -> None:
         while not self._closed.wait(self.FLUSH_S):
@@ -459,12 +545,18 @@ class RouterMetrics:
 
 
 # --- the router (Triton Python backend, business-logic scripting) -------------------------------
-def _error(message: str) -> Any:
-    code = getattr(getattr(pb_utils, "TritonError", None), "INVALID_ARG", None)
+def _error(message: str, code: str = "INVALID_ARG") -> Any:
+    """A Triton error with ``code`` (``INVALID_ARG``: HTTP 400 / gRPC INVALID_ARGUMENT; ``UNAVAILABLE``: HTTP
+    503 / gRPC UNAVAILABLE, retryable; ``INTERNAL``: 500)."""
+    kind = getattr(getattr(pb_utils, "TritonError", None), code, None)
     try:
-        return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+        return pb_utils.TritonError(message, kind) if kind is not None else pb_utils.TritonError(message)
     except TypeError:  # an older backend without error codes
         return pb_utils.TritonError(message)
+
+
+def _error_response(message: str, code: str) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=_error(message, code))
 
 
 def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sleep, clock=time.monotonic) -> bool:
@@ -506,98 +598,126 @@ def inline_sessions(config: RouterConfig, repository: str) -> Dict[float, Any]:
 
 
 class _Job:
-    """A request ``execute`` accepted: its model-input tensors (None for text), its text tensor, batch size,
-    the served sparsity of every row (named by the request, else picked by ``execute``: ``routed``), the
-    outputs it asks for, the requests in flight when it arrived (``queue``) and when (``arrived``), the one budget
-    that serves it (``budget``; None: several), whether the router runs it itself (``inline``)."""
+    """A request ``execute`` accepted: its model-input tensors (None for text), its texts, batch size, the
+    served sparsity of every row (named by the request, else picked by the policy: ``routed``), the outputs
+    it asks for, when it arrived, the one budget that serves it (``budget``; None: several), whether the
+    router runs it itself (``inline``), its uncorrected predicted latency quantile (``predicted``)."""
 
-    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "queue", "arrived", "routed", "budget",
-                 "inline")
+    __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "arrived", "routed", "budget",
+                 "inline", "predicted", "counted")
 
-    def __init__(self, request: Any, tensors: Optional[List[Any]], text: Any, batch: int,
+    def __init__(self, request: Any, tensors: Optional[List[Any]], text: Optional[List[str]], batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
         self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
         self.served, self.wanted = served, wanted
-        self.queue, self.arrived, self.routed, self.budget, self.inline = 0, 0.0, False, None, False
+        self.arrived, self.routed, self.budget, self.inline, self.predicted = 0.0, False, None, False, None
+        self.counted = None  # the budget the monitor counted it at (None: several or not yet)
 
 
 class TritonPythonModel:
-    """Forwards each request (each group of rows of one budget) to the budget model it selects."""
+    """Forwards each request (each group of rows of one budget) to the budget model it selects.
+
+    Refusals are error responses with a code: a client's mistake (:class:`BudgetError`) is
+    ``INVALID_ARG`` (HTTP 400 / gRPC INVALID_ARGUMENT), an overload or no budget model up
+    (:class:`Overload`) ``UNAVAILABLE`` (HTTP 503 / gRPC UNAVAILABLE: retry later). Triton's own
+    statistics count an error response as a success; the router's ``elastic_router_refused_total``
+    counts them by reason.
+    """
 
     def initialize(self, args: Dict[str, str]) -> None:
         if pb_utils is None:
             raise RuntimeError("the router runs inside Triton's Python backend (triton_python_backend_utils)")
-        self.config = RouterConfig(json.loads(args["model_config"]))
+        self.config = config = RouterConfig(json.loads(args["model_config"]))
         if hasattr(pb_utils, "is_model_ready"):
-            wait_ready(sorted(set(self.config.models.values())), self.config.ready_timeout_s,
+            wait_ready(sorted(set(config.models.values())), config.ready_timeout_s,
                        lambda m: pb_utils.is_model_ready(model_name=m))
         here = os.path.join(args.get("model_repository", ""), str(args.get("model_version", "1")))
-        self.monitor = LoadMonitor()
-        self.adaptive = (AdaptiveRouting(self.config, os.path.join(here, PROFILE_FILE))
-                         if self.config.policy == "adaptive" else None)
         self.tokenizer = None
-        if self.config.text:
+        if config.text:
             from elastic_export.models.text import TextEncoder
 
-            self.tokenizer = TextEncoder.from_dir(os.path.join(here, TOKENIZER_DIR), self.config.inputs)
-        switches = (lambda: self.adaptive.policy.switches) if self.adaptive is not None else (lambda: 0)
-        self.metrics = (RouterMetrics(args.get("model_name", "router"), self.config.sparsities, switches)
+            self.tokenizer = TextEncoder.from_dir(os.path.join(here, TOKENIZER_DIR), config.inputs)
+        self.sessions = (inline_sessions(config, os.path.dirname(args.get("model_repository", "")))
+                         if config.inline else None)
+        self.monitor, self.health = LoadMonitor(), BudgetHealth(config.sparsities)
+        points = (service_points(config, self.sessions, os.path.join(here, PROFILE_FILE), config.tokens)
+                  if config.policy == "adaptive" else None)
+        self.routing = SloRouting(config, points) if points is not None else None
+        self._calibrating = config.policy == "adaptive" and points is None  # measured by the probe thread
+        self._precision = np.array([[config.precision]], dtype=object)
+        self._lock = threading.Lock()  # the monitor, the policy and the health table, shared by the threads
+        self._pool = ThreadPoolExecutor(max_workers=config.max_concurrency, thread_name_prefix="router")
+        self.metrics = (RouterMetrics(args.get("model_name", "router"), config.sparsities, self.snapshot)
                         if hasattr(pb_utils, "MetricFamily") else None)
-        self.sessions = (inline_sessions(self.config, os.path.dirname(args.get("model_repository", "")))
-                         if self.config.inline else None)
-        self._precision = np.array([[self.config.precision]], dtype=object)
-        self._lock = threading.Lock()  # the monitor and the policy, shared by the worker threads
-        self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrency, thread_name_prefix="router")
+        self._closed = threading.Event()
+        self._prober = threading.Thread(target=self._probe_loop, name="router-probe", daemon=True)
+        self._prober.start()
+
+    def snapshot(self) -> Dict[str, Any]:
+        """What the gauges show: served sparsity, arrival rate, in flight, predicted and measured latency
+        quantile, SLO, budgets down."""
+        with self._lock:
+            snap: Dict[str, Any] = {"in_flight": self.monitor.in_flight, "down": tuple(self.health.down)}
+            if self.routing is not None:
+                policy, last = self.routing.policy, self.routing.last
+                snap.update(served_sparsity=policy.current[0], slo_ms=policy.slo_ms,
+                            measured_latency_ms=policy.correction.measured())
+                if last is not None:
+                    snap.update(arrival_rate=policy.rate.rate(), predicted_latency_ms=last.predicted_ms)
+        return snap
 
     def execute(self, requests: List[Any]) -> None:
         """Check each request here, then hand it to a worker thread (answered through its response
-        sender) and return at once.
-
-        A request the router refuses (:class:`BudgetError`) raises from here: Triton 2.51's Python
-        backend counts a request as failed (``nv_inference_request_failure``) only when ``execute``
-        raises; an error response, returned or sent, counts as a success. The router gets one request
-        per call (no dynamic batching in its config); were there several, a refused one among valid
-        ones would be answered with an error response instead (raising fails every request of the call).
-        """
-        jobs, refused = [], []
+        sender) and return at once; a refused request is answered here with an error response."""
         for request in requests:
             try:
-                jobs.append(self._accept(request))
+                job = self._accept(request)
+                self._arrive(job)
             except BudgetError as e:
-                refused.append((request, str(e)))
-        if refused:
-            if self.metrics is not None:
-                self.metrics.count("refused", requests=len(refused))
-            if not jobs:
-                raise BudgetError(refused[0][1])
-            for request, message in refused:
-                request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message)),
-                                                   flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        for job in jobs:
-            self._arrive(job)
+                self._refuse(request, str(e), "INVALID_ARG", "bad_request")
+                continue
+            except Overload as e:
+                self._refuse(request, str(e), "UNAVAILABLE", e.reason)
+                continue
             self._pool.submit(self._serve, job)
         return None
 
+    def _refuse(self, request: Any, message: str, code: str, reason: str) -> None:
+        request.get_response_sender().send(_error_response(message, code),
+                                           flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if self.metrics is not None:
+            self.metrics.count("refused", reason)
+
     def _arrive(self, job: _Job) -> None:
-        """Count the job's arrival; pick its budget if it names none (the policy's, else the default)."""
+        """Pick the job's budget if it names none, route around budgets that are down, admit it (or raise
+        :class:`Overload`) and count it in flight."""
         with self._lock:
-            job.queue = self.monitor.arrive()
-            job.arrived = self.monitor.last_arrival
+            decision = self.routing.arrive(job.batch) if self.routing is not None else None
             if job.served is None:
-                chosen = self.adaptive.choose(self.monitor) if self.adaptive is not None else None
-                job.served = [self.config.default if chosen is None else chosen] * job.batch
-                job.routed = chosen is not None
+                job.served = [decision.pair[0] if decision is not None else self.config.default] * job.batch
+                job.routed = decision is not None
+            if self.health.down:
+                job.served = [self.health.nearest(s) for s in job.served]
             first = job.served[0]
             job.budget = first if all(s == first for s in job.served) else None
-            job.inline = self.sessions is not None and job.queue == 0 and job.budget is not None
-            self.monitor.start(job.budget)
+            if self.monitor.in_flight >= self.config.max_concurrency:
+                raise Overload(f"the router has {self.monitor.in_flight} requests in flight, its limit; retry later",
+                               "queue_full")
+            ahead = self.monitor.rows_at.get(job.budget, 0) if job.budget is not None else 0
+            if self.routing is not None and job.budget is not None:
+                self.routing.admit(job.budget, job.batch, ahead)
+                job.predicted = self.routing.raw_prediction(job.budget)
+            job.inline = self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
+            self.monitor.arrive(job.budget, job.batch)
+            job.arrived, job.counted = self.monitor.last_arrival, job.budget
 
     def _accept(self, request: Any) -> _Job:
         """The request's tensors and the served sparsity of its rows (when it names one), checked.
 
         Raises:
-            BudgetError: both ``text`` and model inputs, a missing input, inputs of different batch
-                sizes, or a sparsity the router refuses (:func:`row_sparsities`, :func:`choose_budget`).
+            BudgetError: both ``text`` and model inputs, a missing input, no rows, more rows than
+                ``max_rows``, inputs of different batch sizes, text that is not UTF-8, or a sparsity the
+                router refuses (:func:`row_sparsities`, :func:`choose_budget`).
         """
         tensors = {t.name(): t for t in request.inputs()}
         text = tensors.get(TEXT_INPUT) if self.config.text else None
@@ -607,73 +727,121 @@ class TritonPythonModel:
                 raise BudgetError(f"send either {TEXT_INPUT!r} or the model inputs, not both")
             batch = math.prod(text.shape())
         else:
-            missing = [n for n in self.config.inputs if n not in tensors]
-            if missing:
-                extra = f" (or {TEXT_INPUT!r})" if self.config.text else ""
-                raise BudgetError(f"missing input {', '.join(map(repr, missing))}{extra}")
-            shapes = [t.shape() for t in model_inputs]
-            batch = shapes[0][0] if shapes[0] else 0
-            for t, shape in zip(model_inputs, shapes):
-                b = shape[0] if shape else 0
-                if b != batch:
-                    raise BudgetError(f"input {t.name()!r} has batch {b}, input {self.config.inputs[0]!r} has "
-                                      f"batch {batch}")
+            batch = self._batch_of(tensors, model_inputs)
+        if batch < 1:
+            raise BudgetError("the request has no rows (batch size 0)")
+        if batch > self.config.max_rows:
+            raise BudgetError(f"the request has {batch} rows, more than the {self.config.max_rows} a request may "
+                              f"have; split it")
+        texts = _texts(text) if text is not None else None
         sparsity = tensors.get(SPARSITY_INPUT)
         values = None if sparsity is None else sparsity.as_numpy().reshape(-1).tolist()
         params = request.parameters() if values is None and hasattr(request, "parameters") else None
         rows = row_sparsities(values, params, batch)
         served = None if rows is None else self.config.route(rows)
         wanted = request.requested_output_names() if hasattr(request, "requested_output_names") else ()
-        return _Job(request, None if text is not None else model_inputs, text, batch, served, wanted)
+        return _Job(request, None if text is not None else model_inputs, texts, batch, served, wanted)
+
+    def _batch_of(self, tensors: Dict[str, Any], model_inputs: List[Any]) -> int:
+        missing = [n for n in self.config.inputs if n not in tensors]
+        if missing:
+            extra = f" (or {TEXT_INPUT!r})" if self.config.text else ""
+            raise BudgetError(f"missing input {', '.join(map(repr, missing))}{extra}")
+        shapes = [t.shape() for t in model_inputs]
+        batch = shapes[0][0] if shapes[0] else 0
+        for t, shape in zip(model_inputs, shapes):
+            b = shape[0] if shape else 0
+            if b != batch:
+                raise BudgetError(f"input {t.name()!r} has batch {b}, input {self.config.inputs[0]!r} has batch {batch}")
+        return batch
 
     def _serve(self, job: _Job) -> None:
         """A worker: the job's response (an error one if it fails), sent; counted."""
-        outcome = "served"
+        outcome, detail = "served", None
         try:
             response = self._answer(job)
-        except BudgetError as e:  # the text input's (the tokenizer's) refusal
-            response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=_error(str(e))), "refused"
+            detail = (job.served, "inline" if job.inline else "forwarded")
+        except BudgetError as e:  # the tokenizer's refusal
+            response, outcome, detail = _error_response(str(e), "INVALID_ARG"), "refused", "bad_request"
+        except Overload as e:
+            response, outcome, detail = _error_response(str(e), "UNAVAILABLE"), "refused", e.reason
         except Exception as e:  # a bug or a budget model's failure: answer it, never leave the client waiting
-            error = pb_utils.TritonError(f"router: {e}")
-            response, outcome = pb_utils.InferenceResponse(output_tensors=[], error=error), "failed"
+            response, outcome = _error_response(f"router: {e}", "INTERNAL"), "failed"
         ms = (time.monotonic() - job.arrived) * 1e3
-        with self._lock:  # only the policy's picks (one budget for every row) since its last switch steer it
-            fresh = self.adaptive is None or job.arrived >= self.adaptive.switched_at
-            self.monitor.leave(job.served[0] if job.routed else None, ms, alone=job.queue == 0, budget=job.budget,
-                               fresh=fresh)
+        with self._lock:
+            self.monitor.leave(job.counted, job.batch)
+            if outcome == "served" and self.routing is not None and job.predicted is not None:
+                self.routing.policy.answered(ms, job.predicted)
+            if outcome == "served" and job.inline and job.budget is not None and self.routing is not None:
+                self.routing.policy.service.observe((job.budget, self.config.precision), job.batch, ms)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if self.metrics is not None:
-            self.metrics.count(outcome, job.served if outcome == "served" else None)
+            self.metrics.count(outcome, detail)
 
     def _answer(self, job: _Job) -> Any:
-        tensors, feeds = job.tensors, None
-        if job.text is not None:
-            values = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in job.text.as_numpy().reshape(-1)]
-            feeds = self.tokenizer.encode(values)
+        feeds = self.tokenizer.encode(job.text) if job.text is not None else None
         wanted = job.wanted
         names = [n for n in self.config.outputs if not wanted or n in wanted]
         if job.inline:  # nothing else in flight: run it here, no round trip to the budget model
-            arrays = feeds if feeds is not None else {t.name(): t.as_numpy() for t in tensors}
+            arrays = feeds if feeds is not None else {t.name(): t.as_numpy() for t in job.tensors}
             outputs = [pb_utils.Tensor(n, a) for n, a in zip(names, self.sessions[job.budget].run(names, arrays))]
         else:
-            outputs = self._forward(tensors, feeds, job.served, job.budget, names)
+            outputs = self._forward_with_failover(job, feeds, names)
         if not wanted or SERVED_OUTPUT in wanted:
             outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(job.served, dtype=np.float64).reshape(-1, 1)))
         if not wanted or PRECISION_OUTPUT in wanted:
             outputs.append(pb_utils.Tensor(PRECISION_OUTPUT, np.repeat(self._precision, job.batch, axis=0)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
+    def _forward_with_failover(self, job: _Job, feeds: Optional[Dict[str, np.ndarray]], names: List[str]) -> List[Any]:
+        """:meth:`_forward`; a budget model that fails as gone is marked down and the rows it had go once
+        to the nearest budget up (``job.served`` says so); its queue's refusal is an :class:`Overload`."""
+        try:
+            return self._forward(job.tensors, feeds, job.served, job.budget, names)
+        except _BudgetFailure as e:
+            kind = classify_failure(str(e))
+            if kind == "overload":
+                raise Overload(f"overloaded: budget model {self.config.models[e.budget]!r}: {e}; retry later",
+                               "overload") from None
+            if kind != "down":
+                raise RuntimeError(str(e)) from None
+            with self._lock:
+                if self.health.mark_down(e.budget, time.monotonic()) and self.metrics is not None:
+                    self.metrics.event("failover")
+                if self.routing is not None:
+                    self.routing.set_down(list(self.health.down))
+                job.served = [self.health.nearest(s) for s in job.served]
+            first = job.served[0]
+            job.budget = first if all(s == first for s in job.served) else None
+            try:
+                return self._forward(job.tensors, feeds, job.served, job.budget, names)
+            except _BudgetFailure as again:
+                raise Overload(f"budget model {self.config.models[again.budget]!r} failed too: {again}; retry later",
+                               "unavailable") from None
+
+    def _bls(self, budget: float, inputs: List[Any], names: List[str]) -> Any:
+        timeout = int(2 * (self.routing.policy.slo_ms if self.routing is not None else 60e3) * 1e3)  # microseconds
+        try:
+            return pb_utils.InferenceRequest(model_name=self.config.models[budget], requested_output_names=names,
+                                             inputs=inputs, timeout=timeout)
+        except TypeError:  # a backend without request timeouts
+            return pb_utils.InferenceRequest(model_name=self.config.models[budget], requested_output_names=names,
+                                             inputs=inputs)
+
     def _forward(self, tensors: Optional[List[Any]], feeds: Optional[Dict[str, np.ndarray]], served: List[float],
                  budget: Optional[float], names: List[str]) -> List[Any]:
         """Run every group of rows on its budget model (several groups: at once); the output tensors, in
         row order. ``tensors``: the request's own (forwarded as they are when one budget serves every
-        row), else ``feeds`` (the tokenized text); ``budget``: the one budget of every row (None: several)."""
+        row), else ``feeds`` (the tokenized text); ``budget``: the one budget of every row (None: several).
+
+        Raises:
+            _BudgetFailure: a budget model answered with an error.
+        """
         if budget is not None:  # one budget: the request's tensors in, the budget model's out
             inputs = tensors if tensors is not None else [pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in feeds.items()]
-            response = pb_utils.InferenceRequest(model_name=self.config.models[budget], requested_output_names=names,
-                                                 inputs=inputs).exec()
+            response = self._bls(budget, inputs, names).exec()
             if response.has_error():
-                raise RuntimeError(response.error().message())
+                raise _BudgetFailure(budget, response.error().message())
             out = response.output_tensors()
             if [t.name() for t in out] == names:  # the budget model answers what was asked, in that order
                 return list(out)
@@ -684,14 +852,12 @@ class TritonPythonModel:
         groups: Dict[float, List[int]] = {}
         for i, s in enumerate(served):
             groups.setdefault(s, []).append(i)
-        calls = [pb_utils.InferenceRequest(model_name=self.config.models[s], requested_output_names=names,
-                                           inputs=[pb_utils.Tensor(n, np.ascontiguousarray(a[idx]))
-                                                   for n, a in feeds.items()])
+        calls = [self._bls(s, [pb_utils.Tensor(n, np.ascontiguousarray(a[idx])) for n, a in feeds.items()], names)
                  for s, idx in groups.items()]
         responses = asyncio.run(_exec_all(calls))
-        for r in responses:
+        for s, r in zip(groups, responses):
             if r.has_error():
-                raise RuntimeError(r.error().message())
+                raise _BudgetFailure(s, r.error().message())
         out = []
         for n in names:
             parts = [{t.name(): t for t in r.output_tensors()}[n].as_numpy() for r in responses]
@@ -701,10 +867,98 @@ class TritonPythonModel:
             out.append(pb_utils.Tensor(n, full))
         return out
 
+    # --- budget models down: probed until they answer again ---
+    PROBE_S = 0.5
+
+    def _probe_loop(self) -> None:
+        """First, where nothing measured them, the budgets' service times (:meth:`_calibrate`); then every
+        :attr:`PROBE_S`: a budget model that is down and answers a one-row request again is up; one that is
+        up but no longer ready (unloaded) is down."""
+        feeds = probe_feeds(self.config.input_specs)
+        if self._calibrating:
+            try:
+                self._calibrate()
+            except Exception:  # a budget model that does not answer: the default budget is served
+                pass
+            finally:
+                self._calibrating = False
+        while not self._closed.wait(self.PROBE_S):
+            try:
+                self._probe(feeds)
+            except Exception:  # the server is stopping: the next round tries again
+                pass
+
+    def _probe(self, feeds: Dict[str, np.ndarray]) -> None:
+        ready = getattr(pb_utils, "is_model_ready", None)
+        changed = False
+        for s, name in self.config.models.items():
+            is_ready = ready(model_name=name) if ready is not None else True
+            if s in self.health.down:
+                if is_ready and self._answers(s, feeds):
+                    with self._lock:
+                        changed |= self.health.mark_up(s)
+            elif not is_ready:
+                with self._lock:
+                    changed |= self.health.mark_down(s, time.monotonic())
+        if changed and self.routing is not None:
+            with self._lock:
+                self.routing.set_down(list(self.health.down))
+
+    def _calibrate(self, batches: Sequence[int] = (1, 8), repeats: int = 3) -> None:
+        """Every budget's service times measured through its budget model (BLS, zeros at the model's nominal
+        tokens), then the load-adaptive policy on them; until then requests that name no budget get the
+        default."""
+        points: Dict[float, Dict[int, float]] = {}
+        for s in self.config.sparsities:
+            points[s] = {}
+            for batch in batches:
+                feeds = {n: np.repeat(a, batch, axis=0) for n, a in probe_feeds(self.config.input_specs,
+                                                                                self.config.tokens).items()}
+                runs = []
+                for _ in range(repeats + 1):
+                    t = time.perf_counter()
+                    response = self._bls(s, [pb_utils.Tensor(n, a) for n, a in feeds.items()],
+                                         self.config.outputs[:1]).exec()
+                    if response.has_error():
+                        raise RuntimeError(response.error().message())
+                    runs.append((time.perf_counter() - t) * 1e3)
+                points[s][batch] = float(np.median(runs[1:]))
+        with self._lock:
+            self.routing, self._calibrating = SloRouting(self.config, points), False
+
+    def _answers(self, budget: float, feeds: Dict[str, np.ndarray]) -> bool:
+        inputs = [pb_utils.Tensor(n, a) for n, a in feeds.items()]
+        try:
+            return not self._bls(budget, inputs, self.config.outputs[:1]).exec().has_error()
+        except Exception:
+            return False
+
     def finalize(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=True, cancel_futures=False)
         if self.metrics is not None:
             self.metrics.close()
+
+
+class _BudgetFailure(Exception):
+    """A budget model's error response (``budget``: its sparsity)."""
+
+    def __init__(self, budget: float, message: str):
+        super().__init__(message)
+        self.budget = budget
+
+
+def _texts(tensor: Any) -> List[str]:
+    """The ``text`` input's strings; :class:`BudgetError` for bytes that are not UTF-8."""
+    out = []
+    for i, v in enumerate(tensor.as_numpy().reshape(-1)):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BudgetError(f"text {i} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        out.append(str(v))
+    return out
 
 
 async def _exec_all(calls: List[Any]) -> List[Any]:

@@ -35,7 +35,7 @@ class Tensor:
 
 
 class TritonError:
-    INVALID_ARG = 3
+    INTERNAL, INVALID_ARG, UNAVAILABLE = 2, 3, 14
 
     def __init__(self, message: str, code: int | None = None):
         self._message, self.code = message, code
@@ -101,14 +101,17 @@ class Server:
     def __init__(self, repository: Path):
         self.repository, self.calls, self._sessions = repository, [], {}
         self.barrier = None  # a threading.Barrier: calls wait until that many are in progress together
+        self.fail = None  # an error message every call answers with
         self._lock = threading.Lock()
 
     def run(self, model: str, inputs: list[Tensor], names: list[str]) -> InferenceResponse:
         from elastic_export.targets.onnxruntime import make_session
 
         path = self.repository / model / "1" / "model.onnx"
-        if not path.is_file():
-            return InferenceResponse([], error=TritonError(f"no model {model!r}"))
+        if not path.is_file():  # Triton's words for a model that is not loaded
+            return InferenceResponse([], error=TritonError(f"Request for unknown model: '{model}' is not found"))
+        if self.fail:
+            return InferenceResponse([], error=TritonError(self.fail))
         with self._lock:
             sess = self._sessions.setdefault(model, make_session(path))
         outs = sess.run(names, {t.name(): t.as_numpy() for t in inputs})
@@ -120,7 +123,8 @@ def fake_pb_utils(server: Server) -> types.ModuleType:
     pb = types.ModuleType("triton_python_backend_utils")
 
     class InferenceRequest:
-        def __init__(self, model_name: str, requested_output_names: list[str], inputs: list[Tensor]):
+        def __init__(self, model_name: str, requested_output_names: list[str], inputs: list[Tensor], timeout: int = 0):
+            self.timeout = timeout
             self.model_name, self.names, self.inputs = model_name, list(requested_output_names), inputs
 
         def exec(self) -> InferenceResponse:
@@ -173,6 +177,11 @@ def start_router(repository: Path, name: str, monkeypatch) -> tuple[object, Serv
     model.initialize({"model_config": model_config_json(repository / name / "config.pbtxt"),
                       "model_name": name, "model_version": "1", "model_instance_kind": "CPU",
                       "model_repository": str(repository / name)})
+    deadline = time.monotonic() + 60
+    while getattr(model, "_calibrating", False):  # the adaptive policy's service times, measured through BLS
+        assert time.monotonic() < deadline, "the router did not finish measuring its budgets"
+        time.sleep(0.01)
+    server.calls.clear()  # what the tests count: their own requests' calls
     return model, server
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import types
 from importlib import resources
 from pathlib import Path
@@ -168,40 +169,90 @@ def test_router_refuses_bad_requests(tmp_path, monkeypatch, request_kw, message)
     TR.build_repository(d)
     model, server = start_router(d / "triton", "elastic", monkeypatch)
     feeds = _feeds()
-    if "rows" in request_kw:
-        bad = Request({**feeds, "sparsity": np.array([[v] for v in request_kw["rows"]], np.float32)})
-    elif "drop" in request_kw:
-        bad = Request({k: v for k, v in feeds.items() if k != request_kw["drop"]})
-    elif "short" in request_kw:
-        bad = Request({**feeds, request_kw["short"]: feeds[request_kw["short"]][:1]})
-    else:
-        bad = Request(feeds, request_kw)
-    with pytest.raises(ValueError, match=re.escape(message)) as err:  # alone in its call: execute raises (a failure)
-        model.execute([bad])
-    assert type(err.value).__name__ == "BudgetError" and err.value.__cause__ is None
-    assert not hasattr(bad, "response") and server.calls == []  # checked before any budget model is called
-    bad_response, good = execute(model, [bad, Request(feeds)])  # beside a valid one: an error response instead
+
+    def bad_request() -> Request:
+        if "rows" in request_kw:
+            return Request({**feeds, "sparsity": np.array([[v] for v in request_kw["rows"]], np.float32)})
+        if "drop" in request_kw:
+            return Request({k: v for k, v in feeds.items() if k != request_kw["drop"]})
+        if "short" in request_kw:
+            return Request({**feeds, request_kw["short"]: feeds[request_kw["short"]][:1]})
+        return Request(feeds, request_kw)
+
+    (response,) = execute(model, [bad_request()])  # a client's mistake: an error response with INVALID_ARG (HTTP 400)
+    assert response.has_error() and message in response.error().message()
+    assert response.error().code == response.error().INVALID_ARG and response.output_tensors() == []
+    assert server.calls == [] and model.monitor.in_flight == 0  # checked before any budget model is called
+    bad_response, good = execute(model, [bad_request(), Request(feeds)])  # beside a valid one: the same
     assert bad_response.has_error() and message in bad_response.error().message()
-    assert bad_response.error().code == bad_response.error().INVALID_ARG and bad_response.output_tensors() == []
     assert not good.has_error() and [n for e, n in server.calls if e == "start"] == ["elastic_s000"]
 
 
-def test_a_budget_model_failure_is_an_error_response(tmp_path, monkeypatch):
-    """Found by the worker after ``execute`` returned: answered with an error, never left waiting."""
+@pytest.mark.parametrize("rows,message", [(0, "no rows (batch size 0)"), (129, "129 rows, more than the 128")])
+def test_empty_and_oversized_requests_are_refused_and_change_nothing(tmp_path, monkeypatch, rows, message):
+    """0 rows or more than the budget models' max_batch_size: a 400 before anything is counted or run."""
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    ids = np.ones((rows, 4), np.int64)
+    (response,) = execute(model, [Request({"input_ids": ids, "attention_mask": ids})])
+    assert response.has_error() and message in response.error().message()
+    assert response.error().code == response.error().INVALID_ARG
+    assert server.calls == [] and model.monitor.in_flight == 0 and model.monitor.rows_at == {}
+    (ok,) = execute(model, [Request(_feeds())])  # the router works as before
+    assert not ok.has_error() and model.monitor.in_flight == 0
+
+
+def test_a_budget_model_that_is_gone_is_routed_around_and_used_again_when_back(tmp_path, monkeypatch):
+    """Found by the worker after ``execute`` returned: the rows go to the nearest budget up (served_sparsity
+    says so), the budget is down until the probe finds it answering again."""
     import shutil
 
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
     model, server = start_router(d / "triton", "elastic", monkeypatch)
-    shutil.rmtree(d / "triton" / "elastic_s050")  # gone after the router loaded: the fake server answers an error
+    gone = d / "triton" / "elastic_s050"
+    shutil.move(gone, tmp_path / "away")  # unloaded after the router loaded: the fake server answers "not found"
     (response,) = execute(model, [Request(_feeds(), {"sparsity": 0.5})])
-    assert response.has_error() and response.error().message() == "router: no model 'elastic_s050'"
+    assert not response.has_error(), response.error().message()
+    assert response.as_dict()["served_sparsity"].ravel().tolist() == [0.25, 0.25]  # the nearest budget up
+    assert set(model.health.down) == {0.5}
+    (again,) = execute(model, [Request(_feeds(), {"sparsity": 0.5})])  # routed around at once now
+    assert again.as_dict()["served_sparsity"].ravel().tolist() == [0.25, 0.25]
+    shutil.move(tmp_path / "away", gone)  # back: the probe finds it answering
+    deadline = time.monotonic() + 30
+    while model.health.down:
+        assert time.monotonic() < deadline, "the router did not take the budget back"
+        time.sleep(0.05)
+    (back,) = execute(model, [Request(_feeds(), {"sparsity": 0.5})])
+    assert back.as_dict()["served_sparsity"].ravel().tolist() == [0.5, 0.5]
+
+
+def test_a_budget_model_error_is_an_error_response(tmp_path, monkeypatch):
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    server.fail = "onnxruntime: invalid dims"
+    (response,) = execute(model, [Request(_feeds(), {"sparsity": 0.5})])
+    assert response.has_error() and response.error().message() == "router: onnxruntime: invalid dims"
+    assert response.error().code == response.error().INTERNAL and not model.health.down
+
+
+@pytest.mark.parametrize("message,kind", [
+    ("Stub process 'elastic_s050_0_0' is not healthy.", "down"),
+    ("Request for unknown model: 'elastic_s040' is not found", "down"),
+    ("Request timeout expired", "overload"),
+    ("Exceeds maximum queue size", "overload"),
+    ("onnxruntime: invalid dims", "failed"),
+])
+def test_classify_failure(message, kind):
+    assert triton_router.classify_failure(message) == kind
 
 
 class _Family:
-    """A stand-in for pb_utils.MetricFamily: every increment with the thread that made it."""
+    """A stand-in for pb_utils.MetricFamily: every update with the thread that made it."""
 
-    COUNTER = "counter"
+    COUNTER, GAUGE = "counter", "gauge"
     updates: list = []
 
     def __init__(self, name, description, kind):
@@ -214,29 +265,48 @@ class _Family:
             def increment(self, value):
                 _Family.updates.append((family.name, dict(labels), value, threading.current_thread().name))
 
+            def set(self, value):
+                _Family.updates.append((family.name, dict(labels), ("set", value), threading.current_thread().name))
+
         return _Metric()
 
 
 def test_router_metrics_gather_counts_and_update_from_one_thread(monkeypatch):
     monkeypatch.setattr(triton_router, "pb_utils", types.SimpleNamespace(MetricFamily=_Family))
     monkeypatch.setattr(_Family, "updates", [])
-    switches = [0]
-    metrics = triton_router.RouterMetrics("elastic", [0.0, 0.5], switches=lambda: switches[0])
-    threads = [threading.Thread(target=lambda: [metrics.count("served", [0.5, 0.5]) for _ in range(50)])
+    snap = {"served_sparsity": 0.5, "in_flight": 3, "arrival_rate": 41.0, "predicted_latency_ms": 120.0,
+            "down": (0.0,)}
+    metrics = triton_router.RouterMetrics("elastic", [0.0, 0.5], snapshot=lambda: snap)
+    threads = [threading.Thread(target=lambda: [metrics.count("served", ([0.5, 0.5], "forwarded")) for _ in range(50)])
                for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    metrics.count("refused", requests=3)
-    switches[0] = 2
+    metrics.count("served", ([0.0], "inline"))
+    for reason in ("overload", "overload", "bad_request"):
+        metrics.count("refused", reason)
+    metrics.event("switch")
     metrics.close()  # the last counts flushed
     totals: dict = {}
+    gauges: dict = {}
     for name, labels, value, thread in _Family.updates:
-        key = (name, labels.get("outcome") or labels.get("sparsity"))
-        totals[key] = totals.get(key, 0) + value
-    assert totals == {("elastic_router_requests_total", "served"): 200, ("elastic_router_requests_total", "refused"): 3,
-                      ("elastic_router_rows_total", "0.5"): 400, ("elastic_router_switches_total", None): 2}
+        key = (name, tuple(v for k, v in sorted(labels.items()) if k != "router"))
+        if isinstance(value, tuple):
+            gauges[key] = value[1]
+        else:
+            totals[key] = totals.get(key, 0) + value
+    assert totals == {("elastic_router_requests_total", ("served",)): 201,
+                      ("elastic_router_requests_total", ("refused",)): 3,
+                      ("elastic_router_refused_total", ("overload",)): 2,
+                      ("elastic_router_refused_total", ("bad_request",)): 1,
+                      ("elastic_router_served_total", ("forwarded", "0.5")): 200,
+                      ("elastic_router_served_total", ("inline", "0")): 1,
+                      ("elastic_router_rows_total", ("0.5",)): 400, ("elastic_router_rows_total", ("0",)): 1,
+                      ("elastic_router_events_total", ("switch",)): 1}
+    assert gauges[("elastic_router_served_sparsity", ())] == 0.5 and gauges[("elastic_router_in_flight", ())] == 3
+    assert gauges[("elastic_router_budget_up", ("0",))] == 0.0 and gauges[("elastic_router_budget_up", ("0.5",))] == 1
+    assert ("elastic_router_measured_latency_ms", ()) not in gauges  # not measured yet: not set
     assert len(_Family.updates) < 4 * 50  # gathered, not one update per request
     assert {thread for *_, thread in _Family.updates} <= {"router-metrics", threading.current_thread().name}
 
@@ -303,95 +373,70 @@ def test_router_refuses_to_load_in_front_of_a_missing_budget_model(tmp_path, mon
         start_router(d / "triton", "elastic", monkeypatch)
 
 
-def test_load_adaptive_routing_steps_to_faster_budgets_under_load_and_back():
-    """The project's LoadAdaptivePolicy fed with the router's observations: in-flight requests as the
-    queue depth, measured latency against the SLO."""
+def _routing(budgets=(0.0, 0.3, 0.6), slo_ms="250", **params):
     config = RouterConfig({"parameters": {"budget_models": {"string_value": json.dumps(
-        [[0.0, "d"], [0.3, "a"], [0.6, "b"]])}, "policy": {"string_value": "adaptive"},
-        "slo_ms": {"string_value": "50"}}, "input": [], "output": []})
-    routing = triton_router.AdaptiveRouting(config, None)
-    monitor = triton_router.LoadMonitor(clock=iter(np.arange(0, 100, 0.001)).__next__)
-    assert routing.choose(monitor, queue=0) == 0.0  # idle: the densest
-    assert routing.policy.up_depth == 8  # with an SLO the measured latency steers too: a longer queue is tolerated
-    assert [routing.choose(monitor, queue=7) for _ in range(3)] == [0.0] * 3
-    served = [routing.choose(monitor, queue=8) for _ in range(3)]
-    assert served == [0.3, 0.6, 0.6]  # 8 in flight: one level per arrival, up to the sparsest
-    calm = [routing.choose(monitor, queue=0) for _ in range(routing.policy.down_after * 2)]
-    assert calm[-1] == 0.0 and routing.policy.switches == 4  # calm again: back to dense, one level at a time
-    assert monitor.arrive() == 0 and monitor.in_flight == 1
-    monitor.leave(0.0, 45.0)  # the dense budget now answers near the SLO: treated as a full queue
-    assert routing.choose(monitor, queue=0) == 0.3
+        [[s, f"m{i}"] for i, s in enumerate(budgets)])}, "policy": {"string_value": "adaptive"},
+        "slo_ms": {"string_value": slo_ms}, **{k: {"string_value": v} for k, v in params.items()}},
+        "input": [], "output": []})
+    points = {s: {1: 10.0 * (1 - s), 8: 80.0 * (1 - s)} for s in budgets}  # c = 10 ms x (1 - s) per row
+    clock = [0.0]
+    return triton_router.SloRouting(config, points, clock=lambda: clock[0]), clock
 
 
-def test_load_monitor_rate_and_service_times():
-    clock = iter([0.0, 0.01, 0.02, 0.03, 0.04]).__next__
-    monitor = triton_router.LoadMonitor(half_life_s=0.05, clock=clock)
-    assert [monitor.arrive() for _ in range(2)] == [0, 1]  # the second joins one in flight
-    monitor.leave(0.3, 30.0, alone=False)
-    monitor.leave(0.3, 10.0, alone=True)  # answered with nothing else in flight: a service time
-    assert monitor.in_flight == 0 and monitor.service_ms == {0.3: 10.0}
-    assert monitor.latency_ms[0.3] == pytest.approx(0.8 * 30.0 + 0.2 * 10.0)
-    for _ in range(3):
-        monitor.arrive()
-    assert 20 < monitor.rate < 100  # arrivals every 10 ms: the estimate climbs towards 100/s
+def test_slo_routing_serves_dense_at_light_load_and_steps_sparser_when_it_cannot_keep_up():
+    routing, clock = _routing()
+    for i in range(200):  # 20 rows/s: dense's 100 rows/s capacity covers it
+        clock[0] = i * 0.05
+        decision = routing.arrive(1)
+    assert decision.pair == (0.0, "fp32") and decision.meets
+    for i in range(400):  # 150 rows/s: only 0.6 (250 rows/s) keeps up
+        clock[0] = 10 + i / 150
+        decision = routing.arrive(1)
+    assert decision.pair == (0.6, "fp32") and decision.predicted_ms <= 250
+
+
+def test_slo_routing_refuses_a_request_predicted_to_miss_the_slo_behind_the_rows_in_flight():
+    routing, _ = _routing()
+    routing.arrive(1)
+    assert routing.admit(0.0, 1, ahead=0) == pytest.approx(10.0)  # nothing ahead: it runs, whatever its size
+    assert routing.admit(0.0, 100, ahead=0) > 250
+    routing.admit(0.0, 1, ahead=10)  # 2 x a + 10 x c + its own: 110 ms
+    with pytest.raises(triton_router.Overload, match="exceeds the SLO of 250 ms") as err:
+        routing.admit(0.0, 1, ahead=30)
+    assert err.value.reason == "overload"
+
+
+def test_slo_routing_quality_floor_and_budgets_down():
+    routing, clock = _routing(max_sparsity="0.3")
+    for i in range(400):  # 150 rows/s: nothing at or below 0.3 keeps up; the floor holds: 0.3, the fastest allowed
+        clock[0] = i / 150
+        decision = routing.arrive(1)
+    assert decision.pair == (0.3, "fp32") and not decision.meets
+    routing, clock = _routing()
+    routing.set_down([0.0])
+    assert routing.arrive(1).pair == (0.3, "fp32")  # dense is down: the best one up
+
+
+def test_load_monitor_counts_rows_in_flight_per_budget():
+    monitor = triton_router.LoadMonitor(clock=iter([0.0, 0.01, 0.02]).__next__)
+    assert monitor.arrive(0.3, 4) == 0 and monitor.arrive(0.3, 2) == 4 and monitor.arrive(None, 3) == 0
+    assert monitor.in_flight == 3 and monitor.rows_at == {0.3: 6} and monitor.last_arrival == 0.02
+    monitor.leave(0.3, 4)
+    monitor.leave(None, 3)
+    assert monitor.in_flight == 1 and monitor.rows_at == {0.3: 2}
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
     from elastic_export.core.latency_profile import save_profile
 
     profile = {"backend": "onnxruntime", "provider": "cpu",
-               "batches": {"1": {"0.0": {"p50_ms": 4.0, "p90_ms": 5.0}, "0.5": {"p50_ms": 2.0, "p90_ms": 2.5}}}}
+               "batches": {"1": {"0.0": {"p50_ms": 4.0}, "0.5": {"p50_ms": 2.0}},
+                           "8": {"0.0": {"p50_ms": 32.0}, "0.5": {"p50_ms": 16.0}}}}
     path = save_profile(profile, tmp_path)
     config = RouterConfig({"parameters": {"budget_models": {"string_value": '[[0.0, "d"], [0.5, "b"]]'},
                                           "policy": {"string_value": "adaptive"}}, "input": [], "output": []})
-    routing = triton_router.AdaptiveRouting(config, str(path))
-    assert routing.policy.service_ms == {(0.0, "fp32"): 4.0, (0.5, "fp32"): 2.0}
-    monitor = triton_router.LoadMonitor()
-    monitor.rate = 300.0  # 300 requests/s x 4 ms = 1.2: dense cannot keep up; 0.5 (0.6) can
-    assert routing.choose(monitor, queue=0) == 0.5
-    monitor.service_ms = {0.5: 0.5}  # measured here: 4x faster than the profile says, dense too then
-    calm = [routing.choose(monitor, queue=0) for _ in range(routing.policy.down_after)]
-    assert calm[-1] == 0.0 and routing.policy.service_ms == {(0.0, "fp32"): 1.0, (0.5, "fp32"): 0.5}
-
-
-def _adaptive(budgets, slo_ms="50"):
-    config = RouterConfig({"parameters": {"budget_models": {"string_value": json.dumps(
-        [[s, f"m{i}"] for i, s in enumerate(budgets)])}, "policy": {"string_value": "adaptive"},
-        "slo_ms": {"string_value": slo_ms}}, "input": [], "output": []})
-    return triton_router.AdaptiveRouting(config, None)
-
-
-def _arrive(routing, monitor) -> float:
-    """One arrival as the router handles it: counted, routed by the policy, counted at its budget."""
-    monitor.arrive()
-    chosen = routing.choose(monitor)
-    monitor.start(chosen)
-    return chosen
-
-
-def test_adaptive_routing_counts_the_queue_at_the_budget_it_serves():
-    """A burst at dense steps up once: the requests still in flight at dense do not push every later
-    arrival one budget further (each step would put one more budget model to work beside the others)."""
-    routing = _adaptive([0.0, 0.3, 0.6])
-    monitor = triton_router.LoadMonitor(clock=iter(np.arange(0, 100, 0.001)).__next__)
-    assert [_arrive(routing, monitor) for _ in range(8)] == [0.0] * 8
-    assert monitor.at == {0.0: 8}
-    later = [_arrive(routing, monitor) for _ in range(5)]
-    assert later == [0.3] * 5  # 8 ahead at dense: one step; the queue at 0.3 is short: no more
-    assert monitor.in_flight == 13 and monitor.at == {0.0: 8, 0.3: 5}
-    monitor.leave(0.0, 40.0, budget=0.0)
-    assert monitor.at[0.0] == 7 and monitor.in_flight == 12
-
-
-def test_adaptive_routing_takes_latency_samples_only_since_its_last_switch():
-    """A request that arrived before the switch and answers late measures the overload that caused the
-    switch, not the budget switched to; one that arrived after it does."""
-    routing = _adaptive([0.0, 0.3, 0.6])
-    monitor = triton_router.LoadMonitor(clock=iter(np.arange(0, 100, 0.001)).__next__)
-    for _ in range(9):
-        _arrive(routing, monitor)
-    assert routing.policy.select(1)[0] == 0.3 and routing.switched_at == monitor.last_arrival
-    monitor.leave(0.3, 45.0, budget=0.3, fresh=False)  # near the SLO, but from before the switch
-    assert 0.3 not in monitor.latency_ms and _arrive(routing, monitor) == 0.3
-    monitor.leave(0.3, 45.0, budget=0.3, fresh=True)
-    assert monitor.latency_ms[0.3] == 45.0 and _arrive(routing, monitor) == 0.6
+    points = triton_router.service_points(config, None, str(path), 16)
+    assert points == {0.0: {1: 4.0, 8: 32.0}, 0.5: {1: 2.0, 8: 16.0}}
+    routing = triton_router.SloRouting(config, points)
+    assert routing.policy.slo_ms == triton_router.DEFAULT_SLO_MS and routing.policy.quantile == 0.99
+    assert triton_router.service_points(config, None, str(tmp_path / "none.json"), 16) is None

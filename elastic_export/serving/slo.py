@@ -1,0 +1,350 @@
+"""The served router's objective: the best-quality (budget, precision) pair whose predicted latency
+quantile at the observed load meets the SLO.
+
+Everything here is plain Python with an injected clock (the Triton router only calls it):
+
+* :class:`ServiceModel`: service time of a batch of ``n`` rows at a pair, ``S(n) = a + c·n`` ms, fitted
+  from measurements at two or more batch sizes (the router measures its budgets at start-up on the
+  serving machine, or reads the directory's latency profile), rescaled by the alone-service times the
+  server observes (:meth:`ServiceModel.observe`).
+* :class:`RateEstimator`: the arrival rate over a sliding window (2 s), where a short window (0.5 s)
+  takes over once it differs from the long one by more than Poisson noise (a step in the load).
+* :func:`predict_quantile_ms`: the latency quantile of a dynamic-batching server with Poisson arrivals
+  (a bulk-service queue): in steady state each batch holds the arrivals of the previous cycle, so a
+  cycle lasts ``T = a / (1 - λc)`` (stable only while ``λc < 1``); an arrival finds the server busy with
+  probability ``min(1, λT)``, then waits for a residual uniform on ``[0, T]``, and its own batch holds
+  ``Poisson(λT)`` other rows at that quantile.
+* :class:`LatencyCorrection`: the measured latency quantile of the recent answers over the predicted
+  one (clamped), which multiplies every prediction: what the model leaves out (the server's and the
+  client's own costs on shared cores, bursts) is measured, not guessed.
+* :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
+  the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
+  than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
+  it goes denser as soon as one does. :meth:`SloPolicy.admit`: a request whose own predicted latency
+  (the rows in flight ahead of it at its pair drained first) exceeds the SLO is refused rather than
+  queued.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+Pair = Tuple[float, str]
+DEFAULT_QUANTILE = 0.99
+DEFAULT_MARGIN = 0.2  # the prediction must leave this fraction of the SLO free
+DEFAULT_HYSTERESIS = 0.1  # and a denser pair this much more
+DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
+
+
+def poisson_quantile(mean: float, q: float) -> int:
+    """The smallest ``k`` with ``P(Poisson(mean) <= k) >= q``."""
+    if mean <= 0:
+        return 0
+    if mean > 200:  # normal approximation (exact sums underflow)
+        return int(math.ceil(mean + _z(q) * math.sqrt(mean)))
+    term = cdf = math.exp(-mean)
+    k = 0
+    while cdf < q:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
+
+
+def _z(q: float) -> float:
+    """The standard normal quantile, by bisection."""
+    lo, hi = -10.0, 10.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if 0.5 * math.erfc(-mid / math.sqrt(2)) < q:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass
+class Affine:
+    """``S(n) = a + c·n`` ms."""
+
+    a: float
+    c: float
+
+    def ms(self, rows: float) -> float:
+        return self.a + self.c * rows
+
+
+def fit_affine(points: Mapping[int, float]) -> Affine:
+    """Least squares ``a + c·n`` through ``{batch: ms}`` (one point: ``c = ms``, ``a = 0``); ``a, c >= 0``."""
+    if not points:
+        raise ValueError("no service-time measurements")
+    if len(points) == 1:
+        (n, ms), = points.items()
+        return Affine(0.0, float(ms) / max(n, 1))
+    ns, ms = list(map(float, points)), [float(v) for v in points.values()]
+    mn, mm = sum(ns) / len(ns), sum(ms) / len(ms)
+    var = sum((n - mn) ** 2 for n in ns)
+    c = sum((n - mn) * (m - mm) for n, m in zip(ns, ms)) / var if var else mm / max(mn, 1.0)
+    c = max(c, 1e-6)
+    a = max(mm - c * mn, 0.0)
+    return Affine(a, c)
+
+
+class ServiceModel:
+    """Service time per pair and batch size, rescaled by observations.
+
+    Args:
+        points: per pair, measured ``{batch: ms}`` (p50 of a batch alone).
+        weight: the weight of each new observation in the scale factor's moving average.
+    """
+
+    def __init__(self, points: Mapping[Pair, Mapping[int, float]], weight: float = 0.1) -> None:
+        self.fits: Dict[Pair, Affine] = {p: fit_affine(v) for p, v in points.items()}
+        self.scale = 1.0
+        self._weight = weight
+
+    def ms(self, pair: Pair, rows: float) -> float:
+        """Service time of a batch of ``rows`` at ``pair`` (ms)."""
+        return self.scale * self.fits[pair].ms(rows)
+
+    def affine(self, pair: Pair) -> Affine:
+        f = self.fits[pair]
+        return Affine(self.scale * f.a, self.scale * f.c)
+
+    def observe(self, pair: Pair, rows: int, ms: float) -> None:
+        """A batch of ``rows`` at ``pair`` took ``ms`` with nothing else running: rescale every pair."""
+        base = self.fits[pair].ms(rows)
+        if base > 0 and ms > 0:
+            ratio = min(max(ms / base, 0.2), 5.0)
+            self.scale = (1 - self._weight) * self.scale + self._weight * ratio
+
+
+class RateEstimator:
+    """Rows arriving per second over a sliding window, with a fast path for steps.
+
+    Args:
+        window_s: the long window (stable at a constant load).
+        short_s: the short window, used when its count is outside the long rate's Poisson band.
+        sigmas: the band's width in standard deviations.
+        clock: seconds (monotonic).
+    """
+
+    def __init__(self, window_s: float = 2.0, short_s: float = 0.5, sigmas: float = 4.0,
+                 clock: Optional[Callable[[], float]] = None) -> None:
+        self.window_s, self.short_s, self.sigmas = window_s, short_s, sigmas
+        self.clock = clock or time.monotonic
+        self._arrivals: Deque[Tuple[float, int]] = deque()
+        self._rows = 0
+        self._start: Optional[float] = None
+
+    def arrive(self, now: Optional[float] = None, rows: int = 1) -> None:
+        now = self.clock() if now is None else now
+        if self._start is None:
+            self._start = now
+        self._arrivals.append((now, rows))
+        self._rows += rows
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
+            self._rows -= self._arrivals.popleft()[1]
+
+    def rate(self, now: Optional[float] = None) -> float:
+        """The estimate (rows/s): the long window's, or the short one's after a step."""
+        now = self.clock() if now is None else now
+        self._trim(now)
+        if self._start is None:
+            return 0.0
+        long_rate = self._rows / min(self.window_s, max(now - self._start, self.short_s))
+        short = 0
+        for t, rows in reversed(self._arrivals):
+            if t < now - self.short_s:
+                break
+            short += rows
+        expected = long_rate * self.short_s
+        if abs(short - expected) > self.sigmas * math.sqrt(max(expected, 1.0)) + 1:
+            return short / self.short_s
+        return long_rate
+
+
+def predict_quantile_ms(service: Affine, rate: float, quantile: float = DEFAULT_QUANTILE) -> float:
+    """The ``quantile`` of the latency (ms) at ``rate`` arrivals/s of one row each (module docstring);
+    ``inf`` when the server cannot keep up."""
+    lam = rate / 1e3  # per ms
+    if lam * service.c >= 1.0:
+        return math.inf
+    cycle = service.a / (1.0 - lam * service.c) if service.a > 0 else service.c
+    busy = min(1.0, lam * cycle)
+    wait = cycle * max(0.0, 1.0 - (1.0 - quantile) / busy) if busy > 0 else 0.0
+    return wait + service.ms(1 + poisson_quantile(lam * cycle, quantile))
+
+
+class LatencyCorrection:
+    """Measured over predicted latency quantile of the last ``size`` answers, clamped to ``bounds``;
+    1 until ``min_samples`` answers are in."""
+
+    def __init__(self, quantile: float = DEFAULT_QUANTILE, size: int = 200, min_samples: int = 30,
+                 bounds: Tuple[float, float] = (0.5, 4.0)) -> None:
+        self.quantile, self.min_samples, self.bounds = quantile, min_samples, bounds
+        self._measured: Deque[float] = deque(maxlen=size)
+        self._predicted: Deque[float] = deque(maxlen=size)
+        self.factor = 1.0
+
+    def add(self, measured_ms: float, predicted_ms: float) -> None:
+        if not (math.isfinite(predicted_ms) and predicted_ms > 0):
+            return
+        self._measured.append(measured_ms)
+        self._predicted.append(predicted_ms)
+        if len(self._measured) >= self.min_samples:
+            ratio = quantile_of(self._measured, self.quantile) / quantile_of(self._predicted, self.quantile)
+            self.factor = min(max(ratio, self.bounds[0]), self.bounds[1])
+
+    def measured(self) -> Optional[float]:
+        """The measured quantile of the window (ms), None before any answer."""
+        return quantile_of(self._measured, self.quantile) if self._measured else None
+
+    def reset(self) -> None:
+        self._measured.clear()
+        self._predicted.clear()
+        self.factor = 1.0
+
+
+def quantile_of(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass
+class Decision:
+    """What :meth:`SloPolicy.decide` picked: the pair, its corrected prediction (ms), whether it meets
+    the SLO with the margin, and the rate it assumed."""
+
+    pair: Pair
+    predicted_ms: float
+    meets: bool
+    rate: float
+
+
+class SloPolicy:
+    """The best-quality pair whose predicted latency quantile meets the SLO (module docstring).
+
+    Args:
+        pairs: the candidates, best quality first.
+        service: service times of every candidate.
+        slo_ms: the objective (ms) for the ``quantile`` of the latency.
+        quantile: which quantile (0.99: p99).
+        margin: fraction of the SLO a prediction must leave free.
+        hysteresis: extra fraction a pair better than the current one must leave free.
+        dwell_s: a better pair only once the current one has served this long (seconds; going to a
+            faster pair is never delayed).
+        max_sparsity: never serve a pair sparser than this (a quality floor); None: no floor.
+        rate: the arrival-rate estimator (its clock is the policy's).
+        correction: the measured / predicted correction.
+    """
+
+    def __init__(self, pairs: Sequence[Pair], service: ServiceModel, slo_ms: float, *,
+                 quantile: float = DEFAULT_QUANTILE, margin: float = DEFAULT_MARGIN,
+                 hysteresis: float = DEFAULT_HYSTERESIS, dwell_s: float = DEFAULT_DWELL_S,
+                 max_sparsity: Optional[float] = None,
+                 rate: Optional[RateEstimator] = None, correction: Optional[LatencyCorrection] = None) -> None:
+        if not slo_ms > 0 or not 0 < quantile < 1 or not 0 <= margin < 1 or not 0 <= hysteresis < 1 - margin:
+            raise ValueError("SloPolicy needs slo_ms > 0, 0 < quantile < 1, 0 <= margin, hysteresis < 1 - margin")
+        allowed = [p for p in pairs if max_sparsity is None or p[0] <= max_sparsity + 1e-9]
+        if not allowed:
+            raise ValueError(f"no budget at or below max_sparsity {max_sparsity:g}")
+        missing = [p for p in allowed if p not in service.fits]
+        if missing:
+            raise ValueError(f"no service times for {missing}")
+        self.pairs, self.service, self.slo_ms, self.quantile = list(allowed), service, float(slo_ms), quantile
+        self.margin, self.hysteresis, self.dwell_s = margin, hysteresis, dwell_s
+        self.switched_at = -math.inf
+        self.rate = rate or RateEstimator()
+        self.correction = correction or LatencyCorrection(quantile)
+        self.current = self.pairs[0]
+        self.switches = 0
+        self.unavailable: set = set()
+
+    def predict(self, pair: Pair, rate: float) -> float:
+        """Corrected predicted latency quantile (ms) at ``pair`` under ``rate``."""
+        return self.correction.factor * predict_quantile_ms(self.service.affine(pair), rate, self.quantile)
+
+    def decide(self, now: Optional[float] = None) -> Decision:
+        """The pair to serve now (call once per arrival, after :meth:`RateEstimator.arrive`)."""
+        now = self.rate.clock() if now is None else now
+        rate = self.rate.rate(now)
+        stay = self.slo_ms * (1 - self.margin)
+        move = self.slo_ms * (1 - self.margin - self.hysteresis)
+        usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
+        rank = {p: i for i, p in enumerate(usable)}
+        here = rank.get(self.current, len(usable))
+        if now - self.switched_at < self.dwell_s and self.current in rank:
+            usable, here = usable[here:], 0  # too soon to go denser
+        chosen, predicted = None, math.inf
+        for i, p in enumerate(usable):
+            ms = self.predict(p, rate)
+            if ms <= (move if i < here else stay):
+                chosen, predicted = p, ms
+                break
+        meets = chosen is not None
+        if chosen is None:  # nothing meets it: the fastest
+            chosen = min(usable, key=lambda p: self.service.ms(p, 1))
+            predicted = self.predict(chosen, rate)
+        if chosen != self.current:
+            self.current, self.switches, self.switched_at = chosen, self.switches + 1, now
+        return Decision(chosen, predicted, meets, rate)
+
+    def request_ms(self, pair: Pair, rows: int, rows_ahead: int) -> float:
+        """A request's own predicted latency (ms): ``rows_ahead`` rows in flight at ``pair`` first
+        (the batch running and the one queued behind it), then its own batch."""
+        f = self.service.affine(pair)
+        ahead = 2 * f.a + f.c * rows_ahead if rows_ahead > 0 else 0.0
+        return self.correction.factor * (ahead + f.ms(rows))
+
+    def admit(self, pair: Pair, rows: int, rows_ahead: int) -> Tuple[bool, float]:
+        """Whether to run a request of ``rows`` at ``pair`` with ``rows_ahead`` in flight there (its
+        prediction within the SLO), and the prediction."""
+        ms = self.request_ms(pair, rows, rows_ahead)
+        return ms <= self.slo_ms, ms
+
+    def answered(self, measured_ms: float, predicted_ms: float) -> None:
+        """An answered request's latency against its prediction at arrival (the correction's sample)."""
+        self.correction.add(measured_ms, predicted_ms)
+
+
+def service_points_from_profile(rows: Mapping[int, Mapping[float, Mapping[str, float]]], precision: str,
+                                sparsities: Sequence[float], stat: str = "p50_ms",
+                                tolerance: float = 1e-6) -> Optional[Dict[Pair, Dict[int, float]]]:
+    """``{(sparsity, precision): {batch: ms}}`` from a latency profile's rows (batch -> sparsity -> stats),
+    or None when a sparsity lacks every batch."""
+    out: Dict[Pair, Dict[int, float]] = {}
+    for s in sparsities:
+        pts = {}
+        for b, by_s in rows.items():
+            row = next((r for k, r in by_s.items() if abs(k - s) <= tolerance), None)
+            if row is not None and stat in row:
+                pts[int(b)] = float(row[stat])
+        if not pts:
+            return None
+        out[(s, precision)] = pts
+    return out
+
+
+def oracle_pair(capacities: Mapping[Pair, float], rate: float, pairs: Sequence[Pair], headroom: float = 1.25) -> Pair:
+    """The benchmark's oracle: the best pair (``pairs``: best first) whose measured capacity covers
+    ``headroom`` x ``rate``; the one of largest capacity when none does."""
+    for p in pairs:
+        if capacities.get(p, 0.0) >= headroom * rate:
+            return p
+    return max(pairs, key=lambda p: capacities.get(p, 0.0))
+
+
+def summary(values: List[float]) -> Dict[str, float]:
+    """p50 / p99 of ``values`` (ms), NaN when empty."""
+    if not values:
+        return {"p50_ms": math.nan, "p99_ms": math.nan}
+    return {"p50_ms": quantile_of(values, 0.5), "p99_ms": quantile_of(values, 0.99)}

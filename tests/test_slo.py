@@ -1,0 +1,180 @@
+"""The served router's latency model and decision (``elastic_export.serving.slo``): synthetic Poisson
+arrivals on an injected clock, nothing timed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from elastic_export.serving import slo
+
+BUDGETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+
+
+def _points() -> dict:
+    """Service times shaped like MiniLM's at 128 tokens on 2 cores: dense ``S(n) = 12 + 14 n`` ms (71 rows/s at
+    large batches), every budget cheaper in proportion to its sparsity."""
+    return {(s, "fp32"): {1: (12 + 14) * (1 - 0.8 * s), 8: (12 + 14 * 8) * (1 - 0.8 * s)} for s in BUDGETS}
+
+
+def _policy(clock, **kw) -> slo.SloPolicy:
+    service = slo.ServiceModel(_points())
+    return slo.SloPolicy([(s, "fp32") for s in BUDGETS], service, 250.0, rate=slo.RateEstimator(clock=clock), **kw)
+
+
+def _run(policy: slo.SloPolicy, now: list, rates_and_seconds, seed: int = 0) -> list[tuple[float, float]]:
+    """Seeded Poisson arrivals, phase by phase; (time, served sparsity) of every decision."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for rate, seconds in rates_and_seconds:
+        end = now[0] + seconds
+        while True:
+            now[0] += rng.exponential(1.0 / rate)
+            if now[0] >= end:
+                now[0] = end
+                break
+            policy.rate.arrive(now[0])
+            out.append((now[0], policy.decide(now[0]).pair[0]))
+    return out
+
+
+def test_poisson_quantile_matches_the_distribution():
+    for mean in (0.0, 0.3, 2.0, 7.5, 40.0):
+        for q in (0.5, 0.9, 0.99):
+            k = slo.poisson_quantile(mean, q)
+            cdf = sum(math.exp(-mean) * mean ** i / math.factorial(i) for i in range(k + 1))
+            below = cdf - (math.exp(-mean) * mean ** k / math.factorial(k))
+            assert cdf >= q - 1e-12 and (k == 0 or below < q)
+    assert abs(slo.poisson_quantile(1000.0, 0.99) - (1000 + 2.326 * math.sqrt(1000))) <= 2
+
+
+def test_fit_affine_and_the_observed_scale():
+    fit = slo.fit_affine({1: 26.0, 8: 124.0})
+    assert fit.a == pytest.approx(12.0) and fit.c == pytest.approx(14.0)
+    assert slo.fit_affine({1: 5.0}).ms(4) == pytest.approx(20.0)
+    model = slo.ServiceModel({(0.0, "fp32"): {1: 26.0, 8: 124.0}}, weight=0.5)
+    model.observe((0.0, "fp32"), 1, 52.0)  # twice as slow as measured: every prediction scales
+    assert model.scale == pytest.approx(1.5) and model.ms((0.0, "fp32"), 1) == pytest.approx(39.0)
+
+
+def test_the_prediction_grows_with_the_rate_and_is_infinite_past_capacity():
+    service = slo.Affine(12.0, 14.0)
+    ms = [slo.predict_quantile_ms(service, r) for r in (0.0, 10.0, 30.0, 50.0, 65.0)]
+    assert ms == sorted(ms) and ms[0] == pytest.approx(26.0)  # idle: one row's service time
+    assert math.isinf(slo.predict_quantile_ms(service, 72.0))  # 72 rows/s x 14 ms > 1
+    assert slo.predict_quantile_ms(service, 40.0, 0.5) < slo.predict_quantile_ms(service, 40.0, 0.99)
+
+
+def test_rate_estimator_window_and_steps():
+    now = [0.0]
+    est = slo.RateEstimator(window_s=2.0, short_s=0.5, clock=lambda: now[0])
+    for i in range(80):  # 40/s for 2 s
+        now[0] = i / 40
+        est.arrive()
+    assert est.rate() == pytest.approx(40, rel=0.05)
+    for i in range(60):  # a step to 160/s: the short window takes over within 0.4 s
+        now[0] = 2 + i / 160
+        est.arrive()
+    assert est.rate() > 100
+    for i in range(60, 80):
+        now[0] = 2 + i / 160
+        est.arrive()
+    assert est.rate() == pytest.approx(160, rel=0.05)
+    now[0] += 1.0  # silence: the estimate falls at once
+    assert est.rate() < 40
+    est.arrive(rows=8)  # a request of 8 rows counts as 8
+    assert est.rate() >= 8 / 2.0
+
+
+def test_constant_moderate_load_stays_dense():
+    """0.6x of dense capacity (the issue's phase where the old rule served 0.4-0.6): dense throughout."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    served = [s for t, s in _run(policy, now, [(0.6 * 71, 30.0)]) if t > 2.0]
+    assert np.mean([s == 0.0 for s in served]) >= 0.99 and policy.switches <= 2
+
+
+def test_a_step_up_goes_sparse_within_a_second_and_a_step_down_returns_to_dense_within_a_few():
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    decisions = _run(policy, now, [(0.3 * 71, 10.0), (1.4 * 71, 10.0), (0.3 * 71, 10.0)])
+    assert all(s == 0.0 for t, s in decisions if 2.0 < t < 10.0)
+    sparse_at = next(t for t, s in decisions if t >= 10.0 and s > 0.0)
+    assert sparse_at - 10.0 < 1.0
+    during = [s for t, s in decisions if 12.0 < t < 20.0]
+    assert min(during) > 0.0 and np.mean([s >= 0.3 for s in during]) > 0.9  # 1.4x: only the sparse half keeps up
+    dense_again = next(t for t, s in decisions if t >= 20.0 and all(x == 0.0 for u, x in decisions if u >= t))
+    assert dense_again - 20.0 < 3.0
+
+
+def test_served_budget_is_the_densest_that_meets_the_slo():
+    """At each rate the pick is the first pair (best first) whose corrected prediction meets SLO x (1 - margin);
+    a pair better than the current one must meet it with the hysteresis' slack too."""
+    now = [0.0]
+    policy = _policy(lambda: now[0], dwell_s=0.0)
+    for rate in (10.0, 50.0, 60.0, 70.0, 90.0, 110.0):
+        policy.rate.rate = lambda now=None, r=rate: r
+        stay = [p for p in policy.pairs if policy.predict(p, rate) <= 250 * (1 - policy.margin)]
+        policy.current = policy.pairs[0]
+        assert policy.decide(0.0).pair == stay[0]
+        move = [p for p in policy.pairs if policy.predict(p, rate) <= 250 * (1 - policy.margin - policy.hysteresis)]
+        policy.current = policy.pairs[-1]
+        assert policy.decide(0.0).pair == (move[0] if move else policy.pairs[-1])
+
+
+def test_hysteresis_in_slack_keeps_a_load_at_the_boundary_from_flapping():
+    """A load right where dense stops meeting SLO x (1 - margin): the slack and the dwell cut the moves."""
+    switches = {}
+    for name, kw in (("with", {}), ("without", {"hysteresis": 0.0, "dwell_s": 0.0})):
+        now = [0.0]
+        policy = _policy(lambda: now[0], **kw)
+        boundary = next(r for r in np.arange(30, 80, 0.5) if policy.predict((0.0, "fp32"), r) > 200)
+        _run(policy, now, [(boundary, 60.0)], seed=3)
+        switches[name] = policy.switches
+    assert switches["with"] <= 0.35 * switches["without"], switches
+
+
+def test_the_measured_latency_corrects_every_prediction():
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    raw = policy.predict((0.0, "fp32"), 40.0)
+    for _ in range(50):
+        policy.answered(2.0 * raw, raw)  # the server measures twice what the model predicts
+    assert policy.correction.factor == pytest.approx(2.0)
+    assert policy.predict((0.3, "fp32"), 40.0) == pytest.approx(
+        2.0 * slo.predict_quantile_ms(policy.service.affine((0.3, "fp32")), 40.0))
+    policy.rate.rate = lambda now=None: 40.0
+    assert policy.decide(0.0).pair[0] > 0.0  # dense no longer meets it at 2x
+
+
+def test_quality_floor_and_unavailable_pairs():
+    now = [0.0]
+    policy = _policy(lambda: now[0], max_sparsity=0.3, dwell_s=0.0)
+    assert policy.pairs[-1] == (0.3, "fp32")
+    policy.rate.rate = lambda now=None: 500.0  # nothing keeps up: the fastest allowed, flagged
+    decision = policy.decide(0.0)
+    assert decision.pair == (0.3, "fp32") and not decision.meets
+    policy.rate.rate = lambda now=None: 1.0
+    policy.unavailable = {(0.0, "fp32")}
+    assert policy.decide(0.0).pair == (0.1, "fp32")
+    with pytest.raises(ValueError, match="no budget at or below max_sparsity"):
+        slo.SloPolicy([(0.5, "fp32")], slo.ServiceModel({(0.5, "fp32"): {1: 1.0}}), 100.0, max_sparsity=0.2)
+
+
+def test_admission_bounds_the_wait_behind_rows_in_flight():
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    ok, ms = policy.admit((0.0, "fp32"), 1, 0)
+    assert ok and ms == pytest.approx(26.0)
+    ok, ms = policy.admit((0.0, "fp32"), 1, 20)  # 2 x 12 + 20 x 14 + 26
+    assert not ok and ms == pytest.approx(330.0)
+
+
+def test_oracle_is_the_densest_pair_whose_capacity_covers_the_rate_with_headroom():
+    pairs = [(s, "fp32") for s in (0.0, 0.3, 0.6)]
+    caps = {pairs[0]: 68.0, pairs[1]: 80.0, pairs[2]: 118.0}
+    assert slo.oracle_pair(caps, 40.0, pairs) == pairs[0]
+    assert slo.oracle_pair(caps, 60.0, pairs) == pairs[1]
+    assert slo.oracle_pair(caps, 95.0, pairs) == pairs[2]  # none covers 1.25 x 95: the largest capacity
