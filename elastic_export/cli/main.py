@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from elastic_export.cli import deploy, export_st, job, measure
+from elastic_export.cli import deploy, export_st, index_cmd, job, measure
 from elastic_export.cli.options import export_options, model_options, ranking_options
 from elastic_export.core.errors import UserError
 
@@ -38,7 +38,8 @@ def cli(ctx, **kw):
 
 
 for command in (job.run_cmd, job.export_cmd, job.inspect_cmd, job.rank_cmd, measure.eval_cmd, measure.verify_cmd,
-                measure.bench_cmd, measure.report_cmd, export_st.export_st_cmd, deploy.build_cmd, deploy.serve_cmd):
+                measure.bench_cmd, measure.report_cmd, export_st.export_st_cmd, deploy.build_cmd, deploy.serve_cmd,
+                index_cmd.index_cmd):
     cli.add_command(command)
 
 

@@ -137,7 +137,8 @@ def _read_checked(directory: Path) -> dict:
         resolve(directory, m["dense"].get(key))
     resolve(directory, m["ranking"].get("file"))
     _check_budgets(directory, path, m["budgets"])
-    for key, fields_ in (("elastic", (ONNX, FILE_KEYS["fp16"])), ("triton", ("dir",)), ("sentence_transformers", ("dir",))):
+    for key, fields_ in (("elastic", (ONNX, FILE_KEYS["fp16"])), ("triton", ("dir",)), ("sentence_transformers", ("dir",)),
+                         ("index", ("dir", "file", "ids", "docs"))):
         if m.get(key) is not None:
             if not isinstance(m[key], dict):
                 raise UserError(f"{path}: {key!r} must be an object or null")
@@ -361,7 +362,7 @@ class Manifest(Entry):
     have). ``directory`` is where it was loaded from (not written)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"int8_qdq", "sentence_transformers", "ort_optimize", "quick_eval",
-                                                    "triton", "tensorrt"})
+                                                    "triton", "tensorrt", "index"})
     NESTED: ClassVar[dict[str, type[Entry]]] = {"model": ModelInfo, "inputs": TensorSpec, "outputs": TensorSpec,
                                                 "dense": Dense, "budgets": Budget, "elastic": Elastic,
                                                 "ranking": RankingInfo}
@@ -385,6 +386,8 @@ class Manifest(Entry):
     quick_eval: dict[str, Any] | None = None
     triton: dict[str, Any] | None = None
     tensorrt: dict[str, Any] | None = None
+    index: dict[str, Any] | None = None
+    """``elastic-export index``: the dense index of a corpus (``elastic_export.index.build``)."""
 
     @classmethod
     def load(cls, directory: str | Path) -> Manifest:
