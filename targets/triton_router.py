@@ -5,24 +5,26 @@ triton`` (:func:`elastic_export.targets.triton.build_repository`); it is also an
 the package (``elastic_export.targets.triton_router``), linted and unit-tested. Its core imports the
 standard library and numpy only, plus Triton's in-server ``triton_python_backend_utils`` when that
 exists. Two features import more, only when the config asks for them: load-adaptive routing
-(``policy: adaptive``) imports :mod:`elastic_export.serving.policies`, and the ``text`` input imports
+(``policy: adaptive``) imports :mod:`elastic_export.serving.slo` (the standard library only), and the ``text`` input imports
 :mod:`elastic_export.models.text` (the ``tokenizers`` library); ``elastic-export serve`` runs the server with
 the project's own Python, where both are installed.
 
 Everything that differs between repositories lives in the router's ``config.pbtxt``: its
 ``parameters`` (``budget_models``: JSON ``[[sparsity, model name], ...]``; ``default_sparsity``;
-``policy``; ``slo_ms``; ``precision``) and its ``input`` / ``output`` lists (forwarded to the budget
-model, less the router's own tensors). Triton hands that config to
+``policy``; ``slo_ms``, ``slo_quantile``, ``max_sparsity``; ``precision``; ``max_rows``) and its
+``input`` / ``output`` lists (forwarded to the budget model, less the router's own tensors). Triton hands that config to
 :meth:`TritonPythonModel.initialize` as JSON (``args["model_config"]``).
 
 Rule: a requested sparsity within :data:`TOLERANCE` of a served budget gets that budget; otherwise
 the smallest served budget whose sparsity is *at least* the requested one (more savings, never
 less). A request outside [0, 1), not a number, or sparser than the sparsest served budget is
-refused with :class:`BudgetError`, as is one with a missing input or inputs of different batch sizes:
-``execute`` checks every request itself and raises for a refused one, so that Triton counts it as a
-failed request (its Python backend counts a request as failed only when ``execute`` raises). A
-request that names no sparsity gets the configured default (``policy: fixed``) or what the
-load-adaptive policy picks from the load the router observes (``policy: adaptive``).
+refused with :class:`BudgetError`, as is one with a missing input, inputs of different batch sizes, no
+rows or more than ``max_rows``: ``execute`` answers it with an ``INVALID_ARG`` error (HTTP 400) before
+anything is counted. A request that names no sparsity gets the configured default (``policy: fixed``)
+or the best-quality budget whose predicted latency meets the SLO (``policy: adaptive``,
+:class:`SloRouting`); one predicted to miss the SLO behind the rows in flight at its budget is refused
+with ``UNAVAILABLE`` (HTTP 503, retryable: :class:`Overload`). A budget model that fails as gone is
+routed around (:class:`BudgetHealth`) and probed until it answers again.
 
 No head-of-line blocking: once it has checked a request, ``execute`` hands it to a worker thread
 (``max_concurrency`` of them) and returns; each worker calls the budget model (BLS) and answers
@@ -285,28 +287,39 @@ class LoadMonitor:
         in_flight: requests received and not yet answered.
         rows_at: per budget, the rows in flight there (what a new request sent there queues behind).
         last_arrival: when the latest request arrived (``clock``; None before the first).
+        last_ticket: the latest arrival's ticket (what :meth:`leave` takes back).
     """
 
     def __init__(self, clock=time.monotonic):
         self.in_flight = 0
         self.rows_at: Dict[float, int] = {}
         self.last_arrival: Optional[float] = None
+        self.last_ticket = 0
+        self._since: Dict[float, Dict[int, float]] = {}  # budget -> ticket -> arrival
         self._clock = clock
 
     def arrive(self, budget: Optional[float], rows: int) -> int:
         """Count an arrival of ``rows`` for ``budget`` (None: several); returns the rows ahead of it there."""
-        self.last_arrival = self._clock()
+        self.last_arrival = now = self._clock()
         self.in_flight += 1
+        self.last_ticket += 1
         if budget is None:
             return 0
+        self._since.setdefault(budget, {})[self.last_ticket] = now
         ahead = self.rows_at.get(budget, 0)
         self.rows_at[budget] = ahead + rows
         return ahead
 
-    def leave(self, budget: Optional[float], rows: int) -> None:
+    def leave(self, budget: Optional[float], rows: int, ticket: Optional[int] = None) -> None:
         self.in_flight -= 1
         if budget is not None:
             self.rows_at[budget] = self.rows_at.get(budget, 0) - rows
+            self._since.get(budget, {}).pop(ticket, None)
+
+    def oldest_ms(self, budget: float, now: float) -> float:
+        """How long the oldest request in flight at ``budget`` has been waiting (ms; 0 when none)."""
+        since = self._since.get(budget)
+        return (now - min(since.values())) * 1e3 if since else 0.0
 
 
 class SloRouting:
@@ -337,13 +350,14 @@ class SloRouting:
         self.last = self.policy.decide(now)
         return self.last
 
-    def admit(self, budget: float, rows: int, ahead: int) -> float:
+    def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0) -> float:
         """The request's predicted latency (ms) at ``budget``, or :class:`Overload` when it misses the SLO
-        behind ``ahead`` rows in flight there (a request with nothing ahead of it always runs)."""
+        behind ``ahead`` rows in flight there, by the model or by what they already waited (``waited_ms``: the
+        oldest of them, measured; its own service comes on top). A request with nothing ahead always runs."""
         ok, ms = self.policy.admit((budget, self.precision), rows, ahead)
-        if not ok and ahead > 0:
-            raise Overload(f"overloaded: predicted {ms:.0f} ms at sparsity {budget:g} exceeds the SLO of "
-                           f"{self.policy.slo_ms:g} ms; retry later", "overload")
+        if ahead > 0 and (not ok or waited_ms + self.policy.request_ms((budget, self.precision), rows, 0) > self.policy.slo_ms):
+            raise Overload(f"overloaded: predicted {max(ms, waited_ms):.0f} ms at sparsity {budget:g} exceeds the SLO "
+                           f"of {self.policy.slo_ms:g} ms; retry later", "overload")
         return ms
 
     def raw_prediction(self, budget: float) -> float:
@@ -604,14 +618,14 @@ class _Job:
     router runs it itself (``inline``), its uncorrected predicted latency quantile (``predicted``)."""
 
     __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "arrived", "routed", "budget",
-                 "inline", "predicted", "counted")
+                 "inline", "predicted", "counted", "ticket")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Optional[List[str]], batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
         self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
         self.served, self.wanted = served, wanted
         self.arrived, self.routed, self.budget, self.inline, self.predicted = 0.0, False, None, False, None
-        self.counted = None  # the budget the monitor counted it at (None: several or not yet)
+        self.counted, self.ticket = None, 0  # the budget the monitor counted it at (None: several or not yet)
 
 
 class TritonPythonModel:
@@ -705,11 +719,11 @@ class TritonPythonModel:
                                "queue_full")
             ahead = self.monitor.rows_at.get(job.budget, 0) if job.budget is not None else 0
             if self.routing is not None and job.budget is not None:
-                self.routing.admit(job.budget, job.batch, ahead)
+                self.routing.admit(job.budget, job.batch, ahead, self.monitor.oldest_ms(job.budget, time.monotonic()))
                 job.predicted = self.routing.raw_prediction(job.budget)
             job.inline = self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
             self.monitor.arrive(job.budget, job.batch)
-            job.arrived, job.counted = self.monitor.last_arrival, job.budget
+            job.arrived, job.counted, job.ticket = self.monitor.last_arrival, job.budget, self.monitor.last_ticket
 
     def _accept(self, request: Any) -> _Job:
         """The request's tensors and the served sparsity of its rows (when it names one), checked.
@@ -769,7 +783,7 @@ class TritonPythonModel:
             response, outcome = _error_response(f"router: {e}", "INTERNAL"), "failed"
         ms = (time.monotonic() - job.arrived) * 1e3
         with self._lock:
-            self.monitor.leave(job.counted, job.batch)
+            self.monitor.leave(job.counted, job.batch, job.ticket)
             if outcome == "served" and self.routing is not None and job.predicted is not None:
                 self.routing.policy.answered(ms, job.predicted)
             if outcome == "served" and job.inline and job.budget is not None and self.routing is not None:

@@ -401,6 +401,8 @@ def test_slo_routing_refuses_a_request_predicted_to_miss_the_slo_behind_the_rows
     assert routing.admit(0.0, 1, ahead=0) == pytest.approx(10.0)  # nothing ahead: it runs, whatever its size
     assert routing.admit(0.0, 100, ahead=0) > 250
     routing.admit(0.0, 1, ahead=10)  # 2 x a + 10 x c + its own: 110 ms
+    with pytest.raises(triton_router.Overload):  # the oldest of those 10 has waited 245 ms already: measured
+        routing.admit(0.0, 1, ahead=10, waited_ms=245.0)
     with pytest.raises(triton_router.Overload, match="exceeds the SLO of 250 ms") as err:
         routing.admit(0.0, 1, ahead=30)
     assert err.value.reason == "overload"
@@ -421,9 +423,11 @@ def test_load_monitor_counts_rows_in_flight_per_budget():
     monitor = triton_router.LoadMonitor(clock=iter([0.0, 0.01, 0.02]).__next__)
     assert monitor.arrive(0.3, 4) == 0 and monitor.arrive(0.3, 2) == 4 and monitor.arrive(None, 3) == 0
     assert monitor.in_flight == 3 and monitor.rows_at == {0.3: 6} and monitor.last_arrival == 0.02
-    monitor.leave(0.3, 4)
-    monitor.leave(None, 3)
+    assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(500.0) and monitor.oldest_ms(0.6, 0.5) == 0.0
+    monitor.leave(0.3, 4, ticket=1)
+    monitor.leave(None, 3, ticket=3)
     assert monitor.in_flight == 1 and monitor.rows_at == {0.3: 2}
+    assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(490.0)  # the second one is the oldest now
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
