@@ -143,6 +143,11 @@ def test_the_measured_latency_corrects_every_prediction():
     for _ in range(50):
         policy.answered(2.0 * raw, raw)  # the server measures twice what the model predicts
     assert policy.correction.factor == pytest.approx(2.0)
+    for _ in range(50):  # dense's own answers: as predicted; its own correction takes over for it alone
+        policy.answered(raw, raw, (0.0, "fp32"))
+    assert policy.factor((0.0, "fp32")) == pytest.approx(1.0) and policy.factor((0.3, "fp32")) > 1.2
+    for _ in range(50):
+        policy.answered(2.0 * raw, raw, (0.0, "fp32"))
     assert policy.predict((0.3, "fp32"), 40.0) == pytest.approx(
         2.0 * slo.predict_quantile_ms(policy.service.affine((0.3, "fp32")), 40.0))
     policy.rate.rate = lambda now=None: 40.0

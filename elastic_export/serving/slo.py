@@ -203,6 +203,9 @@ class LatencyCorrection:
             ratio = quantile_of(self._measured, self.quantile) / quantile_of(self._predicted, self.quantile)
             self.factor = min(max(ratio, self.bounds[0]), self.bounds[1])
 
+    def ready(self) -> bool:
+        return len(self._measured) >= self.min_samples
+
     def measured(self) -> Optional[float]:
         """The measured quantile of the window (ms), None before any answer."""
         return quantile_of(self._measured, self.quantile) if self._measured else None
@@ -244,7 +247,8 @@ class SloPolicy:
             faster pair is never delayed).
         max_sparsity: never serve a pair sparser than this (a quality floor); None: no floor.
         rate: the arrival-rate estimator (its clock is the policy's).
-        correction: the measured / predicted correction.
+        correction: the measured / predicted correction over every answer (a pair's own, once it has
+            enough answers of its own, takes over for that pair).
     """
 
     def __init__(self, pairs: Sequence[Pair], service: ServiceModel, slo_ms: float, *,
@@ -265,13 +269,20 @@ class SloPolicy:
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
         self.correction = correction or LatencyCorrection(quantile)
+        self.corrections: Dict[Pair, LatencyCorrection] = {p: LatencyCorrection(quantile) for p in self.pairs}
         self.current = self.pairs[0]
         self.switches = 0
         self.unavailable: set = set()
 
     def predict(self, pair: Pair, rate: float) -> float:
         """Corrected predicted latency quantile (ms) at ``pair`` under ``rate``."""
-        return self.correction.factor * predict_quantile_ms(self.service.affine(pair), rate, self.quantile)
+        return self.factor(pair) * predict_quantile_ms(self.service.affine(pair), rate, self.quantile)
+
+    def factor(self, pair: Pair) -> float:
+        """The correction of ``pair``'s predictions: its own measured / predicted quantile once it has enough
+        answers, else the one over every answer."""
+        own = self.corrections.get(pair)
+        return own.factor if own is not None and own.ready() else self.correction.factor
 
     def decide(self, now: Optional[float] = None) -> Decision:
         """The pair to serve now (call once per arrival, after :meth:`RateEstimator.arrive`)."""
@@ -303,7 +314,7 @@ class SloPolicy:
         (the batch running and the one queued behind it), then its own batch."""
         f = self.service.affine(pair)
         ahead = 2 * f.a + f.c * rows_ahead if rows_ahead > 0 else 0.0
-        return self.correction.factor * (ahead + f.ms(rows))
+        return self.factor(pair) * (ahead + f.ms(rows))
 
     def admit(self, pair: Pair, rows: int, rows_ahead: int) -> Tuple[bool, float]:
         """Whether to run a request of ``rows`` at ``pair`` with ``rows_ahead`` in flight there (its
@@ -311,9 +322,11 @@ class SloPolicy:
         ms = self.request_ms(pair, rows, rows_ahead)
         return ms <= self.slo_ms, ms
 
-    def answered(self, measured_ms: float, predicted_ms: float) -> None:
-        """An answered request's latency against its prediction at arrival (the correction's sample)."""
+    def answered(self, measured_ms: float, predicted_ms: float, pair: Optional[Pair] = None) -> None:
+        """An answered request's latency against its uncorrected prediction at arrival, at ``pair``."""
         self.correction.add(measured_ms, predicted_ms)
+        if pair in self.corrections:
+            self.corrections[pair].add(measured_ms, predicted_ms)
 
 
 def service_points_from_profile(rows: Mapping[int, Mapping[float, Mapping[str, float]]], precision: str,
