@@ -46,7 +46,7 @@ def embed(rt, encoder, texts: Sequence[str], batch_size: int = 64, progress: boo
 
     from elastic_export.models.text import mean_pool
 
-    lengths = [len(e.ids) for e in encoder.tokenizer.encode_batch(list(texts))]
+    lengths = [sum(e.attention_mask) for e in encoder.tokenizer.encode_batch(list(texts))]  # padded: real tokens
     order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
     out: np.ndarray | None = None
     starts = range(0, len(order), batch_size)

@@ -1,0 +1,311 @@
+"""OpenAI's embeddings API (``POST /v1/embeddings``, ``GET /v1/models``) and index search
+(``POST /v1/search``) in front of the Triton router, so that the ``openai`` client, LangChain and
+LlamaIndex work unmodified and every request is load-adaptive.
+
+Entry points (``serve`` calls them once the Triton server is READY)::
+
+    app = create_app(directory, "127.0.0.1:8001")      # a FastAPI app
+    server = run(app, "127.0.0.1", 8003)               # uvicorn in a thread, started; server.stop()
+
+or a process of its own: ``python -m elastic_export.serving.http_api DIR --grpc 127.0.0.1:8001 --port 8003``.
+
+Extensions: the body field ``sparsity`` and model ids ``NAME@S`` (listed by ``/v1/models``) name a
+budget; the served one is in the ``x-elastic-served-sparsity`` header and the body's ``served_sparsity``.
+FastAPI and uvicorn are imported by :func:`create_app` / :func:`run` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_export.serving import openai_schema as oa
+from elastic_export.serving.openai_schema import ApiError
+
+MAX_BODY_BYTES = 16 << 20
+SPARSITY_HEADER, PRECISION_HEADER = "x-elastic-served-sparsity", "x-elastic-served-precision"
+MAX_TOP_K = 1000
+
+
+@dataclass
+class ApiState:
+    """What the routes share: the model's name, tokenizer and dims, the router client, the index."""
+
+    name: str
+    encoder: Any
+    max_len: int
+    vocab: int
+    dims: int | None
+    router: Any
+    index: Any = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def load_state(directory: str | Path, grpc_url: str, model_name: str | None = None, max_batch: int | None = None,
+               timeout_s: float = 60.0) -> ApiState:
+    """Read DIR's manifest, tokenizer and index (if any) for :func:`create_app`.
+
+    Raises:
+        UserError: not a text encoder's directory, no tokenizer, a broken index.
+    """
+    from elastic_export.core.errors import UserError
+    from elastic_export.core.manifest import Manifest
+    from elastic_export.index.store import DenseIndex
+    from elastic_export.models.text import TextEncoder, tokenizer_folder
+    from elastic_export.serving.router_client import RouterClient
+
+    root = Path(directory)
+    manifest = Manifest.load(root)
+    inputs = [v.name for v in manifest.inputs]
+    folder = tokenizer_folder(manifest, root) if "input_ids" in inputs else None
+    if folder is None:
+        raise UserError(f"{root}: the embeddings API needs a text encoder with its tokenizer")
+    encoder = TextEncoder.from_dir(folder, inputs)
+    outputs = {v.name: v for v in manifest.outputs}
+    output = "sentence_embedding" if "sentence_embedding" in outputs else "last_hidden_state"
+    shape = outputs[output].shape or []
+    dims = shape[-1] if shape and isinstance(shape[-1], int) else None
+    triton = manifest.triton or {}
+    router_name = triton.get("router", "elastic")
+    pad_id = (encoder.tokenizer.padding or {}).get("pad_id", 0)
+    client = RouterClient(grpc_url, router_name, inputs, output, pad_id, max_batch, timeout_s)
+    return ApiState(model_name or router_name, encoder, encoder.max_len, encoder.tokenizer.get_vocab_size(), dims,
+                    client, DenseIndex.load(root))
+
+
+def create_app(directory: str | Path, triton_grpc_url: str, model_name: str | None = None, max_batch: int | None = None,
+               timeout_s: float = 60.0):
+    """The FastAPI app serving DIR's model through the router at ``triton_grpc_url`` (``host:port``).
+
+    Args:
+        directory: the artifact directory (its manifest, tokenizer and ``index/``).
+        triton_grpc_url: the Triton server's gRPC address.
+        model_name: the model id clients name (default: the router's name).
+        max_batch: the most rows per router request (default: the router config's ``max_rows``).
+        timeout_s: bound of each call to the router.
+    """
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    state = load_state(directory, triton_grpc_url, model_name, max_batch, timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await state.router.close()
+
+    app = FastAPI(title="elastic-export embeddings", lifespan=lifespan)
+    app.state.api = state
+    _routes(app, state)
+    return app
+
+
+def _routes(app, state: ApiState) -> None:
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    async def api_error(request, e: ApiError):
+        return _json(e.body(), e.status, e.headers)
+
+    async def http_error(request, e: HTTPException):
+        return _json(ApiError(e.status_code, str(e.detail), None, None).body(), e.status_code)
+
+    async def validation_error(request, e: RequestValidationError):
+        return _json(ApiError(400, f"invalid request: {e.errors()[:1]}", None, "invalid_request").body(), 400)
+
+    async def health():
+        return {"status": "ok"}
+
+    async def models():
+        return {"object": "list", "data": await _models(state)}
+
+    async def model(model_id: str):
+        found = [m for m in await _models(state) if m["id"] == model_id]
+        if not found:
+            raise ApiError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
+        return found[0]
+
+    async def embeddings(request):
+        return await _embeddings(state, await _body(request))
+
+    async def search(request):
+        return await _search(state, await _body(request))
+
+    for handler in (embeddings, search):  # the module's postponed annotations name no class FastAPI can resolve
+        handler.__annotations__["request"] = Request
+    model.__annotations__["model_id"] = str
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id}", model, methods=["GET"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/v1/search", search, methods=["POST"])
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _body(request) -> dict[str, Any]:
+    """The request's JSON object; ApiError 413 above :data:`MAX_BODY_BYTES`, 400 when not a JSON object."""
+    import json
+
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body has {length} bytes, more than {MAX_BODY_BYTES}", None, "request_too_large")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body has {len(raw)} bytes, more than {MAX_BODY_BYTES}", None, "request_too_large")
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not JSON ({e})", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+async def _models(state: ApiState) -> list[dict[str, Any]]:
+    info = await state.router.info()
+    own = {"object": "model", "created": state.created, "owned_by": "elastic-export", "dimensions": state.dims}
+    listed = [{"id": state.name, **own, "sparsity": None}]
+    return listed + [{"id": f"{state.name}{oa.SEP}{s:g}", **own, "sparsity": s} for s in info.sparsities]
+
+
+async def _encode(state: ApiState, body: dict[str, Any], field_name: str):
+    """(served embeddings, prompt tokens) of ``body[field_name]`` at the budget ``model`` / ``sparsity`` name."""
+    if field_name not in body:
+        raise ApiError(400, f"'{field_name}' is required", field_name, "missing_required_parameter")
+    sparsity = oa.parse_sparsity(body.get("sparsity"), "sparsity")
+    sparsity = oa.resolve_model(body.get("model", state.name), state.name, sparsity)
+    items = oa.input_items(body[field_name], field_name)
+    rows = oa.tokenize(state.encoder, items, state.max_len, state.vocab)
+    served = await state.router.embed(rows, sparsity)
+    return served, sum(len(r.ids) for r in rows)
+
+
+def _served_headers(served) -> dict[str, str]:
+    return {SPARSITY_HEADER: f"{served.sparsity:g}", PRECISION_HEADER: served.precision}
+
+
+async def _embeddings(state: ApiState, body: dict[str, Any]):
+    fmt = oa.encoding_format(body.get("encoding_format"))
+    oa.check_dimensions(body.get("dimensions"), state.dims)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "'user' must be a string", "user", "invalid_user")
+    served, tokens = await _encode(state, body, "input")
+    out = {"object": "list", "data": oa.embedding_data(served.vectors, fmt), "model": body.get("model", state.name),
+           "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+           "served_sparsity": served.sparsity, "served_precision": served.precision}
+    return _json(out, 200, _served_headers(served))
+
+
+async def _search(state: ApiState, body: dict[str, Any]):
+    if state.index is None:
+        raise ApiError(404, "no index: build one with `elastic-export index DIR CORPUS` and restart the server",
+                       None, "no_index")
+    top_k = body.get("top_k", 10)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+        raise ApiError(400, f"'top_k' must be an integer in [1, {MAX_TOP_K}], got {top_k!r}", "top_k", "invalid_top_k")
+    with_text = body.get("return_text", False)
+    if not isinstance(with_text, bool):
+        raise ApiError(400, "'return_text' must be true or false", "return_text", "invalid_return_text")
+    served, tokens = await _encode(state, body, "query")
+    scores, positions = await asyncio.to_thread(state.index.search, served.vectors, top_k)
+    hits = state.index.hits(scores, positions, with_text)
+    out = {"object": "list", "data": [{"object": "search_result", "index": i, **h} for i, h in enumerate(hits)],
+           "model": body.get("model", state.name), "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+           "served_sparsity": served.sparsity, "served_precision": served.precision}
+    return _json(out, 200, _served_headers(served))
+
+
+# --- running it -------------------------------------------------------------------------------------
+class ApiServer:
+    """uvicorn serving ``app`` in a thread of this process; :meth:`stop` ends it (bounded)."""
+
+    def __init__(self, app, host: str, port: int, log_level: str = "warning"):
+        import uvicorn
+
+        self.host, self.port = host, port
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="http-api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "ApiServer":
+        """Start and wait until it accepts connections; RuntimeError if it does not in time (a busy port)."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP API did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask uvicorn to exit (open connections get ``timeout_s``) and join its thread."""
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(timeout_s)
+
+
+def run(app, host: str = "127.0.0.1", port: int = 8003, timeout_s: float = 30.0) -> ApiServer:
+    """Serve ``app`` with uvicorn in a background thread; returns the started :class:`ApiServer`."""
+    return ApiServer(app, host, port).start(timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m elastic_export.serving.http_api DIR --grpc HOST:PORT [--host H] [--port P]``: the API
+    in the foreground (SIGTERM / Ctrl-C stop it); prints one ``ready:`` line."""
+    import argparse
+    import sys
+
+    import uvicorn
+
+    from elastic_export.core.errors import UserError
+
+    ap = argparse.ArgumentParser(prog="python -m elastic_export.serving.http_api")
+    ap.add_argument("directory")
+    ap.add_argument("--grpc", required=True, help="the Triton server's gRPC address, host:port")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8003)
+    ap.add_argument("--model-name", default=None)
+    ap.add_argument("--max-batch", type=int, default=None)
+    a = ap.parse_args(argv)
+    try:
+        app = create_app(a.directory, a.grpc, a.model_name, a.max_batch)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning"))
+    loop_started = server.startup
+
+    async def startup(sockets=None):
+        await loop_started(sockets)
+        if server.started:
+            print(f"ready: OpenAI embeddings API http://{a.host}:{a.port}/v1 (search: "
+                  f"{'yes' if app.state.api.index is not None else 'no index'})", flush=True)
+
+    server.startup = startup
+    server.run()
+    return 0 if server.started else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

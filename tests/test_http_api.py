@@ -1,0 +1,231 @@
+"""The OpenAI-style HTTP API against a live Triton server (``elastic-export serve``, started once for the
+module): the official ``openai`` client (float and base64), LangChain's ``OpenAIEmbeddings`` and
+LlamaIndex's ``OpenAIEmbedding`` unmodified, their embeddings equal to ``ElasticRuntime.encode`` at the
+served budget; ``/v1/models``; OpenAI-shaped errors; search equal to a brute-force dense search."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from _helpers import ENV, link_copy, serve_process, stop_process
+from test_index import brute_force, corpus_docs, write_jsonl
+
+from elastic_export.targets import tritonserver as TS
+
+TIMEOUT_S = 120.0  # every client request
+TEXTS = ["How do I open a file in Python?", "Use the with statement.", "The cat sat on the mat.",
+         "Winter light on the mountain", "a"]
+
+
+@dataclass
+class Live:
+    directory: Path
+    url: str
+    grpc: str
+    docs: list[dict]
+    rt: object
+
+    def encode(self, texts, sparsity):
+        return self.rt.encode(texts, sparsity=sparsity)
+
+
+def start_api(directory: Path, grpc: str, attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """``python -m elastic_export.serving.http_api`` on a free 127.0.0.1 port, polled until ``/health``
+    answers (bounded)."""
+    for _ in range(attempts):
+        port = TS.free_port_block()
+        p = subprocess.Popen([sys.executable, "-m", "elastic_export.serving.http_api", str(directory), "--grpc", grpc,
+                              "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return p, url
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        stop_api(p)
+    raise AssertionError("the HTTP API did not start")
+
+
+def stop_api(p: subprocess.Popen) -> str:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        out, _ = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate(timeout=30)
+    return out or ""
+
+
+@pytest.fixture(scope="module")
+def live(minilm_small, tmp_path_factory):
+    from elastic_export.index.build import build_index
+    from elastic_export.serving.runtime import ElasticRuntime
+
+    root = tmp_path_factory.mktemp("http_api")
+    d = link_copy(minilm_small, root / "art", ignore=("triton", "index"))
+    docs = corpus_docs(200, seed=1)
+    build_index(d, write_jsonl(root / "corpus.jsonl", docs), progress=False)
+    serve, port, _ = serve_process(d, "--slo-ms", "20000")  # a generous SLO: the router admits 300-row requests
+    api = None
+    try:
+        api, url = start_api(d, f"127.0.0.1:{port + 1}")
+        yield Live(d, url, f"127.0.0.1:{port + 1}", docs, ElasticRuntime.from_dir(d))
+    finally:
+        if api is not None:
+            stop_api(api)
+        stop_process(serve)
+
+
+def _client(live):
+    from openai import OpenAI
+
+    return OpenAI(base_url=live.url + "/v1", api_key="x", timeout=TIMEOUT_S, max_retries=0)
+
+
+def test_openai_client_float_and_base64_equal_the_runtime(live):
+    client = _client(live)
+    # no encoding_format: the client asks for base64 and decodes it; "base64" asked for: the string itself
+    for model, fmt in (("elastic", "float"), ("elastic@0.5", None), ("elastic@0.1", "float"), ("elastic", "base64")):
+        extra = {"encoding_format": fmt} if fmt else {}
+        raw = client.embeddings.with_raw_response.create(model=model, input=TEXTS, **extra)
+        got = raw.parse()
+        served = float(raw.headers["x-elastic-served-sparsity"])
+        if "@" in model:
+            assert served == float(model.split("@")[1])
+        vectors = np.array([np.frombuffer(base64.b64decode(e.embedding), "<f4") if fmt == "base64" else e.embedding
+                            for e in got.data], dtype=np.float32)
+        assert [e.index for e in got.data] == list(range(len(TEXTS))) and got.model == model
+        np.testing.assert_allclose(vectors, live.encode(TEXTS, served), atol=1e-5, rtol=0)
+        assert got.usage.prompt_tokens == got.usage.total_tokens == sum(
+            sum(e.attention_mask) for e in live.rt._text_encoder().tokenizer.encode_batch(TEXTS))
+    # base64 on the wire, as the client sends when not told (it decodes float32 little-endian)
+    body = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic@0.1", "input": "hello",
+                                                          "encoding_format": "base64"}, timeout=TIMEOUT_S).json()
+    assert body["served_sparsity"] == 0.1 and body["served_precision"] == "fp32"
+    vec = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vec, live.encode(["hello"], 0.1)[0], atol=1e-5, rtol=0)
+
+
+def test_large_lists_split_in_order_and_token_arrays(live):
+    """300 inputs (the router takes 128 a request) come back in order at one budget; token arrays are
+    the model's ids as given; the sparsity body field names the budget."""
+    texts = [d["text"] for d in live.docs] + TEXTS * 20
+    got = _client(live).embeddings.create(model="elastic", input=texts[:300], extra_body={"sparsity": 0.5})
+    np.testing.assert_allclose(np.array([e.embedding for e in got.data]), live.encode(texts[:300], 0.5), atol=1e-5)
+    feeds = live.rt._text_encoder().encode(TEXTS[:2])
+    tokens = [row[mask == 1].tolist() for row, mask in zip(feeds["input_ids"], feeds["attention_mask"])]
+    r = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic@0.1", "input": tokens}, timeout=TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == sum(map(len, tokens))
+    np.testing.assert_allclose(np.array([e["embedding"] for e in r.json()["data"]]), live.encode(TEXTS[:2], 0.1),
+                               atol=1e-5)
+
+
+def test_langchain_and_llamaindex_unmodified(live):
+    from langchain_openai import OpenAIEmbeddings
+    from llama_index.embeddings.openai import OpenAIEmbedding
+
+    lc = OpenAIEmbeddings(base_url=live.url + "/v1", api_key="x", model="elastic@0.1", check_embedding_ctx_length=False,
+                          timeout=TIMEOUT_S, max_retries=0)
+    np.testing.assert_allclose(np.array(lc.embed_documents(TEXTS)), live.encode(TEXTS, 0.1), atol=1e-5)
+    np.testing.assert_allclose(np.array(lc.embed_query(TEXTS[0])), live.encode(TEXTS[:1], 0.1)[0], atol=1e-5)
+    li = OpenAIEmbedding(model_name="elastic@0.5", api_base=live.url + "/v1", api_key="x", timeout=TIMEOUT_S,
+                         max_retries=0)
+    np.testing.assert_allclose(np.array(li.get_text_embedding_batch(TEXTS)), live.encode(TEXTS, 0.5), atol=1e-5)
+    np.testing.assert_allclose(np.array(li.get_query_embedding(TEXTS[1])), live.encode(TEXTS[1:2], 0.5)[0], atol=1e-5)
+
+
+def test_models_list_every_budget(live):
+    models = _client(live).models.list()
+    ids = [m.id for m in models.data]
+    assert ids == ["elastic", "elastic@0", "elastic@0.1", "elastic@0.5"]
+    one = httpx.get(live.url + "/v1/models/elastic@0.5", timeout=TIMEOUT_S).json()
+    assert one["sparsity"] == 0.5 and one["dimensions"] == 384 and one["object"] == "model"
+    assert httpx.get(live.url + "/v1/models/other", timeout=TIMEOUT_S).status_code == 404
+
+
+ERRORS = [
+    ({"model": "elastic"}, 400, "input", "'input' is required"),
+    ({"model": "elastic", "input": 3}, 400, "input", "must be a string"),
+    ({"model": "elastic", "input": ["a", ""]}, 400, "input", "'input'[1] is empty"),
+    ({"model": "elastic", "input": ["a", [1, 2]]}, 400, "input", "must be a string"),
+    ({"model": "elastic", "input": [[1, 10 ** 9]]}, 400, "input", "vocabulary"),
+    ({"model": "elastic", "input": "a", "encoding_format": "int8"}, 400, "encoding_format", "'float' or 'base64'"),
+    ({"model": "elastic", "input": "a", "dimensions": 128}, 400, "dimensions", "384 dimensions"),
+    ({"model": "elastic", "input": "a", "sparsity": 1.5}, 400, "sparsity", "[0, 1)"),
+    ({"model": "elastic@0.1", "input": "a", "sparsity": 0.5}, 400, "sparsity", "names sparsity 0.1"),
+    ({"model": "elastic@0.9", "input": "a"}, 400, None, "above the sparsest served budget 0.5"),
+    ({"model": "text-embedding-3-small", "input": "a"}, 404, "model", "does not exist"),
+    ({"model": "elastic", "input": ["a"] * 2049}, 413, "input", "2049 items"),
+]
+
+
+def test_errors_in_openai_shape(live):
+    for body, status, param, message in ERRORS:
+        r = httpx.post(live.url + "/v1/embeddings", json=body, timeout=TIMEOUT_S)
+        err = r.json()["error"]
+        assert r.status_code == status and set(err) == {"message", "type", "param", "code"}, (body, r.text)
+        assert message in err["message"] and err["param"] == param and "\n" not in err["message"], (body, err)
+        assert err["type"] == "invalid_request_error"
+    r = httpx.post(live.url + "/v1/embeddings", content=b"{not json", timeout=TIMEOUT_S)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        _client(live).embeddings.create(model="nope", input="a")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        _client(live).embeddings.create(model="elastic", input="a", dimensions=12)
+
+
+def test_search_equals_brute_force_dense_and_stays_load_adaptive(live):
+    """At sparsity 0 the search's top-10 is a brute-force search with the dense runtime; at 0.5 the
+    query is encoded at 0.5 against the same index (never re-embedded)."""
+    queries = ["python code file", "a cat and a dog", live.docs[11]["text"]]
+    texts = [d["text"] for d in live.docs]
+    r = httpx.post(live.url + "/v1/search", json={"query": queries, "top_k": 10, "return_text": True, "sparsity": 0.0},
+                   timeout=TIMEOUT_S)
+    body = r.json()
+    assert r.status_code == 200 and body["served_sparsity"] == 0.0 and r.headers["x-elastic-served-sparsity"] == "0"
+    want_pos, want_scores = brute_force(live.rt, texts, queries)
+    for hit, pos, scores in zip(body["data"], want_pos, want_scores):
+        np.testing.assert_allclose(hit["scores"], scores, atol=1e-5)
+        assert hit["ids"] == [live.docs[p]["id"] for p in pos] and hit["texts"] == [texts[p] for p in pos]
+    assert body["data"][2]["ids"][0] == live.docs[11]["id"]
+    index_file = live.directory / "index" / "index.faiss"
+    mtime = index_file.stat().st_mtime_ns
+    r = httpx.post(live.url + "/v1/search", json={"query": "python code file", "top_k": 3, "model": "elastic@0.5"},
+                   timeout=TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["served_sparsity"] == 0.5 and "texts" not in r.json()["data"][0]
+    assert len(r.json()["data"][0]["ids"]) == 3 and index_file.stat().st_mtime_ns == mtime
+    for bad, param in (({"query": "a", "top_k": 0}, "top_k"), ({"query": "a", "return_text": "yes"}, "return_text"),
+                       ({"top_k": 3}, "query")):
+        r = httpx.post(live.url + "/v1/search", json=bad, timeout=TIMEOUT_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_in_process_entry_point_starts_and_stops(live):
+    """``run(create_app(DIR, grpc), host, port)``, what ``serve`` calls: serves, and ``stop()`` frees the port."""
+    from elastic_export.serving.http_api import create_app, run
+
+    port = TS.free_port_block()
+    server = run(create_app(live.directory, live.grpc), "127.0.0.1", port)
+    try:
+        r = httpx.post(server.url + "/v1/embeddings", json={"model": "elastic@0.1", "input": TEXTS[:2]},
+                       timeout=TIMEOUT_S)
+        np.testing.assert_allclose(np.array([e["embedding"] for e in r.json()["data"]]), live.encode(TEXTS[:2], 0.1),
+                                   atol=1e-5)
+    finally:
+        server.stop()
+    assert not server.thread.is_alive() and TS.port_free("127.0.0.1", port)
