@@ -18,15 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc.model_config_pb2  # noqa: F401 - the test extra's: an import error fails, never skips
+from _triton_fake import Request, execute, load_router, start_router
+from test_triton import _fake_dir
 
-pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="needs tritonclient (pip install -e \".[test]\")")
-
-from _triton_fake import Request, execute, load_router, start_router  # noqa: E402
-from test_triton import _fake_dir  # noqa: E402
-
-from elastic_export.targets import triton as TR  # noqa: E402
-from elastic_export.targets import triton_router  # noqa: E402
-from elastic_export.targets.triton_router import BudgetError, RouterConfig, choose_budget, row_sparsities  # noqa: E402
+from elastic_export.targets import triton as TR
+from elastic_export.targets import triton_router
+from elastic_export.targets.triton_router import BudgetError, RouterConfig, choose_budget, row_sparsities
 
 # --- the router's budget choice (pure) ------------------------------------------------------------
 SERVED = [0.0, 0.1, 0.3, 0.5]
