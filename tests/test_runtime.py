@@ -114,15 +114,30 @@ def _without_dense_index(art: Path, tmp_path: Path) -> Path:
     return old
 
 
-def test_set_budget_is_exact_and_cheap(rt):
+def _forbidden(what: str):
+    def call(*args, **kwargs):
+        raise AssertionError(f"a budget switch {what}")
+    return call
+
+
+def test_set_budget_is_exact_and_cheap(rt, monkeypatch):
+    """Exact: only listed budgets. Cheap, without timing anything: a switch creates no onnxruntime
+    session and runs none (both raise here), through every loaded pair and measure_switch_cost."""
     with pytest.raises(UserError, match="0.35.*listed: 0, 0.2, 0.5, 0.8"):
         rt.set_budget(0.35)
     with pytest.raises(UserError, match="not a listed budget"):
         rt.set_budget(1.0)
+    monkeypatch.setattr(ort.InferenceSession, "run", _forbidden("ran a session"))
+    monkeypatch.setattr(ort, "InferenceSession", _forbidden("created a session"))
+    for pair in rt.pairs:
+        rt.set_budget(*pair)
+        assert rt.pair == pair
     rt.set_budget(0.5000000001)  # float noise from JSON round trips is tolerated (6 decimals)
     assert rt.budget == 0.5
-    assert measure_switch_cost(rt, n=2000) >= 0.0  # a number; no assertion on wall-clock time
-    assert rt.budget == 0.5
+    cost = measure_switch_cost(rt, n=2000)
+    assert np.isfinite(cost) and cost >= 0.0  # a number; no assertion on wall-clock time
+    assert rt.budget == 0.5  # measure_switch_cost restores the current pair
+    monkeypatch.undo()
     rt.set_budget(0.0)
 
 
