@@ -3,6 +3,7 @@ directory the others use)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_encoder
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -32,6 +35,33 @@ def exported(tmp_path_factory) -> Path:
     return root
 
 
+def check_report(art: Path) -> None:
+    """``art/report.html`` is the report of ``art``: its budgets section names every budget's file."""
+    html = (art / "report.html").read_text()
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert "<h2>Budgets" in html, html[:500]
+    missing = [b["onnx"] for b in manifest["budgets"] if b["onnx"] not in html]
+    assert not missing, f"report.html does not name {missing}"
+
+
+def check_triton_repository(art: Path) -> None:
+    """``art``'s Triton repository holds, and only holds, a model per budget (dense included) and the
+    router, each with a ``config.pbtxt`` that Triton's schema parses and that names it, and its files."""
+    manifest = json.loads((art / "manifest.json").read_text())
+    triton = manifest["triton"]
+    repo = art / triton["dir"]
+    assert sorted(m["sparsity"] for m in triton["models"]) == [0.0] + [b["sparsity"] for b in manifest["budgets"]]
+    names = [m["name"] for m in triton["models"]] + [triton["router"]]
+    assert sorted(p.name for p in repo.iterdir()) == sorted(names)
+    for name in names:
+        config = text_format.Parse((repo / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        assert config.name == name
+    for m in triton["models"]:
+        assert (art / m["file"]).is_file(), m
+    router = text_format.Parse((repo / triton["router"] / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert router.backend == "python" and (repo / triton["router"] / "1" / "model.py").is_file()
+
+
 def test_every_example_is_tested():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
         "01_export.py", "02_slice_custom_widths.py", "03_serve_with_the_runtime.py", "04_triton_repository.py",
@@ -51,9 +81,11 @@ def test_03_serve_with_the_runtime(exported):
 
 def test_04_triton_repository(exported):
     out = _run("04_triton_repository.py", "art", cwd=exported)
-    assert 'backend: "python"' in out and (exported / "art" / "triton").is_dir()
+    assert 'backend: "python"' in out
+    check_triton_repository(exported / "art")
 
 
 def test_05_report(exported):
     out = _run("05_report.py", "art", cwd=exported)
-    assert out.strip().endswith("report.html") and (exported / "art" / "report.html").is_file()
+    assert out.strip().endswith("report.html")
+    check_report(exported / "art")
