@@ -229,3 +229,16 @@ def test_in_process_entry_point_starts_and_stops(live):
     finally:
         server.stop()
     assert not server.thread.is_alive() and TS.port_free("127.0.0.1", port)
+
+
+def test_docs_embeddings_api_snippets_run(live, capsys):
+    """docs/embeddings_api.md's python blocks, as written, against the live API (its URL swapped in)."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "embeddings_api.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+    assert len(blocks) == 3
+    for block in blocks:
+        exec(compile(block.replace("http://127.0.0.1:8003/v1", live.url + "/v1"), "embeddings_api.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("(2, 384) 0.5 ") and out[1] == "384 384" and out[2].startswith("0")
