@@ -33,6 +33,10 @@ class DenseIndex:
         entry = manifest.index
         if not entry:
             return None
+        built_with = (entry.get("model") or {}).get("fingerprint")
+        if built_with and manifest.model.fingerprint and built_with != manifest.model.fingerprint:
+            raise UserError(f"index: built with model {built_with}, the directory holds {manifest.model.fingerprint}; "
+                            f"rebuild it with `elastic-export index --overwrite`")
         import faiss
 
         files = {k: manifest.path(entry[k]) for k in ("file", "ids", "docs")}
