@@ -18,19 +18,26 @@ What a working Python backend needs (found the hard way, checked by :func:`check
 :class:`TritonServer` binds to 127.0.0.1 unless told otherwise (HTTP on the port, gRPC on port+1,
 metrics on port+2), refuses busy ports before starting, runs the server in its own process group
 (so the stub processes go with it), and stops it by its process id: SIGTERM, then SIGKILL after a
-bound.
+bound. Its model-repository API (load / unload / index) is closed to clients unless asked otherwise:
+Triton's restricted-API options with a header whose value is a random secret of this process, which
+:class:`TritonServer` sends for its own calls. Started from the main thread, the server gets
+``PR_SET_PDEATHSIG(SIGKILL)``, so it never outlives this process, even one killed by SIGKILL (its
+Python backend stubs exit when their parent does).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +51,9 @@ STUB = "triton_python_backend_stub"
 READY_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 10  # how long the server waits for open connections and in-flight requests on SIGTERM
 STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 15.0
+CONTROL_HEADER = "elastic-export-control"  # the model-repository API's header (HTTP); its value: a secret per server
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # Triton 2.51 expects gRPC metadata "triton-grpc-protocol-<header>"
+POLL_S = 0.25  # serve's supervision: how often it checks the server and the stubs
 INSTALL_HINT = 'pip install -e ".[serve]" (PyPI\'s nvidia-pytriton wheel carries a tritonserver with the Python backend)'
 
 
@@ -181,15 +191,26 @@ class TritonServer:
         port: HTTP port (gRPC: port+1, metrics: port+2).
         log: file for the server's output (default: a temporary file, removed on :meth:`stop`).
         args: extra ``tritonserver`` arguments.
+        open_control: leave the model-repository API (load / unload / index) open to every client;
+            by default it answers only requests with :meth:`control_headers` (HTTP 403 otherwise).
     """
 
     def __init__(self, repository: str | Path, host: str = "127.0.0.1", port: int = 8000, log: str | Path | None = None,
-                 args: Sequence[str] = ()):
+                 args: Sequence[str] = (), open_control: bool = False):
         self.repository, self.host, self.port = Path(repository), host, int(port)
         self.install = find_server()
         self._work = Path(tempfile.mkdtemp(prefix="elastic-export-triton."))
         self.log_path = Path(log) if log else self._work / "server.log"
         self.args, self.process = list(args), None
+        self._watchdog: subprocess.Popen | None = None
+        self.secret = None if open_control else secrets.token_urlsafe(24)
+
+    def control_headers(self, protocol: str = "http") -> dict[str, str]:
+        """The headers the model-repository API asks for (none when it is open); ``protocol="grpc"``:
+        the metadata key a gRPC client sends (Triton prefixes the header's name)."""
+        if self.secret is None:
+            return {}
+        return {(CONTROL_HEADER if protocol == "http" else GRPC_HEADER_PREFIX + CONTROL_HEADER): self.secret}
 
     @property
     def http_url(self) -> str:
@@ -210,6 +231,9 @@ class TritonServer:
     def command(self, backends: Path, load: Sequence[str] | None = None) -> list[str]:
         """The command line; ``load``: explicit model control, loading only those models at startup."""
         control = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in load)] if load is not None else []
+        if self.secret is not None:
+            rule = f"model-repository:{CONTROL_HEADER}={self.secret}"
+            control += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
         return [str(self.install.binary), *control, f"--model-repository={self.repository}", f"--backend-directory={backends}",
                 f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
                 f"--http-port={self.port}", f"--grpc-port={self.port + 1}", f"--metrics-port={self.port + 2}",
@@ -233,7 +257,8 @@ class TritonServer:
         try:
             self.process = subprocess.Popen(self.command(backends, load), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            preexec_fn=_unblock_stop_signals)
+                                            preexec_fn=_child_setup(threading.current_thread() is threading.main_thread()))
+            self._watchdog = _start_watchdog(self.process.pid)
         finally:
             log.close()
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
@@ -270,19 +295,50 @@ class TritonServer:
         Raises:
             UserError: the server refused to load it (its reason), or it was not ready in time.
         """
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}",
-                                     method="POST")
+        status, detail = self._control(f"models/{model}/load", timeout_s)
+        if status != 200:
+            raise UserError(f"model {model!r} failed to load: {detail.strip()[:400]}")
+        self.wait_ready(timeout_s, models=[model])
+
+    def unload(self, model: str, timeout_s: float = 60.0) -> None:
+        """Ask the server to unload ``model`` (returns once the request is accepted; unloading goes on).
+
+        Raises:
+            UserError: the server refused.
+        """
+        status, detail = self._control(f"models/{model}/unload", timeout_s)
+        if status != 200:
+            raise UserError(f"model {model!r} did not unload: {detail.strip()[:400]}")
+
+    def reload(self, model: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Unload and load ``model`` again, until it is READY: the way back for a model whose Python
+        backend stub died (Triton 2.51 neither restarts the stub nor reloads a model that is still
+        loaded; the dead instance's unload never completes, so the server's stop then takes its exit
+        timeout).
+
+        Raises:
+            UserError: the model did not load again (the server's reason), or not in time.
+        """
+        self.unload(model)
+        self.load(model, timeout_s)
+
+    def _control(self, path: str, timeout_s: float) -> tuple[int, str]:
+        """POST to the model-repository API (with :meth:`control_headers`); its status and body (the
+        error's text for a refusal; 0 when the server does not answer)."""
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/{path}", data=b"{}", method="POST",
+                                     headers=self.control_headers())
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s):
-                pass
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, r.read().decode(errors="replace")
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")
             try:
                 detail = json.loads(detail).get("error", detail)
             except ValueError:
                 pass
-            raise UserError(f"model {model!r} failed to load: {detail.strip()[:400]}") from None
-        self.wait_ready(timeout_s, models=[model])
+            return e.code, detail
+        except OSError as e:
+            return 0, str(e)
 
     def start_routed(self, models: Sequence[str], router: str, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start with only the budget ``models``, wait until every one is READY, then load the
@@ -308,10 +364,19 @@ class TritonServer:
         return lines[-1].strip()[:400] if lines else "no output"
 
     def model_states(self) -> dict[str, str]:
-        """Model name -> state (``READY``, ``UNAVAILABLE`` ...) from the repository index."""
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return {m["name"]: m.get("state", "") for m in json.loads(r.read())}
+        """Model name -> state (``READY``, ``UNAVAILABLE`` ...) from the repository index.
+
+        Raises:
+            UserError: the server did not answer the index.
+        """
+        status, body = self._control("index", 5.0)
+        if status != 200:
+            raise UserError(f"tritonserver's repository index: {status} {body.strip()[:200]}")
+        return {m["name"]: m.get("state", "") for m in json.loads(body)}
+
+    def stubs(self) -> dict[str, list[int]]:
+        """Model name -> the pids of its Python backend stub processes (:func:`stubs_of`)."""
+        return {} if self.process is None else stubs_of(self.process.pid)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """Stop the server by its process id (SIGTERM to its group, SIGKILL after ``timeout_s``); returns its exit code."""
@@ -327,11 +392,24 @@ class TritonServer:
                     _signal_group(p.pid, signal.SIGKILL)
                     code = p.wait(10)
             _signal_group(p.pid, signal.SIGKILL)  # stubs left in the group, if any
+        self._stop_watchdog()
         if self.log_path.parent == self._work:
             shutil.rmtree(self._work, ignore_errors=True)
         else:
             shutil.rmtree(self._work / "backends", ignore_errors=True)
         return code
+
+    def _stop_watchdog(self) -> None:
+        """Close the watchdog's pipe (the group it guards is gone by now): it exits; reaped, bounded."""
+        w, self._watchdog = self._watchdog, None
+        if w is None:
+            return
+        w.stdin.close()
+        try:
+            w.wait(10)
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait(10)
 
     def __enter__(self) -> "TritonServer":
         if self.process is None:
@@ -343,10 +421,86 @@ class TritonServer:
 
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_PR_SET_PDEATHSIG = 1
 
 
-def _unblock_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+def _child_setup(die_with_parent: bool) -> Callable[[], None]:
+    """The server's ``preexec_fn``: SIGINT / SIGTERM unblocked and, with ``die_with_parent``,
+    ``PR_SET_PDEATHSIG(SIGKILL)``. The death signal comes when the *thread* that forked the child
+    ends, so only a server started from the main thread gets it (the main thread ends with the
+    process); a parent already gone before the prctl: the child kills itself."""
+    libc = ctypes.CDLL(None, use_errno=True) if die_with_parent and sys.platform.startswith("linux") else None
+    parent = os.getpid()
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return setup
+
+
+# The watchdog: blocks on its stdin, a pipe only this process writes to; at EOF (this process ended,
+# however: even SIGKILL) it kills the server's process group (the server and its Python backend stubs).
+_WATCHDOG = ("import os, signal, sys\n"
+             "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
+             "sys.stdin.buffer.read()\n"
+             "try:\n    os.killpg(int(sys.argv[1]), signal.SIGKILL)\nexcept OSError:\n    pass\n")
+
+
+def _start_watchdog(server_pid: int) -> subprocess.Popen:
+    """A process of its own session that kills ``server_pid``'s group once this process is gone: the
+    stubs outlive a killed server otherwise (most exit about 2 s after it, the router's stub was seen
+    to stay), and PR_SET_PDEATHSIG reaches only the server, and only from the main thread."""
+    return subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(server_pid)], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp, ...); [] when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line of ``pid`` ([] when gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def stubs_of(server_pid: int) -> dict[str, list[int]]:
+    """Model name -> the pids of its Python backend stubs: the server's children running
+    ``triton_python_backend_stub <repository>/<model>/<version>/model.py <shm region> ... <instance>``."""
+    found: dict[str, list[int]] = {}
+    for pid in children(server_pid):
+        argv = cmdline(pid)
+        if len(argv) > 1 and Path(argv[0]).name == STUB:
+            found.setdefault(Path(argv[1]).parent.parent.name, []).append(pid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s live children (from ``/proc``)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if len(fields) > 1 and int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                out.append(int(entry.name))
+    return out
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -366,8 +520,10 @@ _PLATFORM = {"onnxruntime": "onnxruntime_onnx", "python": "python", "tensorrt": 
 
 
 def ensure_repository(directory: Path, budget_backend: str, policy: str | None, slo_ms: float | None,
-                      echo: Callable[[str], None]) -> dict:
-    """``DIR/triton/`` as asked: built when missing or when it was built with other serving settings.
+                      echo: Callable[[str], None], slo_quantile: float | None = None,
+                      max_sparsity: float | None = None) -> dict:
+    """``DIR/triton/`` as asked: built when missing or when it was built with other serving settings
+    (a setting left None accepts what the repository has).
 
     Returns:
         The manifest's ``triton`` entry.
@@ -378,44 +534,63 @@ def ensure_repository(directory: Path, budget_backend: str, policy: str | None, 
     entry = Manifest.load(directory).triton
     models = entry.get("models", []) if isinstance(entry, dict) else []
     platform = _PLATFORM.get(budget_backend)
+    asked = {"policy": policy, "slo_ms": slo_ms, "slo_quantile": slo_quantile, "max_sparsity": max_sparsity}
     same = (bool(models) and (directory / entry.get("dir", "triton")).is_dir()
             and (platform is None or all(m.get("platform") == platform for m in models))
-            and (policy is None or entry.get("policy") == policy)
-            and (slo_ms is None or entry.get("slo_ms") == slo_ms))
+            and all(v is None or entry.get(k) == v for k, v in asked.items()))
     if same:
         echo(f"serving the existing {directory / entry['dir']}")
         return entry
     kind = "cpu" if budget_backend == "python" else "auto"
-    return build_repository(directory, platform=budget_backend, policy=policy, slo_ms=slo_ms, kind=kind, echo=echo).triton
+    extra = {k: v for k, v in (("slo_quantile", slo_quantile), ("max_sparsity", max_sparsity)) if v is not None}
+    return build_repository(directory, platform=budget_backend, policy=policy, slo_ms=slo_ms, kind=kind, echo=echo,
+                            **extra).triton
+
+
+def check_serving_options(slo_ms: float | None, slo_quantile: float | None, max_sparsity: float | None) -> None:
+    """Refuse serving settings out of range (before anything starts)."""
+    if slo_ms is not None and not slo_ms > 0:
+        raise UserError(f"--slo-ms must be positive, got {slo_ms:g}")
+    if slo_quantile is not None and not 0 < slo_quantile < 1:
+        raise UserError(f"--slo-quantile must be in (0, 1), e.g. 0.99, got {slo_quantile:g}")
+    if max_sparsity is not None and not 0 <= max_sparsity < 1:
+        raise UserError(f"--max-sparsity must be in [0, 1), got {max_sparsity:g}")
 
 
 def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", budget_backend: str | None = None,
-          policy: str | None = None, slo_ms: float | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
-          echo: Callable[[str], None] = print, wait: Callable[[TritonServer], None] | None = None) -> int:
-    """Serve ``DIR``'s Triton repository (built when missing) in the foreground until the server
-    stops or the process is interrupted (Ctrl-C / SIGTERM); returns the server's exit code.
+          policy: str | None = None, slo_ms: float | None = None, slo_quantile: float | None = None,
+          max_sparsity: float | None = None, allow_model_control: bool = False,
+          ready_timeout_s: float = READY_TIMEOUT_S, echo: Callable[[str], None] = print,
+          wait: Callable[[TritonServer], None] | None = None) -> int:
+    """Serve ``DIR``'s Triton repository (built when missing) in the foreground until the process is
+    interrupted (Ctrl-C / SIGTERM); returns the server's exit code.
 
     The budget models load first; the router loads only once every one of them is READY (explicit
-    model control), so the router is never READY in front of a missing budget model.
+    model control), so the router is never READY in front of a missing budget model. The
+    model-repository API is closed to clients unless ``allow_model_control``. While serving
+    (:class:`Supervisor`, unless ``wait`` replaces it) a model whose stub dies is reloaded.
 
     Raises:
         UserError: no server, a busy port, a model that does not load, or a server that dies.
     """
     from elastic_export.core.fileio import existing_dir
 
+    check_serving_options(slo_ms, slo_quantile, max_sparsity)
     d = existing_dir(directory)
     install = find_server()
     check_ports(host, port)
-    entry = ensure_repository(d, budget_backend or default_budget_backend(install), policy, slo_ms, echo)
-    server = TritonServer(d / entry["dir"], host=host, port=port)
+    entry = ensure_repository(d, budget_backend or default_budget_backend(install), policy, slo_ms, echo,
+                              slo_quantile=slo_quantile, max_sparsity=max_sparsity)
+    server = TritonServer(d / entry["dir"], host=host, port=port, open_control=allow_model_control)
     term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM while starting: stop the server, as Ctrl-C does
     try:
         server.start_routed([m["name"] for m in entry["models"]], entry["router"], ready_timeout_s)
+        if allow_model_control:
+            echo("the model-repository API (load / unload / index) is open to every client (--allow-model-control)")
         echo(f"ready: router {entry['router']!r} + {len(entry['models'])} budget models; HTTP http://{server.http_url}, "
              f"gRPC {server.grpc_url}, metrics {server.metrics_url} (Ctrl-C stops)")
-        (wait or _wait_for_exit)(server)
-        if server.process is not None and server.process.poll() not in (None, 0):
-            raise UserError(f"tritonserver exited ({server.process.returncode}): {server.failure()}")
+        (wait or Supervisor(server, entry, echo, ready_timeout_s).run)(server)
+        check_running(server)
     finally:
         code = server.stop()
         signal.signal(signal.SIGTERM, term)
@@ -426,17 +601,75 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _wait_for_exit(server: TritonServer) -> None:
-    """Block until the server exits or SIGINT / SIGTERM arrives (both end the wait normally)."""
-    stop = {"now": False}
+def check_running(server: TritonServer) -> None:
+    """Raises:
+        UserError: the server's process is gone (by a signal, or with an exit code and its log's telling line)."""
+    p = server.process
+    code = None if p is None else p.poll()
+    if p is None or code is None:
+        return
+    if code < 0:
+        raise UserError(f"tritonserver (pid {p.pid}) died: killed by {signal.Signals(-code).name}")
+    raise UserError(f"tritonserver (pid {p.pid}) exited with code {code} while serving: {server.failure()}")
 
-    def handler(signum, frame):
-        stop["now"] = True
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop["now"] and server.process is not None and server.process.poll() is None:
-            time.sleep(0.2)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+class Supervisor:
+    """``serve``'s watch over a running server, every :data:`POLL_S` until SIGINT / SIGTERM: the server
+    itself (it exits: :class:`UserError`, one line) and the Python backend stubs of the models serve
+    loaded (one dies: that model is reloaded through the repository API, each step logged). A model a
+    client unloaded (``--allow-model-control``) is left as it is."""
+
+    def __init__(self, server: TritonServer, entry: dict, echo: Callable[[str], None],
+                 reload_timeout_s: float = READY_TIMEOUT_S):
+        self.server, self.echo, self.reload_timeout_s = server, echo, reload_timeout_s
+        self.role = {m["name"]: "budget model" for m in entry["models"]}
+        self.role[entry["router"]] = "router"
+        self.stubs = {m: pids for m, pids in server.stubs().items() if m in self.role}
+        self.stopping = False
+
+    def run(self, server: TritonServer | None = None) -> None:
+        """Watch until SIGINT / SIGTERM (which end the watch normally)."""
+        def handler(signum, frame):
+            self.stopping = True
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not self.stopping:
+                self.check_server()
+                self.check_stubs()
+                time.sleep(POLL_S)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def check_server(self) -> None:
+        check_running(self.server)
+
+    def check_stubs(self) -> None:
+        """Reload each model one of whose stubs is gone, unless the server no longer has it READY
+        (a client unloaded it)."""
+        for model, pids in list(self.stubs.items()):
+            if all(alive(pid) for pid in pids) or self.stopping:
+                continue
+            self.check_server()  # a server that died takes its stubs with it: that is the news
+            role = self.role[model]
+            if self.server.model_states().get(model) != "READY":
+                self.echo(f"{role} {model}: unloaded (not by serve); no longer watched")
+                del self.stubs[model]
+                continue
+            self.echo(f"{role} {model}: stub died; reloading")
+            self.reload(model, role)
+
+    def reload(self, model: str, role: str) -> None:
+        """Reload ``model`` and watch its new stubs (a failed reload: logged, no longer watched)."""
+        start = time.monotonic()
+        try:
+            self.server.reload(model, self.reload_timeout_s)
+        except UserError as e:
+            self.check_server()
+            self.echo(f"{role} {model}: reload failed ({e}); no longer watched")
+            del self.stubs[model]
+            return
+        self.stubs[model] = self.server.stubs().get(model, [])
+        self.echo(f"{role} {model}: READY again after {time.monotonic() - start:.1f} s "
+                  f"(stub pid {', '.join(map(str, self.stubs[model])) or '-'})")

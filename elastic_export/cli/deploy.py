@@ -51,7 +51,11 @@ _TRITON = (
                  help="Triton: how the router picks a budget for requests that name none: adaptive (the load-adaptive "
                       "policy) or fixed (--triton-default-sparsity) [default: fixed when that is given, else adaptive]."),
     click.option("--slo-ms", type=float, default=None,
-                 help="Triton: latency objective of the adaptive policy (ms)."),
+                 help="Triton: latency objective of the adaptive policy (ms) [default: 250]."),
+    click.option("--slo-quantile", type=float, default=None,
+                 help="Triton: the latency quantile the SLO bounds [default: 0.99, p99]."),
+    click.option("--max-sparsity", type=float, default=None,
+                 help="Triton: quality floor: the adaptive policy never serves a sparser budget [default: none]."),
     click.option("--ort-threads", type=int, default=0, show_default=True,
                  help="Triton: onnxruntime intra-op threads of python budget models (0: onnxruntime's default)."),
 )
@@ -75,15 +79,16 @@ def _build_tensorrt(directory: str, no_dense: bool, **options) -> None:
 def _build_triton(directory: str, precision: str, max_batch: int | None, no_dense: bool, triton_name: str,
                   triton_instances: int, triton_kind: str, triton_default_sparsity: float | None,
                   triton_queue_delay_us: int, triton_platform: str, policy: str | None = None,
-                  slo_ms: float | None = None, ort_threads: int = 0) -> None:
+                  slo_ms: float | None = None, slo_quantile: float | None = None, max_sparsity: float | None = None,
+                  ort_threads: int = 0) -> None:
     """Write DIR/triton/ and print its models."""
     from elastic_export.targets.triton import build_repository
 
     manifest = build_repository(directory, name=triton_name, max_batch=max_batch, instances=triton_instances,
                                 kind=triton_kind, default_sparsity=triton_default_sparsity,
                                 queue_delay_us=triton_queue_delay_us, precision=precision, dense=not no_dense,
-                                platform=triton_platform, policy=policy, slo_ms=slo_ms, ort_threads=ort_threads,
-                                echo=echo_err)
+                                platform=triton_platform, policy=policy, slo_ms=slo_ms, slo_quantile=slo_quantile,
+                                max_sparsity=max_sparsity, ort_threads=ort_threads, echo=echo_err)
     t = manifest.triton
     for m in t["models"]:
         click.echo(f"{t['dir']}/{m['name']} ({m['platform']}, sparsity {m['sparsity']:g})")
@@ -178,14 +183,24 @@ def build_triton_cmd(directory, **kw):
 @click.option("--policy", type=click.Choice(ROUTER_POLICIES), default=None,
               help="How the router picks a budget for requests that name none [default: adaptive].")
 @click.option("--slo-ms", type=float, default=None, help="Latency objective of the adaptive policy (ms).")
+@click.option("--slo-quantile", type=float, default=None,
+              help="The latency quantile the SLO is stated for, in (0, 1) [default: the router's, 0.99].")
+@click.option("--max-sparsity", type=float, default=None,
+              help="Quality floor: the adaptive policy never serves a budget sparser than this [default: none].")
+@click.option("--allow-model-control", is_flag=True, default=False,
+              help="Leave Triton's model-repository API (load / unload / index) open to every client, on HTTP and "
+                   "gRPC [default: closed; serve alone holds its key].")
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True,
               help="Seconds to wait for every model to be READY.")
-def serve_cmd(directory, port, host, budget_backend, policy, slo_ms, ready_timeout):
+def serve_cmd(directory, port, host, budget_backend, policy, slo_ms, slo_quantile, max_sparsity, allow_model_control,
+              ready_timeout):
     """Serve DIR with a real Triton Inference Server in the foreground: the budget models first, then
-    the router once every one of them is READY; prints the endpoints when ready; Ctrl-C or SIGTERM
-    stops it (no process left behind). The server is the `serve` extra's (pip install -e ".[serve]")."""
+    the router once every one of them is READY; prints the endpoints when ready; reloads a model whose
+    Python backend stub dies; Ctrl-C or SIGTERM stops it (no process left behind, the server never
+    outlives serve). The server is the `serve` extra's (pip install -e ".[serve]")."""
     from elastic_export.targets.tritonserver import serve
 
     serve(directory, port=port, host=host, budget_backend=budget_backend, policy=policy, slo_ms=slo_ms,
+          slo_quantile=slo_quantile, max_sparsity=max_sparsity, allow_model_control=allow_model_control,
           ready_timeout_s=ready_timeout, echo=click.echo)
     click.echo("stopped")
