@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -82,7 +83,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[subprocess.Popen, int, list[str]]:
     """``elastic-export serve DIR`` on a free port block, until it prints its ready line (bounded).
 
-    Returns the process, its port and the lines it printed."""
+    Returns the process, its port and the lines it printed; the lines it prints later are appended to
+    that list as they come (a reader thread: :func:`wait_for_line`), and ``p.server_pid`` is its
+    tritonserver's pid."""
     for _ in range(attempts):
         port = TS.free_port_block()
         p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(directory), "--port", str(port),
@@ -96,6 +99,9 @@ def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[
             if line.startswith("ready:") or time.monotonic() > deadline:
                 break
         if lines and lines[-1].startswith("ready:"):
+            p.server_pid = tritonserver_of(p.pid)
+            p.lines, p.follower = lines, threading.Thread(target=_follow, args=(p, lines), daemon=True)
+            p.follower.start()
             return p, port, lines
         stop_process(p)
         if not any("in use" in x for x in lines):
@@ -103,15 +109,45 @@ def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[
     raise AssertionError("no free port block after retries")
 
 
+def _follow(p: subprocess.Popen, lines: list[str]) -> None:
+    for line in p.stdout:
+        lines.append(line.rstrip())
+
+
+def tritonserver_of(pid: int) -> int | None:
+    """The pid of the ``tritonserver`` that process ``pid`` started (its child), if any."""
+    found = [c for c in TS.children(pid) if os.path.basename((TS.cmdline(c) or [""])[0]) == "tritonserver"]
+    return found[0] if found else None
+
+
+def wait_for_line(p: subprocess.Popen, text: str, timeout_s: float = 60.0, start: int = 0) -> str:
+    """The first line serve printed (from index ``start``) that contains ``text``, polled until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hit = next((x for x in p.lines[start:] if text in x), None)
+        if hit is not None:
+            return hit
+        time.sleep(0.05)
+    raise AssertionError(f"serve did not print {text!r} within {timeout_s:g} s:\n" + "\n".join(p.lines[-20:]))
+
+
 def stop_process(p) -> tuple[int, str]:
-    """SIGTERM to serve (by its pid), bounded; the rest of its output."""
+    """SIGTERM to serve (by its pid), bounded; the rest of its output (after the ready line)."""
     if p.poll() is None:
         p.send_signal(signal.SIGTERM)
+    follower = getattr(p, "follower", None)
+    if follower is not None:
+        try:
+            p.wait(timeout=TS.STOP_TIMEOUT_S + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        follower.join(timeout=30)
+        ready = next(i for i, x in enumerate(p.lines) if x.startswith("ready:"))
+        return p.returncode, "\n".join(p.lines[ready + 1:])
     try:
         rest, _ = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         rest, _ = p.communicate(timeout=30)
     return p.returncode, rest or ""
-
-

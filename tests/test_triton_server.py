@@ -17,19 +17,20 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import READY_S, link_copy, serve_process, stop_process
+import tritonclient.grpc as grpcclient  # the test extra's: an import error fails, never skips
+import tritonclient.http as httpclient
+from _helpers import READY_S, link_copy, serve_process, stop_process, tritonserver_of, wait_for_line
+from tritonclient.utils import InferenceServerException
 
 from elastic_export.core.errors import UserError
 from elastic_export.core.manifest import load_manifest
 from elastic_export.targets import tritonserver as TS
-
-httpclient = pytest.importorskip("tritonclient.http", reason="needs tritonclient[http] (pip install -e \".[test]\")")
-grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc] (pip install -e \".[test]\")")
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TIMEOUT_S = 60  # every client call
@@ -43,17 +44,50 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def _gone(pids, timeout_s: float = 30.0) -> list[int]:
+    """The pids of ``pids`` still alive (or their process group still populated, for a group leader)
+    after up to ``timeout_s``, polled."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [pid for pid in pids if TS.alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _assert_server_gone(server_pid: int, serve_pid: int | None = None) -> None:
+    """Neither tritonserver (its own session and group: the stubs are in it) nor serve's group runs."""
+    assert not _gone([server_pid]), f"tritonserver {server_pid} outlived serve"
+    deadline = time.monotonic() + 30  # the stubs exit about 2 s after their server when it was killed
+    while _group_alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _group_alive(server_pid), "a process of tritonserver's group (a stub) is still running"
+    assert serve_pid is None or not _group_alive(serve_pid), "a process of serve's group is still running"
+
+
 @pytest.fixture(scope="module")
 def served(minilm_small, tmp_path_factory):
-    """``elastic-export serve`` on a copy of the small MiniLM export (the repository built by serve itself)."""
+    """``elastic-export serve`` on a copy of the small MiniLM export (the repository built by serve itself).
+    Its teardown proves that neither serve nor its tritonserver (with the stubs) outlives the module."""
     d = link_copy(minilm_small, tmp_path_factory.mktemp("served") / "art")
     p, port, lines = serve_process(d)
-    info = {"dir": d, "port": port, "lines": lines, "process": p}
-    yield info
-    code, rest = stop_process(p)
-    info["stopped"] = (code, rest)
-    assert code == 0 and "stopped" in rest, rest
-    assert not _group_alive(p.pid), "a process of the server's group is still running"
+    info = {"dir": d, "port": port, "lines": lines, "process": p, "server_pid": p.server_pid}
+    try:
+        assert p.server_pid is not None, "serve's tritonserver not found among its children"
+        yield info
+    finally:
+        code, rest = stop_process(p)
+        info["stopped"] = (code, rest)
+    assert code == 0 and rest.splitlines()[-1:] == ["stopped"], rest
+    _assert_server_gone(p.server_pid, p.pid)
+
+
+def _control_headers(server_pid: int, protocol: str = "http") -> dict[str, str]:
+    """The model-repository API's header, read from the server's command line (as serve set it)."""
+    rule = next(a for a in TS.cmdline(server_pid) if a.startswith("--http-restricted-api="))
+    key, _, secret = rule.split(":", 1)[1].partition("=")
+    assert key == TS.CONTROL_HEADER and secret
+    return {(key if protocol == "http" else TS.GRPC_HEADER_PREFIX + key): secret}
 
 
 def _feeds(batch: int = 3, length: int = 12, seed: int = 0) -> dict[str, np.ndarray]:
@@ -82,19 +116,37 @@ def _metric(port: int, name: str, **labels) -> float:
     if name.startswith("elastic_router_"):  # the router "elastic"'s, not a copy's loaded beside it
         labels.setdefault("router", "elastic")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/metrics", timeout=TIMEOUT_S).read().decode()
+    return _scraped(text, name, **labels)
+
+
+def _scraped(text: str, name: str, **labels) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no metric {name} {labels}")
 
 
-def _settled(port: int, name: str, **labels) -> float:
-    """The router's metric with every count made so far in it: the router adds its counts to the metrics
-    every ``RouterMetrics.FLUSH_S``, so two of those later."""
+def _settled(port: int, name: str, timeout_s: float = 30.0, **labels) -> float:
+    """The router's metric with every request answered so far counted in it. The router adds its counts
+    every ``RouterMetrics.FLUSH_S``, one counter after another; so polled (bounded) until its requests
+    (every outcome) equal Triton's own count of the router's requests (success + BACKEND failure), with
+    the metric the same in two scrapes in a row."""
     from elastic_export.targets.triton_router import RouterMetrics
 
-    time.sleep(2 * RouterMetrics.FLUSH_S)
-    return _metric(port, name, **labels)
+    url, last = f"http://127.0.0.1:{port + 2}/metrics", None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(url, timeout=TIMEOUT_S).read().decode()
+        router = sum(_scraped(text, "elastic_router_requests_total", router="elastic", outcome=o)
+                     for o in RouterMetrics.OUTCOMES)
+        triton = (_scraped(text, "nv_inference_request_success", model="elastic")
+                  + _scraped(text, "nv_inference_request_failure", model="elastic", reason="BACKEND"))
+        value = _scraped(text, name, **({"router": "elastic"} if name.startswith("elastic_router_") else {}), **labels)
+        if router == triton and last == value:
+            return value
+        last = value if router == triton else None
+        time.sleep(0.05)
+    raise AssertionError(f"the router's counts never caught up with Triton's ({router} != {triton})")
 
 
 def _metric_reaches(port: int, value: float, name: str, **labels) -> float:
@@ -116,7 +168,7 @@ def test_every_model_is_ready_and_the_endpoints_are_printed(served):
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=TIMEOUT_S)
     try:
         assert client.is_server_ready()
-        index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
+        index = {m["name"]: m["state"] for m in client.get_model_repository_index(headers=_control_headers(served["server_pid"]))}
         t = load_manifest(d)["triton"]
         assert index == {n: "READY" for n in [t["router"], *(m["name"] for m in t["models"])]}
         assert {m["platform"] for m in t["models"]} == {"python"}  # this server has no onnxruntime backend
@@ -179,8 +231,9 @@ def test_a_router_that_always_forwards_answers_the_same(served):
         stats = client.get_inference_statistics("elastic_s050", as_json=True, client_timeout=TIMEOUT_S)
         return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
 
+    control = _control_headers(served["server_pid"], "grpc")  # serve's own key: the API is closed to clients
     try:
-        client.load_model(name, client_timeout=TIMEOUT_S)
+        client.load_model(name, headers=control, client_timeout=TIMEOUT_S)
         feeds, before = _feeds(), budget_successes()
         res = client.infer(name, _inputs(grpcclient, feeds, np.full((1, 1), 0.5)), client_timeout=TIMEOUT_S)
         want = ElasticRuntime.from_dir(d).run(feeds, sparsity=0.5)
@@ -189,7 +242,7 @@ def test_a_router_that_always_forwards_answers_the_same(served):
         assert budget_successes() == before + 1
     finally:
         try:
-            client.unload_model(name, client_timeout=TIMEOUT_S)
+            client.unload_model(name, headers=control, client_timeout=TIMEOUT_S)
         finally:
             client.close()
             shutil.rmtree(d / "triton" / name, ignore_errors=True)
@@ -355,7 +408,7 @@ def test_a_budget_model_that_fails_to_load_is_one_error_line(minilm_small, tmp_p
     served_file.unlink()
     served_file.write_bytes(b"not an onnx file")
     line = _one_error_line(_serve_once(str(d), "--port", str(TS.free_port_block()), "--ready-timeout", "120"))
-    assert "elastic_s050" in line and "UNAVAILABLE" in line or "exited" in line, line
+    assert "elastic_s050" in line and "UNAVAILABLE" in line, line
 
 
 def test_the_router_does_not_load_in_front_of_a_missing_budget_model(minilm_small, tmp_path):
@@ -440,39 +493,29 @@ def test_example_06_triton_client(served):
     assert lines[2].endswith("served sparsity [0.0, 0.5] (fp32)"), lines[2]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 def test_sigterm_while_starting_stops_the_server(minilm_small, tmp_path):
     """SIGTERM before the server is ready (the server already started): serve stops it, by its process
     group, and exits as interrupted; nothing is left running."""
     d = link_copy(minilm_small, tmp_path / "art")
     p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(d), "--port", str(TS.free_port_block())],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    server = None
     try:
-        server = []
-        for _ in range(1200):  # bounded: until serve has started tritonserver (a child of its own)
-            server = _children(p.pid)
-            if server or p.poll() is not None:
-                break
+        deadline = time.monotonic() + 120
+        while server is None and p.poll() is None and time.monotonic() < deadline:  # until serve started tritonserver
+            server = tritonserver_of(p.pid)  # its child named tritonserver (not the numpy probe before it)
             time.sleep(0.05)
-        assert server, "serve never started a server"
+        assert server is not None, "serve never started a server"
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 130 and "interrupted" in err, (p.returncode, err[-1000:])
-    assert not any(_group_alive(pid) for pid in server)
+            p.wait(30)
+        if server is not None and TS.alive(server):
+            os.killpg(server, signal.SIGKILL)
+    assert p.returncode == 130 and err.strip().splitlines()[-1:] == ["interrupted"], (p.returncode, err[-1000:])
+    _assert_server_gone(server, p.pid)
     assert not _serving(d / "triton"), "a server of this repository is still running"
 
 
@@ -486,3 +529,131 @@ def _serving(repository: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+# --- the closed control API and serve's supervision (issue 29) --------------------------------------
+def _repository_post(port: int, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/repository/{path}", data=b"{}", method="POST",
+                                 headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _budget_answer(client, model: str = "elastic_s050") -> np.ndarray:
+    return client.infer(model, _inputs(grpcclient, _feeds()), client_timeout=TIMEOUT_S).as_numpy("sentence_embedding")
+
+
+def _router_serves(client, sparsity: float, timeout_s: float = 30.0):
+    """The router's answer at ``sparsity`` once it serves that budget again (a budget it routed around
+    comes back after its next health check), polled: at most one request every 0.25 s until ``timeout_s``."""
+    deadline, served_s = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        res = client.infer("elastic", _inputs(grpcclient, _feeds(), np.full((1, 1), sparsity)), client_timeout=TIMEOUT_S)
+        served_s = res.as_numpy("served_sparsity").ravel().tolist()
+        if served_s == [sparsity] * len(served_s):
+            return res
+        time.sleep(0.25)
+    raise AssertionError(f"the router still serves {served_s} for {sparsity} after {timeout_s:g} s")
+
+
+def test_the_model_control_api_is_closed_to_clients(served):
+    """serve's server refuses the model-repository API to a client without serve's key: HTTP 403 for
+    unload, load and the index, gRPC UNAVAILABLE (Triton 2.51's answer for a restricted protocol); the
+    model stays READY and answers what the runtime does; serve's own key opens it (the index)."""
+    from elastic_export.serving.runtime import ElasticRuntime
+
+    port = served["port"]
+    for path in ("models/elastic_s050/unload", "models/elastic_s050/load", "index"):
+        status, body = _repository_post(port, path)
+        assert status == 403 and b"This API is restricted" in body, (path, status, body)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+    try:
+        with pytest.raises(InferenceServerException) as err:
+            client.unload_model("elastic_s050", client_timeout=TIMEOUT_S)
+        assert err.value.status() == "StatusCode.UNAVAILABLE" and "restricted" in err.value.message()
+        assert client.is_model_ready("elastic_s050") and client.is_model_ready("elastic")
+        want = ElasticRuntime.from_dir(served["dir"]).run(_feeds(), sparsity=0.5)["sentence_embedding"]
+        assert np.abs(_budget_answer(client) - want).max() <= 1e-5
+        index = client.get_model_repository_index(headers=_control_headers(served["server_pid"], "grpc"),
+                                                  as_json=True, client_timeout=TIMEOUT_S)
+        assert {m["name"]: m.get("state") for m in index["models"]}["elastic_s050"] == "READY"
+    finally:
+        client.close()
+    status, _ = _repository_post(port, "index", _control_headers(served["server_pid"]))
+    assert status == 200
+
+
+def test_a_budget_model_whose_stub_dies_is_reloaded(served):
+    """SIGKILL to elastic_s050's Python backend stub (Triton 2.51 does not restart it, and the model stays
+    READY while its requests fail 'Stub process ... is not healthy'): serve logs it within a few polls,
+    reloads the model through the repository API with its key and logs when it is READY; the model then
+    answers as before, from a new stub, and so does the router at 0.5."""
+    p, port = served["process"], served["port"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+    try:
+        before = _budget_answer(client)
+        stubs = TS.stubs_of(served["server_pid"])["elastic_s050"]
+        assert len(stubs) == 1
+        start = len(p.lines)
+        os.kill(stubs[0], signal.SIGKILL)
+        wait_for_line(p, "budget model elastic_s050: stub died; reloading", timeout_s=5, start=start)
+        wait_for_line(p, "budget model elastic_s050: READY again", timeout_s=READY_S, start=start)
+        new = TS.stubs_of(served["server_pid"]).get("elastic_s050", [])
+        assert len(new) == 1 and new != stubs and TS.alive(new[0])
+        assert client.is_model_ready("elastic_s050")
+        assert np.abs(_budget_answer(client) - before).max() <= 1e-6
+        res = _router_serves(client, 0.5)
+        assert np.abs(res.as_numpy("sentence_embedding") - before).max() <= 1e-5
+    finally:
+        client.close()
+
+
+def test_serve_exits_2_with_one_line_when_tritonserver_dies(served):
+    """tritonserver SIGKILLed under a running serve (here with ``--allow-model-control``: a client's unload
+    is accepted, and serve leaves the unloaded model alone): serve prints one line naming it, exits 2,
+    and leaves nothing running."""
+    p, port, lines = serve_process(served["dir"], "--allow-model-control")
+    server = p.server_pid
+    try:
+        assert any("open to every client (--allow-model-control)" in x for x in lines)
+        start = len(lines)
+        assert _repository_post(port, "models/elastic_s050/unload")[0] == 200
+        wait_for_line(p, "budget model elastic_s050: unloaded (not by serve); no longer watched", timeout_s=30,
+                      start=start)
+        assert TS.stubs_of(server).get("elastic_s050") is None and not any("stub died" in x for x in lines[start:])
+        os.kill(server, signal.SIGKILL)
+        p.wait(TS.STOP_TIMEOUT_S + 30)
+    finally:
+        stop_process(p)
+    after = lines[start:]
+    assert p.returncode == 2 and after[-1] == f"error: tritonserver (pid {server}) died: killed by SIGKILL", after
+    assert sum(x.startswith("error:") for x in after) == 1 and not any("Traceback" in x for x in after), after
+    _assert_server_gone(server, p.pid)
+
+
+def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
+    """serve SIGKILLed (no chance to stop anything): its tritonserver goes with it (PR_SET_PDEATHSIG), and
+    serve's watchdog (a process of its own session, at the EOF of a pipe only serve held) kills the rest
+    of the server's group, the Python backend stubs (the router's was seen to outlive its server), and
+    exits."""
+    p, _, _ = serve_process(served["dir"])
+    server = p.server_pid
+    stubs = [pid for pids in TS.stubs_of(server).values() for pid in pids]
+    watchdog = [c for c in TS.children(p.pid) if c != server]
+    try:
+        t = load_manifest(served["dir"])["triton"]
+        assert server is not None and sorted(TS.stubs_of(server)) == sorted([t["router"], *(m["name"] for m in t["models"])])
+        assert len(watchdog) == 1 and "killpg" in " ".join(TS.cmdline(watchdog[0]))
+        p.kill()
+        p.wait(30)
+        assert not _gone([server], 10), "tritonserver outlived a serve killed by SIGKILL"
+        assert not _gone(stubs, 10), "a stub outlived serve"
+        assert not _gone(watchdog, 10), "the watchdog outlived what it guards"
+    finally:
+        stop_process(p)
+        if server is not None and _group_alive(server):
+            os.killpg(server, signal.SIGKILL)
+    _assert_server_gone(server, p.pid)
