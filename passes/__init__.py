@@ -9,6 +9,7 @@ per-layer unit counts of a budget; they never go back to torch.
 """
 
 from elastic_export.passes.base import (  # noqa: F401
+    BUDGET_PIPELINE,
     PASSES,
     BudgetSlicer,
     Pass,
@@ -28,5 +29,3 @@ from elastic_export.passes.elastic_graph import (  # noqa: F401,E402
     dense_counts,
     get_elastic,
 )
-
-BUDGET_PIPELINE = ["drop-empty-blocks", "slice-weights", "fix-head-reshapes", "cleanup"]

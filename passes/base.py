@@ -42,6 +42,8 @@ class Pass:
 
 
 PASSES: dict[str, Pass] = {}
+#: one budget's passes, in order (registered by the modules of :mod:`elastic_export.passes`)
+BUDGET_PIPELINE = ["drop-empty-blocks", "slice-weights", "fix-head-reshapes", "cleanup"]
 
 
 def register_pass(name: str) -> Callable:
@@ -279,7 +281,6 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
             part: both serialise the weights). Every pass is checked in memory either way.
     """
     from elastic_export.core.unit_map import set_units
-    from elastic_export.passes import BUDGET_PIPELINE
 
     ctx = _budget_context(dense_units(dense), heads, neurons)
     out = run_passes(dense, names or BUDGET_PIPELINE, ctx, full_check=full_check)
@@ -307,7 +308,6 @@ class BudgetSlicer:
 
     def __init__(self, dense: onnx.ModelProto, names: list[str] | None = None, external: bool | None = None) -> None:
         from elastic_export.core.onnx_io import model_skeleton
-        from elastic_export.passes import BUDGET_PIPELINE
         from elastic_export.passes.serialize import TensorCache
 
         self.units = dense_units(dense)

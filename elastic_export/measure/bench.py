@@ -41,8 +41,8 @@ from elastic_export.core import results
 from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import atomic_write, check_creatable
 from elastic_export.core.latency_profile import PRECISION_ORDER, key
-from elastic_export.core.manifest import Manifest, resolve
-from elastic_export.measure.timing import latency_stats, machine, time_calls
+from elastic_export.core.manifest import Manifest
+from elastic_export.measure.timing import latency_stats, machine, sample_feeds, time_calls
 from elastic_export.serving.backends import DEFAULT_BACKEND, backend_names, get_backend
 from elastic_export.targets.onnxruntime import PROVIDERS
 
@@ -152,18 +152,6 @@ def open_runtime(directory: Path, config: BenchConfig):
 
 
 # --- measuring ----------------------------------------------------------------------------------
-def sample_feeds(directory: Path, manifest: Manifest, batch: int, seq_len: int | None) -> dict[str, np.ndarray]:
-    """Inputs for one run (``elastic_export.checks.verify.sample_inputs``) at ``seq_len`` tokens
-    (default: the manifest's token count, the N its GFLOPs are computed for)."""
-    import onnx
-
-    from elastic_export.checks.verify import sample_inputs
-
-    dense = onnx.load(str(resolve(directory, manifest.dense.onnx)), load_external_data=False)
-    tokens = manifest.tokens if isinstance(manifest.tokens, int) else None
-    return sample_inputs(manifest, dense, batch=batch, seq_len=seq_len or tokens or 128)
-
-
 def _graphs(manifest: Manifest) -> list[dict]:
     """Dense first, then every budget: {sparsity, achieved_sparsity, gflops}."""
     rows = [{"sparsity": 0.0, "achieved_sparsity": 0.0, "gflops": float(manifest.dense.gflops)}]

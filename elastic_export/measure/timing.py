@@ -19,6 +19,7 @@ import numpy as np
 
 from elastic_export.core.errors import UserError
 from elastic_export.core.latency_profile import STATS, LatencyProfile, Pair, Rows, profile_of
+from elastic_export.core.manifest import Manifest, resolve
 
 
 def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int) -> list[float]:
@@ -114,3 +115,16 @@ def busy_warning(host: dict[str, Any]) -> str | None:
     if load > 0.5 * cpus:
         return f"warning: load average {load:.1f} on {host['logical_cpus']} CPUs; timings will be noisy"
     return None
+
+
+def sample_feeds(directory: Path, manifest: Manifest, batch: int, seq_len: int | None) -> dict[str, np.ndarray]:
+    """Inputs for one timed run (``elastic_export.checks.verify.sample_inputs``) at ``seq_len`` tokens
+    (default: the manifest's token count, the N its GFLOPs are computed for): what ``bench`` and the
+    quick eval time."""
+    import onnx
+
+    from elastic_export.checks.verify import sample_inputs
+
+    dense = onnx.load(str(resolve(directory, manifest.dense.onnx)), load_external_data=False)
+    tokens = manifest.tokens if isinstance(manifest.tokens, int) else None
+    return sample_inputs(manifest, dense, batch=batch, seq_len=seq_len or tokens or 128)
