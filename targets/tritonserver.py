@@ -21,8 +21,9 @@ metrics on port+2), refuses busy ports before starting, runs the server in its o
 bound. Its model-repository API (load / unload / index) is closed to clients unless asked otherwise:
 Triton's restricted-API options with a header whose value is a random secret of this process, which
 :class:`TritonServer` sends for its own calls. Started from the main thread, the server gets
-``PR_SET_PDEATHSIG(SIGKILL)``, so it never outlives this process, even one killed by SIGKILL (its
-Python backend stubs exit when their parent does).
+``PR_SET_PDEATHSIG(SIGKILL)``, so it never outlives this process, even one killed by SIGKILL; a
+watchdog process (its own session, reading a pipe only this process holds) kills the server's group
+when this process is gone, the Python backend stubs with it (they do not all exit with their server).
 """
 
 from __future__ import annotations
