@@ -395,6 +395,16 @@ def test_serve_refuses_a_busy_port(minilm_small):
     assert f"port {port} on 127.0.0.1 (HTTP) is in use" in line
 
 
+@pytest.mark.parametrize("option,value,message", [
+    ("--slo-quantile", "1.5", "--slo-quantile must be in (0, 1), e.g. 0.99, got 1.5"),
+    ("--max-sparsity", "-0.1", "--max-sparsity must be in [0, 1), got -0.1"),
+    ("--slo-ms", "0", "--slo-ms must be positive, got 0"),
+])
+def test_serve_refuses_serving_settings_out_of_range(tmp_path, option, value, message):
+    """Checked before anything is read or started (the directory does not even exist)."""
+    assert _one_error_line(_serve_once(str(tmp_path / "none"), option, value)) == f"error: {message}"
+
+
 def test_serve_refuses_a_directory_without_manifest(tmp_path):
     assert "no manifest.json" in _one_error_line(_serve_once(str(tmp_path), "--port", str(TS.free_port_block())))
 
