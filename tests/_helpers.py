@@ -83,9 +83,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[subprocess.Popen, int, list[str]]:
     """``elastic-export serve DIR`` on a free port block, until it prints its ready line (bounded).
 
-    Returns the process, its port and the lines it printed; the lines it prints later are appended to
-    that list as they come (a reader thread: :func:`wait_for_line`), and ``p.server_pid`` is its
-    tritonserver's pid."""
+    Returns the process, its port and the lines it printed up to the ready line; ``p.lines`` holds those
+    and, as they come, the lines it prints later (a reader thread: :func:`wait_for_line`), and
+    ``p.server_pid`` is its tritonserver's pid."""
     for _ in range(attempts):
         port = TS.free_port_block()
         p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(directory), "--port", str(port),
@@ -102,7 +102,7 @@ def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[
             p.server_pid = tritonserver_of(p.pid)
             p.lines, p.follower = lines, threading.Thread(target=_follow, args=(p, lines), daemon=True)
             p.follower.start()
-            return p, port, lines
+            return p, port, list(lines)
         stop_process(p)
         if not any("in use" in x for x in lines):
             raise AssertionError("serve did not become ready:\n" + "\n".join(lines[-20:]))

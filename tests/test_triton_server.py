@@ -626,7 +626,7 @@ def test_serve_exits_2_with_one_line_when_tritonserver_dies(served):
     is accepted, and serve leaves the unloaded model alone): serve prints one line naming it, exits 2,
     and leaves nothing running."""
     p, port, lines = serve_process(served["dir"], "--allow-model-control")
-    server = p.server_pid
+    server, lines = p.server_pid, p.lines  # p.lines: the lines serve prints later too
     try:
         assert any("open to every client (--allow-model-control)" in x for x in lines)
         start = len(lines)
