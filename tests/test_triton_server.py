@@ -667,3 +667,19 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
         if server is not None and _group_alive(server):
             os.killpg(server, signal.SIGKILL)
     _assert_server_gone(server, p.pid)
+
+
+def test_serve_passes_the_slo_quantile_and_the_quality_floor_to_the_repository(minilm_small, tmp_path):
+    """``--slo-quantile`` / ``--max-sparsity`` reach ``build_repository`` and its manifest entry; the same
+    settings again serve the existing repository, another quantile rebuilds it (no server started)."""
+    d = link_copy(minilm_small, tmp_path / "art")
+    said: list[str] = []
+    entry = TS.ensure_repository(d, "python", None, None, said.append, slo_quantile=0.9, max_sparsity=0.1)
+    assert (entry["slo_quantile"], entry["max_sparsity"]) == (0.9, 0.1)
+    said.clear()
+    TS.ensure_repository(d, "python", None, None, said.append, slo_quantile=0.9, max_sparsity=0.1)
+    assert said == [f"serving the existing {d / 'triton'}"]
+    said.clear()
+    entry = TS.ensure_repository(d, "python", None, None, said.append, slo_quantile=0.95)
+    assert not any(x.startswith("serving the existing") for x in said)
+    assert load_manifest(d)["triton"]["slo_quantile"] == 0.95 == entry["slo_quantile"]
