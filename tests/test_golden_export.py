@@ -10,10 +10,12 @@ all-MiniLM-L6-v2) with ``--budgets 0.3,0.6 --method magnitude --precision fp32,f
   job states, never to the digit: they come from onnxruntime running on this CPU, and another CPU
   (a different EPYC generation behind the same flags) picks other kernels and sums in another
   order; the same ONNX bytes measured 2.09e-6 here and 2.38e-6 there;
-* when the packages in :data:`PACKAGES` are the versions the golden file was recorded with: the
-  sha256 of every ONNX file and the ranking file, except the int8-qdq files, whose scales are
+* the sha256 of every ONNX file and the ranking file, except the int8-qdq files, whose scales are
   calibrated by running the model on this CPU (same reason). Another exporter may write other
-  bytes for the same model, and another tokenizer other calibration inputs.
+  bytes for the same model, and another tokenizer other calibration inputs: so the versions that
+  decide the bytes are pinned in ``constraints.txt``, CI installs with it, and the bytes are
+  compared on every run. A version other than the pinned one fails (never skips), and so does a
+  pin that differs from the versions the golden file was recorded with.
 
 The golden file was first recorded before the issue 15 refactor; it was re-recorded on
 2026-12-01 after a new install brought other tokenizers / transformers versions, with the
@@ -27,8 +29,8 @@ its bytes; only the CPU-calibrated int8-qdq files and the measured values (withi
 Re-recorded once more the same day when the main job began to carry a text encoder's tokenizer
 (``tokenizer/`` and the manifest's ``preprocess`` entry): only that entry changed.
 
-Re-record after an intended change: ``ELASTIC_EXPORT_UPDATE_GOLDEN=1 python -m pytest
-tests/test_golden_export.py``.
+Re-record after an intended change (a pin bumped in ``constraints.txt`` included):
+:data:`REGENERATE`.
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ from elastic_export.precision.fp16 import FP16_RTOL
 from elastic_export.precision.int8 import INT8_MIN_COSINE
 from elastic_export.precision.int8_qdq import QDQ_MIN_COSINE
 
-GOLDEN = Path(__file__).parent / "golden" / "minilm_magnitude.json"
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "minilm_magnitude.json"
+CONSTRAINTS = ROOT / "constraints.txt"
 ARGS = ["--budgets", "0.3,0.6", "--method", "magnitude", "--precision", "fp32,fp16,int8,int8-qdq", "--no-quick-eval"]
-PACKAGES = ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon", "transformers", "tokenizers", "numpy")
+REGENERATE = ("a deliberate change: install the pins (pip install -c constraints.txt -e \".[test]\"), regenerate "
+              "with `ELASTIC_EXPORT_UPDATE_GOLDEN=1 python -m pytest tests/test_golden_export.py`, review the diff of "
+              "tests/golden/minilm_magnitude.json and commit it with the pins")
 #: files whose bytes depend on the CPU they were calibrated on (QDQ scales from onnxruntime runs)
 CPU_CALIBRATED = ".int8-qdq.onnx"
 #: measured field -> (lowest, highest) value the main job accepts (its stated bounds)
@@ -70,10 +76,40 @@ def _hashes(directory: Path) -> dict[str, str]:
             for p in sorted(directory.iterdir()) if p.suffix in (".onnx", ".data", ".safetensors")}
 
 
+def pins(text: str) -> dict[str, str]:
+    """``name==version`` lines of a constraints file (comments and blank lines ignored), in order."""
+    found = {}
+    for line in text.splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, ver = line.partition("==")
+            assert sep and ver.strip(), f"constraints.txt: {line!r} is not an exact pin (NAME==VERSION)"
+            found[name.strip().lower()] = ver.strip()
+    return found
+
+
+PINS = pins(CONSTRAINTS.read_text())
+
+
 def _versions() -> dict[str, str]:
-    """The versions that decide the bytes (a torch build's local label, ``+cpu`` / ``+cu130``, left out:
-    both export the same CPU graph)."""
-    return {p: version(p).split("+")[0] for p in PACKAGES}
+    """The installed versions of the pinned packages, which decide the bytes (a torch build's local
+    label, ``+cpu`` / ``+cu130``, left out: both export the same CPU graph)."""
+    return {p: version(p).split("+")[0] for p in PINS}
+
+
+def test_pins_are_the_golden_files_versions():
+    """A pin bumped in constraints.txt without regenerating the golden file fails here (fast: no export)."""
+    for name in ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon", "transformers", "tokenizers", "numpy"):
+        assert name in PINS, f"constraints.txt does not pin {name}"
+    recorded = json.loads(GOLDEN.read_text())["versions"]
+    assert recorded == PINS, (f"constraints.txt pins {PINS}, the golden file was recorded with {recorded}: "
+                              f"a version bump is {REGENERATE}")
+
+
+def test_pins_parse_exact_lines_only():
+    assert pins("# a comment\n\ntorch==2.1  # why\nNumPy==1.26.4\n") == {"torch": "2.1", "numpy": "1.26.4"}
+    with pytest.raises(AssertionError, match="not an exact pin"):
+        pins("torch>=2.1\n")
 
 
 def _compare(got, want, where: str = "manifest") -> None:
@@ -112,12 +148,10 @@ def test_main_job_matches_the_golden_export(exported: Path):
         GOLDEN.write_text(json.dumps(record, indent=1) + "\n")
     golden = json.loads(GOLDEN.read_text())
     assert golden["args"] == ARGS
-    same = record["versions"] == golden["versions"]
+    assert record["versions"] == PINS, (f"installed {record['versions']}, constraints.txt pins {PINS}: install with "
+                                        f"pip install -c constraints.txt -e \".[test]\" (a version bump is {REGENERATE})")
     _compare(record["manifest"], golden["manifest"])
     assert sorted(record["sha256"]) == sorted(golden["sha256"]), "the set of artifact files changed"
-    if not same:
-        pytest.skip(f"manifest equal, measured errors within bounds; bytes not compared: recorded with "
-                    f"{golden['versions']}, running {record['versions']} (other bytes / calibration inputs)")
     changed = [f for f, h in golden["sha256"].items()
                if not f.endswith(CPU_CALIBRATED) and record["sha256"][f] != h]
-    assert not changed, f"artifact bytes changed: {changed}"
+    assert not changed, f"artifact bytes changed: {changed}; if intended, this is {REGENERATE}"
