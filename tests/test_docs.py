@@ -112,13 +112,55 @@ def test_readme_is_short():
     assert len(lines) <= 350, len(lines)
 
 
+CI = ROOT / ".ci" / "run"
+#: a command's position: a line's start, after ``;`` ``&&`` ``||`` ``(`` ``!`` or ``if`` / ``then`` (not in an echo's text)
+AT_COMMAND = r"(?:^|[;&|(!]\s*|\b(?:if|then|else|do)\s+)"
+
+
+def ci_commands(script: str) -> list[str]:
+    """The command lines of a shell script: continuation lines joined, comments and echo / printf lines left out."""
+    lines = [re.sub(r"(^|\s)#.*", "", line).strip() for line in script.replace("\\\n", " ").splitlines()]
+    return [line for line in lines if line and not re.match(r"(echo|printf)\b", line)]
+
+
+def runs(script: str, command: str) -> list[str]:
+    """The command lines of ``script`` that run ``command`` (a regex; an optional ``"$venv/bin/"`` before it)."""
+    return [line for line in ci_commands(script) if re.search(AT_COMMAND + r'(?:"?\$\w+/bin/)?' + command, line)]
+
+
+def test_ci_command_lines_are_commands_not_text():
+    script = 'echo "== tests (python -m pytest)"\n# python -m pytest\nx="python -m pytest"\n'
+    assert runs(script, "python -m pytest") == []
+    script = "(trap '' INT; python -m pytest -ra \\\n  --durations=25)\n\"$plain/bin/python\" -m pytest tests/a.py\n"
+    assert runs(script, r"python\"? -m pytest") == ["(trap '' INT; python -m pytest -ra    --durations=25)",
+                                                    '"$plain/bin/python" -m pytest tests/a.py']
+
+
 def test_readme_quick_start_is_what_ci_runs():
-    """CI installs and tests the project with the README's own commands."""
+    """CI installs and tests the project with the README's own commands: the test extra (pinned by
+    constraints.txt) and the whole suite, then the plain install in a second venv and its quick start's tests."""
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"## Quick start\n\n```bash\n(.*?)```", readme, re.S).group(1)
     assert [line.split("  #")[0].rstrip() for line in block.splitlines()] == QUICK_START
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
+    ci = CI.read_text()
+    assert runs(ci, r'pip install -q -c constraints\.txt -e "\.\[test\]"$'), "CI installs the test extra with the pins"
+    assert [line for line in runs(ci, "python -m pytest") if "-ra --strict-markers" in line], "CI runs the suite"
+    assert runs(ci, r"python \.ci/check_skips\.py "), "CI checks the skips"
+    assert runs(ci, r'pip"? install -q -e \.(?:\s|$)'), "CI runs the README's plain install"
+    plain = runs(ci, r'python"? -m pytest .*tests/test_pipeline\.py::')
+    assert plain and all(f"tests/{ref}" in plain[0] for ref in RUN_BY[("README.md", QUICK_START[0])][1:]), plain
+
+
+def ci_installs(block: str) -> bool:
+    """CI runs the block's ``pip install -e SPEC``: the same spec, or ``.[EXTRA]`` through the test extra including it."""
+    import tomllib
+
+    spec = re.search(r"pip install -e (\S+)", block).group(1).strip('"')
+    installed = [m.strip('"') for line in runs(CI.read_text(), r'pip"? install')
+                 for m in re.findall(r'pip"? install (?:-q )?(?:-c \S+ )?-e (\S+)', line)]
+    extra = re.fullmatch(r"\.\[(\w+)\]", spec)
+    test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    return spec in installed or bool(extra and ".[test]" in installed and f"elastic-export[{extra[1]}]" in test_extra)
 
 
 def _slug(heading: str) -> str:
@@ -158,10 +200,30 @@ def test_every_code_block_is_run_by_a_test():
         assert key in RUN_BY or key in NOT_RUN, f"{page}: no test runs the {lang} block starting {first!r}"
         seen.add(key)
     assert seen == set(RUN_BY) | set(NOT_RUN), set(RUN_BY) | set(NOT_RUN) - seen
-    for refs in RUN_BY.values():
+    for (page, first), refs in RUN_BY.items():
         for ref in refs:
             if ref == ".ci/run":
-                assert (ROOT / ".ci" / "run").is_file()
+                assert ci_installs(first), f"{page}: .ci/run does not run {first!r}"
                 continue
             file, name = ref.split("::")
             assert name in _defined(file), ref
+
+
+def test_ci_skip_check_allows_only_the_stated_reasons(tmp_path):
+    """.ci/check_skips.py passes the TensorRT / GPU skips and fails on any other skip and on an xfail."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_skips", ROOT / ".ci" / "check_skips.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    case = '<testcase classname="tests.t" name="{}"><skipped type="pytest.{}" message="{}">x</skipped></testcase>'
+    allowed = case.format("a", "skip", "needs TensorRT and a CUDA GPU (tensorrt is not installed)")
+    report = tmp_path / "ok.xml"
+    report.write_text(f'<testsuites><testsuite name="pytest">{allowed}<testcase classname="tests.t" name="b"/>'
+                      "</testsuite></testsuites>")
+    assert check.main([str(report)]) == 0
+    others = [case.format("c", "skip", "chromium not found"), case.format("d", "xfail", "flaky"),
+              case.format("e", "skip", "could not import 'tritonclient': No module named 'tritonclient'")]
+    report.write_text(f'<testsuites><testsuite name="pytest">{allowed}{"".join(others)}</testsuite></testsuites>')
+    assert check.main([str(report)]) == 1
+    assert [name for name, _, _ in check.unexpected(check.skips(str(report)))] == ["tests.t::c", "tests.t::d", "tests.t::e"]
