@@ -162,25 +162,31 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+PORT_USES = ("HTTP", "gRPC", "metrics", "OpenAI API")  # port, port+1, ...: what serve binds there
+
+
 def check_ports(host: str, port: int) -> None:
-    """Refuse a port block (HTTP ``port``, gRPC ``port+1``, metrics ``port+2``) that is not free."""
-    if not 1 <= port <= 65533:
-        raise UserError(f"--port {port}: choose 1-65533 (the server uses the port and the next two)")
-    for p, what in ((port, "HTTP"), (port + 1, "gRPC"), (port + 2, "metrics")):
+    """Refuse a port block (HTTP ``port``, gRPC ``port+1``, metrics ``port+2``, the OpenAI-style API
+    ``port+3``) that is not free."""
+    if not 1 <= port <= 65536 - len(PORT_USES):
+        raise UserError(f"--port {port}: choose 1-{65536 - len(PORT_USES)} (serve uses the port and the next "
+                        f"{len(PORT_USES) - 1})")
+    for p, what in ((port + i, what) for i, what in enumerate(PORT_USES)):
         if not port_free(host, p):
             raise UserError(f"port {p} on {host} ({what}) is in use; choose another --port")
 
 
 def free_port_block(host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A port whose next two are free too, as the OS hands out ephemeral ports (free when checked; a
-    caller that may race with others retries on a busy-port failure)."""
+    """A port whose next ones (:data:`PORT_USES`) are free too, as the OS hands out ephemeral ports (free when
+    checked; a caller that may race with others retries on a busy-port failure)."""
+    n = len(PORT_USES)
     for _ in range(tries):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if port <= 65533 and all(port_free(host, p) for p in (port, port + 1, port + 2)):
+        if port <= 65536 - n and all(port_free(host, p) for p in range(port, port + n)):
             return port
-    raise UserError(f"no free block of three ports on {host}")
+    raise UserError(f"no free block of {n} ports on {host}")
 
 
 class TritonServer:
@@ -584,18 +590,40 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
                               slo_quantile=slo_quantile, max_sparsity=max_sparsity)
     server = TritonServer(d / entry["dir"], host=host, port=port, open_control=allow_model_control)
     term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM while starting: stop the server, as Ctrl-C does
+    api = None
     try:
         server.start_routed([m["name"] for m in entry["models"]], entry["router"], ready_timeout_s)
         if allow_model_control:
             echo("the model-repository API (load / unload / index) is open to every client (--allow-model-control)")
+        api = start_api(d, server, echo)
+        extra = f", OpenAI API {api.url}/v1" if api is not None else ""
         echo(f"ready: router {entry['router']!r} + {len(entry['models'])} budget models; HTTP http://{server.http_url}, "
-             f"gRPC {server.grpc_url}, metrics {server.metrics_url} (Ctrl-C stops)")
+             f"gRPC {server.grpc_url}, metrics {server.metrics_url}{extra} (Ctrl-C stops)")
         (wait or Supervisor(server, entry, echo, ready_timeout_s).run)(server)
         check_running(server)
     finally:
+        if api is not None:
+            api.stop()
         code = server.stop()
         signal.signal(signal.SIGTERM, term)
     return code or 0
+
+
+def start_api(directory: Path, server: "TritonServer", echo: Callable[[str], None]):
+    """The OpenAI-style embeddings API (and search, with an index) on port+3, in this process, in front of
+    the router (:mod:`elastic_export.serving.http_api`); None with one line for a model it does not serve
+    (an image encoder, no tokenizer)."""
+    from elastic_export.serving.http_api import create_app, run
+
+    try:
+        app = create_app(directory, server.grpc_url)
+    except UserError as e:
+        echo(f"no OpenAI embeddings API: {e}")
+        return None
+    try:
+        return run(app, server.host, server.port + 3)
+    except RuntimeError as e:
+        raise UserError(f"the OpenAI embeddings API did not start on port {server.port + 3}: {e}") from None
 
 
 def _interrupt(signum, frame) -> None:

@@ -77,15 +77,24 @@ def live(minilm_small, tmp_path_factory):
     d = link_copy(minilm_small, root / "art", ignore=("triton", "index"))
     docs = corpus_docs(200, seed=1)
     build_index(d, write_jsonl(root / "corpus.jsonl", docs), progress=False)
-    serve, port, _ = serve_process(d, "--slo-ms", "20000")  # a generous SLO: the router admits 300-row requests
-    api = None
+    serve, port, lines = serve_process(d)  # serve starts the API itself, on port + 3
     try:
-        api, url = start_api(d, f"127.0.0.1:{port + 1}")
+        url = f"http://127.0.0.1:{port + 3}"
+        assert f"OpenAI API {url}/v1" in lines[-1], lines[-1]
         yield Live(d, url, f"127.0.0.1:{port + 1}", docs, ElasticRuntime.from_dir(d))
     finally:
-        if api is not None:
-            stop_api(api)
         stop_process(serve)
+
+
+def test_the_api_also_runs_as_its_own_process(live):
+    """``python -m elastic_export.serving.http_api`` in front of a running server: /health and one embedding."""
+    api, url = start_api(live.directory, live.grpc)
+    try:
+        got = httpx.post(url + "/v1/embeddings", json={"model": "elastic@0.5", "input": TEXTS[:1]}, timeout=TIMEOUT_S)
+        assert got.status_code == 200 and got.headers["x-elastic-served-sparsity"] == "0.5"
+    finally:
+        out = stop_api(api)
+    assert "ready: OpenAI embeddings API" in out
 
 
 def _client(live):

@@ -4,7 +4,6 @@ answered in order), and gRPC errors turned into OpenAI-shaped ones."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -81,12 +80,13 @@ class RouterClient:
 
     async def embed(self, rows: Sequence[Tokens], sparsity: float | None) -> Served:
         """Every row's embedding: the first batch as asked (the router's policy picks the budget when
-        ``sparsity`` is None), the others concurrently at the budget it served, so that one response
-        holds embeddings of one budget."""
+        ``sparsity`` is None), the others one after another at the budget it served, so that one response
+        holds embeddings of one budget (one after another: sent at once, each would queue behind the
+        others and the router's admission would refuse them as late)."""
         size = (await self.info()).max_rows
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
         first = await self._infer(chunks[0], sparsity)
-        rest = await asyncio.gather(*(self._infer(c, first.sparsity) for c in chunks[1:]))
+        rest = [await self._infer(c, first.sparsity) for c in chunks[1:]]
         vectors = np.concatenate([first.vectors, *(r.vectors for r in rest)]) if rest else first.vectors
         return Served(vectors, first.sparsity, first.precision)
 
