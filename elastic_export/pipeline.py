@@ -20,10 +20,10 @@ from elastic_export.core.fileio import OutputLock, umask
 from elastic_export.core.manifest import DENSE_FILE, Manifest
 from elastic_export.core.outdir import claim_out, commit_out, make_tmp, prepare_out
 from elastic_export.export import stage as export_stage
-from elastic_export.models.stage import load_model
+from elastic_export.models.stage import Encoder, Inventory, load_model
 from elastic_export.passes import BudgetSlicer  # noqa: F401 - the slicer the export stage runs (tests patch it here)
 from elastic_export.precision import stage as twin_stage
-from elastic_export.precision.stage import write_elastic  # noqa: F401 - public: the elastic graph on its own
+from elastic_export.precision.stage import write_elastic
 from elastic_export.ranking.driver import check_device, load_calib, rank_or_reuse
 from elastic_export.ranking.plans import check_align, make_plans
 from elastic_export.ranking.soft_ranking import ElasticConfig
@@ -129,7 +129,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> Manife
     return manifest
 
 
-def _load(opts: Options, echo: Callable[[str], None]):
+def _load(opts: Options, echo: Callable[[str], None]) -> tuple[Encoder, Inventory]:
     """Load the model and count its units, refusing now what would fail after the (long) ranking."""
     encoder, inventory = load_model(opts.model, echo, revision=opts.revision, pretrained=opts.pretrained,
                                     seq_len=opts.seq_len, image_size=opts.image_size,
