@@ -361,10 +361,9 @@ class SloRouting:
         return ms
 
     def raw_prediction(self, budget: float) -> float:
-        """The uncorrected predicted latency quantile at ``budget`` under the current rate (ms)."""
+        """The uncorrected prediction an answer at ``budget`` is compared with, at the current rate (ms)."""
         rate = self.last.rate if self.last is not None else 0.0
-        pair = (budget, self.precision)
-        return self.policy.predict(pair, rate) / self.policy.factor(pair)
+        return self.policy.correction_prediction((budget, self.precision), rate)
 
     def set_down(self, down: Sequence[float]) -> None:
         self.policy.unavailable = {(s, self.precision) for s in down}
@@ -786,8 +785,6 @@ class TritonPythonModel:
             self.monitor.leave(job.counted, job.batch, job.ticket)
             if outcome == "served" and self.routing is not None and job.predicted is not None:
                 self.routing.policy.answered(ms, job.predicted, (job.budget, self.config.precision))
-            if outcome == "served" and job.inline and job.budget is not None and self.routing is not None:
-                self.routing.policy.service.observe((job.budget, self.config.precision), job.batch, ms)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if self.metrics is not None:
             self.metrics.count(outcome, detail)

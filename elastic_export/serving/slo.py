@@ -5,8 +5,7 @@ Everything here is plain Python with an injected clock (the Triton router only c
 
 * :class:`ServiceModel`: service time of a batch of ``n`` rows at a pair, ``S(n) = a + c·n`` ms, fitted
   from measurements at two or more batch sizes (the router measures its budgets at start-up on the
-  serving machine, or reads the directory's latency profile), rescaled by the alone-service times the
-  server observes (:meth:`ServiceModel.observe`).
+  serving machine, or reads the directory's latency profile).
 * :class:`RateEstimator`: the arrival rate over a sliding window (2 s), where a short window (0.5 s)
   takes over once it differs from the long one by more than Poisson noise (a step in the load).
 * :func:`predict_quantile_ms`: the latency quantile of a dynamic-batching server with Poisson arrivals
@@ -14,9 +13,11 @@ Everything here is plain Python with an injected clock (the Triton router only c
   cycle lasts ``T = a / (1 - λc)`` (stable only while ``λc < 1``); an arrival finds the server busy with
   probability ``min(1, λT)``, then waits for a residual uniform on ``[0, T]``, and its own batch holds
   ``Poisson(λT)`` other rows at that quantile.
-* :class:`LatencyCorrection`: the measured latency quantile of the recent answers over the predicted
-  one (clamped), which multiplies every prediction: what the model leaves out (the server's and the
-  client's own costs on shared cores, bursts) is measured, not guessed.
+* :class:`LatencyCorrection`: what the server observes refreshes the model: the measured p90 of the
+  recent answers over the predicted p90 of the same requests (clamped; p90 rather than the SLO's own
+  quantile, which a few hundred answers estimate too noisily), per budget once it has answers of its
+  own, multiplies every prediction: what the model leaves out (the server's and the client's own costs
+  on shared cores, a slower machine) is measured, not guessed.
 * :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
@@ -38,6 +39,7 @@ DEFAULT_QUANTILE = 0.99
 DEFAULT_MARGIN = 0.2  # the prediction must leave this fraction of the SLO free
 DEFAULT_HYSTERESIS = 0.1  # and a denser pair this much more
 DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
+CORRECTION_QUANTILE = 0.9  # the quantile the measured / predicted correction compares
 
 
 def poisson_quantile(mean: float, q: float) -> int:
@@ -95,32 +97,21 @@ def fit_affine(points: Mapping[int, float]) -> Affine:
 
 
 class ServiceModel:
-    """Service time per pair and batch size, rescaled by observations.
+    """Service time per pair and batch size: :func:`fit_affine` of each pair's measurements.
 
     Args:
         points: per pair, measured ``{batch: ms}`` (p50 of a batch alone).
-        weight: the weight of each new observation in the scale factor's moving average.
     """
 
-    def __init__(self, points: Mapping[Pair, Mapping[int, float]], weight: float = 0.1) -> None:
+    def __init__(self, points: Mapping[Pair, Mapping[int, float]]) -> None:
         self.fits: Dict[Pair, Affine] = {p: fit_affine(v) for p, v in points.items()}
-        self.scale = 1.0
-        self._weight = weight
 
     def ms(self, pair: Pair, rows: float) -> float:
         """Service time of a batch of ``rows`` at ``pair`` (ms)."""
-        return self.scale * self.fits[pair].ms(rows)
+        return self.fits[pair].ms(rows)
 
     def affine(self, pair: Pair) -> Affine:
-        f = self.fits[pair]
-        return Affine(self.scale * f.a, self.scale * f.c)
-
-    def observe(self, pair: Pair, rows: int, ms: float) -> None:
-        """A batch of ``rows`` at ``pair`` took ``ms`` with nothing else running: rescale every pair."""
-        base = self.fits[pair].ms(rows)
-        if base > 0 and ms > 0:
-            ratio = min(max(ms / base, 0.2), 5.0)
-            self.scale = (1 - self._weight) * self.scale + self._weight * ratio
+        return self.fits[pair]
 
 
 class RateEstimator:
@@ -268,8 +259,9 @@ class SloPolicy:
         self.margin, self.hysteresis, self.dwell_s = margin, hysteresis, dwell_s
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
-        self.correction = correction or LatencyCorrection(quantile)
-        self.corrections: Dict[Pair, LatencyCorrection] = {p: LatencyCorrection(quantile) for p in self.pairs}
+        self.correction = correction or LatencyCorrection(CORRECTION_QUANTILE)
+        self.corrections: Dict[Pair, LatencyCorrection] = {p: LatencyCorrection(CORRECTION_QUANTILE)
+                                                          for p in self.pairs}
         self.current = self.pairs[0]
         self.switches = 0
         self.unavailable: set = set()
@@ -322,8 +314,12 @@ class SloPolicy:
         ms = self.request_ms(pair, rows, rows_ahead)
         return ms <= self.slo_ms, ms
 
+    def correction_prediction(self, pair: Pair, rate: float) -> float:
+        """The uncorrected prediction an answer at ``pair`` is compared with (:data:`CORRECTION_QUANTILE`)."""
+        return predict_quantile_ms(self.service.affine(pair), rate, CORRECTION_QUANTILE)
+
     def answered(self, measured_ms: float, predicted_ms: float, pair: Optional[Pair] = None) -> None:
-        """An answered request's latency against its uncorrected prediction at arrival, at ``pair``."""
+        """An answered request's latency against its :meth:`correction_prediction` at arrival, at ``pair``."""
         self.correction.add(measured_ms, predicted_ms)
         if pair in self.corrections:
             self.corrections[pair].add(measured_ms, predicted_ms)
