@@ -716,13 +716,29 @@ class TritonPythonModel:
             if self.monitor.in_flight >= self.config.max_concurrency:
                 raise Overload(f"the router has {self.monitor.in_flight} requests in flight, its limit; retry later",
                                "queue_full")
-            ahead = self.monitor.rows_at.get(job.budget, 0) if job.budget is not None else 0
             if self.routing is not None and job.budget is not None:
-                self.routing.admit(job.budget, job.batch, ahead, self.monitor.oldest_ms(job.budget, time.monotonic()))
-                job.predicted = self.routing.raw_prediction(job.budget)
+                self._admit(job)
             job.inline = self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
             self.monitor.arrive(job.budget, job.batch)
             job.arrived, job.counted, job.ticket = self.monitor.last_arrival, job.budget, self.monitor.last_ticket
+
+    def _admit(self, job: _Job) -> None:
+        """Admit the job at its budget, or (the policy's pick) at the best faster budget that meets the SLO
+        behind the rows in flight there; :class:`Overload` when none does (or it named its budget)."""
+        now = time.monotonic()
+        faster = [s for s in self.config.sparsities if s > job.budget and s not in self.health.down
+                  and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
+        for budget in [job.budget] + (faster if job.routed else []):
+            try:
+                self.routing.admit(budget, job.batch, self.monitor.rows_at.get(budget, 0),
+                                   self.monitor.oldest_ms(budget, now))
+            except Overload:
+                if budget == (faster[-1] if job.routed and faster else job.budget):
+                    raise
+                continue
+            job.served, job.budget = [budget] * job.batch, budget
+            job.predicted = self.routing.raw_prediction(budget)
+            return
 
     def _accept(self, request: Any) -> _Job:
         """The request's tensors and the served sparsity of its rows (when it names one), checked.

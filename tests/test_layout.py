@@ -24,6 +24,8 @@ LAYERS = [
     ["elastic_export.export", "elastic_export.passes"],
     ["elastic_export.targets.onnxruntime", "elastic_export.targets.profiles"],  # onnxruntime sessions
     ["elastic_export.serving"],
+    ["elastic_export.index"],  # a dense FAISS index of a corpus, embedded by the runtime
+    ["elastic_export.serving.http_api"],  # the OpenAI-style API: the router's client, the index searched
     ["elastic_export.checks"],
     ["elastic_export.precision"],
     ["elastic_export.measure"],

@@ -442,3 +442,22 @@ def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
     routing = triton_router.SloRouting(config, points)
     assert routing.policy.slo_ms == triton_router.DEFAULT_SLO_MS and routing.policy.quantile == 0.99
     assert triton_router.service_points(config, None, str(tmp_path / "none.json"), 16) is None
+
+
+def test_a_routed_request_that_would_miss_the_slo_goes_to_a_faster_budget_before_it_is_refused(tmp_path, monkeypatch):
+    """Rows in flight at dense that have waited past the SLO: the policy's pick moves to the next budget with
+    nothing ahead; a request naming dense is refused (503) instead."""
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d)
+    model, _ = start_router(d / "triton", "elastic", monkeypatch)
+    model.monitor.arrive(0.0, 64)  # a long one in flight at dense, arrived 10 s ago
+    model.monitor._since[0.0] = {model.monitor.last_ticket: time.monotonic() - 10.0}
+    routed = triton_router._Job(None, None, None, 2, [0.0, 0.0], ())
+    routed.budget, routed.routed = 0.0, True
+    model._admit(routed)
+    assert routed.budget == 0.25 and routed.served == [0.25, 0.25] and routed.predicted > 0
+    named = triton_router._Job(None, None, None, 2, [0.0, 0.0], ())
+    named.budget = 0.0
+    with pytest.raises(Exception, match="exceeds the SLO") as err:
+        model._admit(named)
+    assert type(err.value).__name__ == "Overload" and err.value.reason == "overload"  # the model file's own class
