@@ -705,7 +705,10 @@ class TritonPythonModel:
         """Pick the job's budget if it names none, route around budgets that are down, admit it (or raise
         :class:`Overload`) and count it in flight."""
         with self._lock:
+            switches = self.routing.policy.switches if self.routing is not None else 0
             decision = self.routing.arrive(job.batch) if self.routing is not None else None
+            if decision is not None and self.routing.policy.switches != switches and self.metrics is not None:
+                self.metrics.event("switch")
             if job.served is None:
                 job.served = [decision.pair[0] if decision is not None else self.config.default] * job.batch
                 job.routed = decision is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -139,3 +140,12 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -4,7 +4,6 @@ documents) atomically, recorded in the manifest's ``index`` entry."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from elastic_export.core.errors import UserError
-from elastic_export.core.fileio import existing_dir
+from elastic_export.core.fileio import existing_dir, file_sha256
 from elastic_export.core.manifest import Manifest
 from elastic_export.index import DOCS_FILE, IDS_FILE, INDEX_DIR, INDEX_FILE, METRIC
 from elastic_export.index.corpus import Corpus, read_corpus
@@ -81,14 +80,6 @@ def faiss_index(vectors: np.ndarray, hnsw: bool = False):
         index = faiss.IndexFlatIP(dims)
     index.add(np.ascontiguousarray(vectors, dtype=np.float32))
     return index
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def build_index(directory: str | Path, corpus: str | Path, id_field: str = "id", text_field: str = "text",

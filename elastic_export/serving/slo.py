@@ -32,7 +32,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Mapping, Optional, Sequence, Tuple
 
 Pair = Tuple[float, str]
 DEFAULT_QUANTILE = 0.99
@@ -201,11 +201,6 @@ class LatencyCorrection:
         """The measured quantile of the window (ms), None before any answer."""
         return quantile_of(self._measured, self.quantile) if self._measured else None
 
-    def reset(self) -> None:
-        self._measured.clear()
-        self._predicted.clear()
-        self.factor = 1.0
-
 
 def quantile_of(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (nearest rank) of ``values``."""
@@ -350,10 +345,3 @@ def oracle_pair(capacities: Mapping[Pair, float], rate: float, pairs: Sequence[P
         if capacities.get(p, 0.0) >= headroom * rate:
             return p
     return max(pairs, key=lambda p: capacities.get(p, 0.0))
-
-
-def summary(values: List[float]) -> Dict[str, float]:
-    """p50 / p99 of ``values`` (ms), NaN when empty."""
-    if not values:
-        return {"p50_ms": math.nan, "p99_ms": math.nan}
-    return {"p50_ms": quantile_of(values, 0.5), "p99_ms": quantile_of(values, 0.99)}

@@ -22,7 +22,6 @@ next to ``out`` and moved into place only when complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,7 +32,7 @@ from typing import Callable, Sequence
 from elastic_export.core import onnx_io
 from elastic_export.core.budgets import budget_tag, parse_budgets
 from elastic_export.core.errors import UserError
-from elastic_export.core.fileio import OutputLock, check_creatable, umask
+from elastic_export.core.fileio import OutputLock, check_creatable, file_sha256, umask
 from elastic_export.core.manifest import Budget, Manifest, resolve
 from elastic_export.core.precisions import FILE_KEYS
 
@@ -169,14 +168,6 @@ def _copy_source(source: Path, modules: list[dict], dest: Path) -> None:
             {"word_embedding_dimension": width, **_MEAN_POOLING}, indent=2) + "\n")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
 def write_folder(artifacts: Path, manifest: Manifest, source: Path, modules: list[dict], entry: Budget, precision: str,
                  dest: Path) -> Path:
     """Write one (budget, precision) folder at ``dest`` (which must not exist)."""
@@ -193,7 +184,7 @@ def write_folder(artifacts: Path, manifest: Manifest, source: Path, modules: lis
     info = {"artifact_dir": str(artifacts.resolve()), "model": manifest.model.source,
             "fingerprint": manifest.model.fingerprint, "sparsity": entry.sparsity,
             "achieved_sparsity": entry.achieved_sparsity, "gflops": entry.gflops, "precision": precision,
-            "onnx": rel, "sha256": _sha256(dest / ONNX_FILE)}
+            "onnx": rel, "sha256": "sha256:" + file_sha256(dest / ONNX_FILE)}
     (dest / PROVENANCE).write_text(json.dumps(info, indent=2) + "\n")
     return dest
 
