@@ -8,6 +8,10 @@
   inputs / outputs with the batch dim stripped (``max_batch_size`` > 0), dynamic batching and an
   instance group. Model files are hard links to the directory's files where the filesystem allows,
   copies otherwise;
+* with an index in the directory (``elastic-export index``), a search model ``<name>_search`` (Python
+  backend, :mod:`elastic_export.targets.triton_search` copied verbatim as its ``model.py``, hard links of
+  the index's files in ``1/index/``, the tokenizer in ``1/tokenizer/``): query text in, the dense index's
+  top-k ids and scores out, each query encoded by the router (BLS, so search is load like any other);
 * a router model ``<name>`` (Python backend, business-logic scripting): the same inputs plus an
   optional ``sparsity`` input (or a ``sparsity`` request parameter); its ``model.py`` is the module
   :mod:`elastic_export.targets.triton_router`, copied verbatim, which forwards each request to the
@@ -41,6 +45,7 @@ from elastic_export.core.budgets import budget_tag
 from elastic_export.core.errors import UserError, first_line
 from elastic_export.core.fileio import existing_dir, umask
 from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, Manifest, resolve, write_manifest
+from elastic_export.index import search as search_model
 from elastic_export.serving.backends import TRITON_BUDGET_BACKENDS
 from elastic_export.serving.policies import ROUTER_POLICIES
 from elastic_export.targets import triton_onnx_model as ort_model
@@ -64,6 +69,8 @@ SPARSITY_INPUT = router.SPARSITY_INPUT
 SERVED_OUTPUT = router.SERVED_OUTPUT
 ROUTER_FILE = "triton_router.py"  # this package's router module, copied verbatim as the router's model.py
 ROUTER_HEADER = '"""elastic-export router'  # how that file starts: marks a triton/ this tool wrote
+SEARCH_FILE = "triton_search.py"  # the search model, copied verbatim as its model.py
+SEARCH_SUFFIX = "_search"  # the search model is <name>_search
 _TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
           "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -240,6 +247,59 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
             + _tensors("input", inputs, own_in, batch_dim=True, optional=settings.text)
             + _tensors("output", outputs, own_out, batch_dim=True)
             + _instances("KIND_CPU", 1) + _parameters(params))
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """The search model of a repository: its name, the manifest's ``index`` entry, the index's files by
+    key (``file``, ``ids``, ``docs``) and its settings (the router, the embedding output, the inputs)."""
+
+    name: str
+    entry: dict
+    files: dict[str, Path]
+    settings: search_model.SearchSettings
+
+    @property
+    def count(self) -> int:
+        return int(self.entry["count"])
+
+
+def search_config(plan: SearchPlan) -> str:
+    """``config.pbtxt`` of the search model (Python backend, ``max_batch_size: 0``: each request goes to the
+    router as it is). Inputs ``text`` (BYTES ``[-1]``), optional ``top_k`` (INT32 ``[1]``) and ``sparsity``
+    (FP32 ``[-1, 1]``); outputs ``ids`` (BYTES), ``scores`` (FP32), ``texts`` (BYTES; ``[-1, -1]``: rows x
+    top_k) and ``served_sparsity`` (FP64 ``[-1, 1]``, as the router's)."""
+    m = search_model
+    inputs = [_tensor(m.TEXT_INPUT, "TYPE_STRING", [-1]), _tensor(m.TOP_K_INPUT, "TYPE_INT32", [1], optional=True),
+              _tensor(m.SPARSITY_INPUT, "TYPE_FP32", [-1, 1], optional=True)]
+    outputs = [_tensor(m.IDS_OUTPUT, "TYPE_STRING", [-1, -1]), _tensor(m.SCORES_OUTPUT, "TYPE_FP32", [-1, -1]),
+               _tensor(m.SERVED_OUTPUT, "TYPE_FP64", [-1, 1]), _tensor(m.TEXTS_OUTPUT, "TYPE_STRING", [-1, -1])]
+    return (f'name: "{plan.name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            + "input [\n" + ",\n".join(inputs) + "\n]\n" + "output [\n" + ",\n".join(outputs) + "\n]\n"
+            + _instances("KIND_CPU", 1) + _parameters(plan.settings.parameters()))
+
+
+def plan_search(manifest: Manifest, name: str, tokenizer: Path | None, outputs: Sequence[dict], max_batch: int,
+                sparsities: Sequence[float], echo: Callable[[str], None]) -> SearchPlan | None:
+    """The search model to serve: None without an index (or a tokenizer), or with one whose files are
+    missing or built with another model (said with one line: the rest is served without search)."""
+    if not manifest.index or tokenizer is None:
+        return None
+    from elastic_export.index.store import index_files
+
+    try:
+        files = index_files(manifest)
+    except UserError as e:
+        echo(f"no search model: {e}")
+        return None
+    names = [o["name"] for o in outputs]
+    output = next((n for n in ("sentence_embedding", "last_hidden_state") if n in names), None)
+    if output is None:
+        echo("no search model: the model has no sentence_embedding or last_hidden_state output")
+        return None
+    settings = search_model.SearchSettings(name, output, tuple(v.name for v in manifest.inputs), max_batch,
+                                           ready_timeout_s=float(READY_TIMEOUT_S), sparsities=tuple(sparsities))
+    return SearchPlan(f"{name}{SEARCH_SUFFIX}", dict(manifest.index), files, settings)
 
 
 def _package_source(filename: str) -> str:
@@ -466,6 +526,7 @@ class RepositoryPlan:
     profile: Path | None = None  # the directory's latency profile, copied next to the router
     tokenizer: Path | None = None  # the folder whose tokenizer files serve the text input
     warmup_tokens: int = 16  # python budget models' warm-up length (the manifest's tokens)
+    search: SearchPlan | None = None  # the search model, with an index
 
     @property
     def default(self) -> float:
@@ -483,6 +544,8 @@ class RepositoryPlan:
         configs[self.name] = router_config(self.name, self.models, self.router, self.inputs, self.outputs,
                                            ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens,
                                            max_batch=self.max_batch)
+        if self.search is not None:
+            configs[self.search.name] = search_config(self.search)
         if _can_validate():
             for model_name, text in configs.items():
                 try:
@@ -509,6 +572,8 @@ class RepositoryPlan:
             "instances": self.instances,
             "max_queue_delay_microseconds": self.queue_delay_us,
             "precision": self.precision,
+            "search": None if self.search is None else {"name": self.search.name, "count": self.search.count,
+                                                        "index": self.search.entry},
         }
 
 
@@ -533,9 +598,27 @@ def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[s
 
         copy_tokenizer(plan.tokenizer, staging / plan.name / "1" / router.TOKENIZER_DIR)
     (staging / plan.name / "1" / "model.py").write_text(router_source())
+    if plan.search is not None:
+        _stage_search(staging, plan.search, plan.tokenizer)
     for model_name, text in configs.items():
         (staging / model_name / "config.pbtxt").write_text(text)
     return placed
+
+
+def _stage_search(staging: Path, search: SearchPlan, tokenizer: Path) -> None:
+    """The search model's version folder: hard links (or copies) of the index's files and its manifest
+    entry in ``1/index/``, the tokenizer in ``1/tokenizer/``, ``model.py``."""
+    from elastic_export.index import DOCS_FILE, IDS_FILE, INDEX_FILE
+    from elastic_export.models.text import copy_tokenizer
+
+    version = staging / search.name / "1"
+    folder = version / search_model.INDEX_FOLDER
+    folder.mkdir(parents=True)
+    for key, filename in (("file", INDEX_FILE), ("ids", IDS_FILE), ("docs", DOCS_FILE)):
+        _place(search.files[key], folder / filename)
+    (folder / search_model.ENTRY_FILE).write_text(json.dumps(search.entry))
+    copy_tokenizer(tokenizer, version / search_model.TOKENIZER_FOLDER)
+    (version / "model.py").write_text(_package_source(SEARCH_FILE))
 
 
 def write_repository(directory: Path, plan: RepositoryPlan, configs: dict[str, str]) -> dict[str, str]:
@@ -658,12 +741,14 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     _check_replaceable(d, manifest)
     inputs, outputs = _served_io(d, manifest, models)
     profile = d / LATENCY_PROFILE if (d / LATENCY_PROFILE).is_file() else None
+    search = plan_search(manifest, name, tokenizer, outputs, max_batch, [m.sparsity for m in models], echo)
     plan = RepositoryPlan(name, models, settings, inputs, outputs, max_batch, kind, instances, queue_delay_us,
-                          precision, ort_threads, profile, tokenizer, int(manifest.tokens or 16))
+                          precision, ort_threads, profile, tokenizer, int(manifest.tokens or 16), search)
     placed = write_repository(d, plan, plan.configs())
     links = sum(v == "link" for v in placed.values())
+    found = f" + search {search.name!r} ({search.count} documents)" if search is not None else ""
     echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models ({links} hard links, {len(models) - links} copies) "
-         f"+ router {name!r} (policy {settings.policy}{', text input' if settings.text else ''})")
+         f"+ router {name!r} (policy {settings.policy}{', text input' if settings.text else ''}){found}")
     manifest.triton = plan.entry()
     write_manifest(d, manifest)
     return manifest

@@ -529,8 +529,9 @@ _PLATFORM = {"onnxruntime": "onnxruntime_onnx", "python": "python", "tensorrt": 
 def ensure_repository(directory: Path, budget_backend: str, policy: str | None, slo_ms: float | None,
                       echo: Callable[[str], None], slo_quantile: float | None = None,
                       max_sparsity: float | None = None) -> dict:
-    """``DIR/triton/`` as asked: built when missing or when it was built with other serving settings
-    (a setting left None accepts what the repository has).
+    """``DIR/triton/`` as asked: built when missing, when it was built with other serving settings (a setting
+    left None accepts what the repository has), or when its search model is not of the directory's index
+    (one built, replaced or removed since).
 
     Returns:
         The manifest's ``triton`` entry.
@@ -538,13 +539,15 @@ def ensure_repository(directory: Path, budget_backend: str, policy: str | None, 
     from elastic_export.core.manifest import Manifest
     from elastic_export.targets.triton import build_repository
 
-    entry = Manifest.load(directory).triton
+    manifest = Manifest.load(directory)
+    entry = manifest.triton
     models = entry.get("models", []) if isinstance(entry, dict) else []
     platform = _PLATFORM.get(budget_backend)
     asked = {"policy": policy, "slo_ms": slo_ms, "slo_quantile": slo_quantile, "max_sparsity": max_sparsity}
     same = (bool(models) and (directory / entry.get("dir", "triton")).is_dir()
             and (platform is None or all(m.get("platform") == platform for m in models))
-            and all(v is None or entry.get(k) == v for k, v in asked.items()))
+            and all(v is None or entry.get(k) == v for k, v in asked.items())
+            and (entry.get("search") or {}).get("index") == (manifest.index or None))
     if same:
         echo(f"serving the existing {directory / entry['dir']}")
         return entry
@@ -573,7 +576,8 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
     interrupted (Ctrl-C / SIGTERM); returns the server's exit code.
 
     The budget models load first; the router loads only once every one of them is READY (explicit
-    model control), so the router is never READY in front of a missing budget model. The
+    model control), so the router is never READY in front of a missing budget model; the search model
+    (with an index) loads last, in front of the router. The
     model-repository API is closed to clients unless ``allow_model_control``. While serving
     (:class:`Supervisor`, unless ``wait`` replaces it) a model whose stub dies is reloaded.
 
@@ -591,14 +595,15 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
     server = TritonServer(d / entry["dir"], host=host, port=port, open_control=allow_model_control)
     term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM while starting: stop the server, as Ctrl-C does
     api = None
+    search = (entry.get("search") or {}).get("name")
     try:
         server.start_routed([m["name"] for m in entry["models"]], entry["router"], ready_timeout_s)
+        if search:  # it encodes through the router: loaded once the router is READY
+            server.load(search, ready_timeout_s)
         if allow_model_control:
             echo("the model-repository API (load / unload / index) is open to every client (--allow-model-control)")
         api = start_api(d, server, echo)
-        extra = f", OpenAI API {api.url}/v1" if api is not None else ""
-        echo(f"ready: router {entry['router']!r} + {len(entry['models'])} budget models; HTTP http://{server.http_url}, "
-             f"gRPC {server.grpc_url}, metrics {server.metrics_url}{extra} (Ctrl-C stops)")
+        echo(ready_line(entry, server, api))
         (wait or Supervisor(server, entry, echo, ready_timeout_s).run)(server)
         check_running(server)
     finally:
@@ -607,6 +612,15 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
         code = server.stop()
         signal.signal(signal.SIGTERM, term)
     return code or 0
+
+
+def ready_line(entry: dict, server: "TritonServer", api) -> str:
+    """What ``serve`` prints once everything is READY: the models and every endpoint."""
+    search = entry.get("search") or {}
+    found = f" + search {search['name']!r} ({search['count']} documents)" if search.get("name") else ""
+    extra = f", OpenAI API {api.url}/v1" if api is not None else ""
+    return (f"ready: router {entry['router']!r} + {len(entry['models'])} budget models{found}; HTTP "
+            f"http://{server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}{extra} (Ctrl-C stops)")
 
 
 def start_api(directory: Path, server: "TritonServer", echo: Callable[[str], None]):
@@ -653,6 +667,8 @@ class Supervisor:
         self.server, self.echo, self.reload_timeout_s = server, echo, reload_timeout_s
         self.role = {m["name"]: "budget model" for m in entry["models"]}
         self.role[entry["router"]] = "router"
+        if (entry.get("search") or {}).get("name"):
+            self.role[entry["search"]["name"]] = "search model"
         self.stubs = {m: pids for m, pids in server.stubs().items() if m in self.role}
         self.stopping = False
 

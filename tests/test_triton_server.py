@@ -1,5 +1,6 @@
 """A real Triton Inference Server (2.51, CPU, Python backend, from the ``serve`` extra's ``nvidia-pytriton``
-wheel) serving what ``elastic-export serve`` builds for the real all-MiniLM-L6-v2.
+wheel) serving what ``elastic-export serve`` builds for the real all-MiniLM-L6-v2, with an index (``elastic-export
+index``) over the documents of held-out query/document pairs, so that the same server offers search.
 
 The server binds to 127.0.0.1 only, on a block of three ports the OS reports free (a start that finds one
 taken after all is retried on another block), every request is bounded in count and has a client timeout,
@@ -26,6 +27,7 @@ import pytest
 import tritonclient.grpc as grpcclient  # the test extra's: an import error fails, never skips
 import tritonclient.http as httpclient
 from _helpers import READY_S, link_copy, serve_process, stop_process, tritonserver_of, wait_for_line
+from test_index import assert_same_top, brute_force, write_jsonl
 from tritonclient.utils import InferenceServerException
 
 from elastic_export.core.errors import UserError
@@ -65,13 +67,46 @@ def _assert_server_gone(server_pid: int, serve_pid: int | None = None) -> None:
     assert serve_pid is None or not _group_alive(serve_pid), "a process of serve's group is still running"
 
 
+def short_pairs(directory: Path, n: int = 300, tokens: int = 30) -> list[dict]:
+    """``n`` held-out query/document pairs (``heldout_pairs``) cut at a word to at most ``tokens`` tokens
+    (special ones included), so that ``elastic-export eval`` (which truncates at the manifest's N, 32 here)
+    and the server (the model's own context) see the same tokens; pairs whose cut query or document repeats
+    an earlier one are dropped."""
+    from elastic_export.data.retrieval_data import heldout_pairs
+    from elastic_export.models.text import TextEncoder
+
+    tok = TextEncoder.from_dir(directory / "tokenizer", ["input_ids"]).tokenizer
+
+    def cut(text: str) -> str:
+        e = tok.encode(text)
+        last = {w: i for i, w in enumerate(e.word_ids) if w is not None}  # a word's last token
+        keep = [i for w, i in sorted(last.items()) if i + 2 <= tokens]  # ... and [SEP] after it
+        return text[:e.offsets[keep[-1]][1]] if keep else text
+
+    seen: set[str] = set()
+    out = []
+    for p in heldout_pairs(n + 20):
+        q, d = cut(p["query"]), cut(p["doc"])
+        if q.lower() not in seen and d.lower() not in seen and len(out) < n:
+            seen |= {q.lower(), d.lower()}
+            out.append({"query": q, "doc": d})
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(minilm_small, tmp_path_factory):
-    """``elastic-export serve`` on a copy of the small MiniLM export (the repository built by serve itself).
-    Its teardown proves that neither serve nor its tritonserver (with the stubs) outlives the module."""
-    d = link_copy(minilm_small, tmp_path_factory.mktemp("served") / "art")
+    """``elastic-export serve`` on a copy of the small MiniLM export (the repository built by serve itself)
+    with an index over :func:`short_pairs`' documents (ids ``p0`` ...). Its teardown proves that neither
+    serve nor its tritonserver (with the stubs) outlives the module."""
+    from elastic_export.index.build import build_index
+
+    root = tmp_path_factory.mktemp("served")
+    d = link_copy(minilm_small, root / "art", ignore=("triton", "index"))
+    pairs = short_pairs(d)
+    build_index(d, write_jsonl(root / "corpus.jsonl", [{"id": f"p{i}", "text": p["doc"]} for i, p in enumerate(pairs)]),
+                progress=False)
     p, port, lines = serve_process(d)
-    info = {"dir": d, "port": port, "lines": lines, "process": p, "server_pid": p.server_pid}
+    info = {"dir": d, "port": port, "lines": lines, "process": p, "server_pid": p.server_pid, "pairs": pairs}
     try:
         assert p.server_pid is not None, "serve's tritonserver not found among its children"
         yield info
@@ -170,7 +205,9 @@ def test_every_model_is_ready_and_the_endpoints_are_printed(served):
         assert client.is_server_ready()
         index = {m["name"]: m["state"] for m in client.get_model_repository_index(headers=_control_headers(served["server_pid"]))}
         t = load_manifest(d)["triton"]
-        assert index == {n: "READY" for n in [t["router"], *(m["name"] for m in t["models"])]}
+        assert t["search"]["name"] == "elastic_search" and t["search"]["count"] == len(served["pairs"])
+        assert index == {n: "READY" for n in [t["router"], t["search"]["name"], *(m["name"] for m in t["models"])]}
+        assert f"+ search 'elastic_search' ({len(served['pairs'])} documents);" in ready
         assert {m["platform"] for m in t["models"]} == {"python"}  # this server has no onnxruntime backend
     finally:
         client.close()
@@ -470,6 +507,148 @@ def test_rows_served_are_counted_per_budget(served):
         before = _settled(port, "elastic_router_rows_total", sparsity="0.5")
         client.infer("elastic", _inputs(grpcclient, _feeds(), np.full((1, 1), 0.5)), client_timeout=TIMEOUT_S)
         assert _metric_reaches(port, before + 3, "elastic_router_rows_total", sparsity="0.5") == before + 3
+    finally:
+        client.close()
+
+
+# --- search: the elastic_search model (the index of the served directory) ---------------------------
+SEARCH = "elastic_search"
+
+
+def _search_inputs(module, texts, top_k=None, sparsity=None) -> list:
+    """``text`` (one query per row), and ``top_k`` (INT32 [1]) / ``sparsity`` (FP32 [1, 1]) when given."""
+    items = [module.InferInput("text", [len(texts)], "BYTES")]
+    items[0].set_data_from_numpy(np.array([t if isinstance(t, bytes) else t.encode() for t in texts], dtype=object))
+    for name, value, dtype, shape in (("top_k", top_k, "INT32", [1]), ("sparsity", sparsity, "FP32", [1, 1])):
+        if value is not None:
+            items.append(module.InferInput(name, shape, dtype))
+            items[-1].set_data_from_numpy(np.full(shape, value, dtype=np.int32 if dtype == "INT32" else np.float32))
+    return items
+
+
+def _ids(res) -> list[list[str]]:
+    return [[x.decode() for x in row] for row in res.as_numpy("ids")]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_search_equals_a_brute_force_dense_search(served, protocol):
+    """Through the search model at sparsity 0 (named), every query's top-10 ids and scores are what a numpy
+    search over ``ElasticRuntime.encode``'s dense embeddings of the corpus gives (scores within 1e-5); the
+    documents' text comes back when asked for; a query that names no budget gets the router's choice."""
+    from elastic_export.serving.runtime import ElasticRuntime
+
+    port, docs = served["port"], [p["doc"] for p in served["pairs"]]
+    queries = ["open a file and read it", "abstract base class", served["pairs"][7]["query"], docs[11]]
+    client = (httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=TIMEOUT_S) if protocol == "http"
+              else grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}"))
+    module, kw = (httpclient, {}) if protocol == "http" else (grpcclient, {"client_timeout": TIMEOUT_S})
+    try:
+        res = client.infer(SEARCH, _search_inputs(module, queries, 10, 0.0), **kw)
+        want_pos, want_scores = brute_force(ElasticRuntime.from_dir(served["dir"], sparsities=(0.0,)), docs, queries)
+        got_pos = np.array([[int(x[1:]) for x in row] for row in _ids(res)])
+        scores = res.as_numpy("scores")
+        assert scores.dtype == np.float32 and scores.shape == (4, 10)
+        assert_same_top(got_pos, scores, want_pos, want_scores)
+        assert _ids(res)[3][0] == "p11" and res.as_numpy("served_sparsity").ravel().tolist() == [0.0] * 4
+        asked = [module.InferRequestedOutput(n) for n in ("ids", "texts", "served_sparsity")]
+        res = client.infer(SEARCH, _search_inputs(module, queries[:1], 3), outputs=asked, **kw)
+        assert [t.decode() for t in res.as_numpy("texts")[0]] == [docs[int(i[1:])] for i in _ids(res)[0]]
+        assert res.as_numpy("served_sparsity").ravel()[0] in (0.0, 0.1, 0.5) and res.as_numpy("scores") is None
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("top_k 0", "top_k 0 is outside [1, 300]"),
+    ("top_k 1001", "top_k 1001 is outside [1, 300] (the index holds 300 documents)"),
+    ("above", "above the sparsest served budget 0.5"),
+    ("utf8", "text 0 is not valid UTF-8"),
+    ("empty", "text 1 is empty"),
+    ("oversized", "the request has 129 queries, more than the 128 a request may have"),
+])
+def test_search_mistakes_are_400_with_one_line(served, kind, message):
+    """A bad top_k (or sparsity, text, rows) is HTTP 400 with one line, gRPC INVALID_ARGUMENT; the next
+    request is answered."""
+    port = served["port"]
+    texts, top_k, sparsity = ["a query"], None, None
+    if kind.startswith("top_k"):
+        top_k = int(kind.split()[1])
+    elif kind == "above":
+        sparsity = 0.61
+    elif kind in ("utf8", "empty"):
+        texts = [b"caf\xe9 \xff"] if kind == "utf8" else ["fine", "  "]
+    else:
+        texts = ["q"] * 129
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=TIMEOUT_S)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+    try:
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(SEARCH, _search_inputs(httpclient, texts, top_k, sparsity))
+        assert err.value.status() == "400" and message in err.value.message(), str(err.value)
+        assert "\n" not in err.value.message() and "Traceback" not in err.value.message()
+        with pytest.raises(InferenceServerException) as err:
+            grpc.infer(SEARCH, _search_inputs(grpcclient, texts, top_k, sparsity), client_timeout=TIMEOUT_S)
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and message in err.value.message()
+        res = client.infer(SEARCH, _search_inputs(httpclient, ["a query"], 2, 0.5))
+        assert res.as_numpy("ids").shape == (1, 2) and res.as_numpy("served_sparsity").ravel().tolist() == [0.5]
+    finally:
+        client.close()
+        grpc.close()
+
+
+def test_search_recall_per_budget_matches_eval(served):
+    """recall@10 of every query of the pairs, searched through the server at each budget (named), is what
+    ``elastic-export eval`` reports for that budget on the same pairs (queries by the budget's model, the
+    documents by the dense one), within 0.01; every answer served at the budget named."""
+    from elastic_export.measure.evaluation import evaluate
+
+    pairs = served["pairs"]
+    want = {b["sparsity"]: b["recall@10"] for b in evaluate([served["dir"]], pairs=pairs, precisions=["fp32"])
+            ["results"][0]["budgets"]}
+    assert sorted(want) == [0.0, 0.1, 0.5]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served['port'] + 1}")
+    got = {}
+    try:
+        for s in sorted(want):
+            hits = []
+            for start in range(0, len(pairs), 100):
+                chunk = pairs[start:start + 100]
+                res = client.infer(SEARCH, _search_inputs(grpcclient, [p["query"] for p in chunk], 10, s),
+                                   client_timeout=TIMEOUT_S)
+                assert res.as_numpy("served_sparsity").ravel().tolist() == [s] * len(chunk)
+                hits += [f"p{start + i}" in row for i, row in enumerate(_ids(res))]
+            got[s] = float(np.mean(hits))
+    finally:
+        client.close()
+    assert all(abs(got[s] - want[s]) <= 0.01 for s in want), (got, want)
+    assert got[0.0] > got[0.5]  # the budgets differ: the check is not vacuous
+
+
+def test_search_overload_is_unavailable(served):
+    """16 dense searches of 128 queries at once: the router's overload refusals reach the client as
+    UNAVAILABLE (retryable, 'retry later'), every other request is answered; then a search is served."""
+    import concurrent.futures as cf
+
+    port = served["port"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+    queries = [p["doc"] for p in served["pairs"][:128]]
+
+    def one(i: int):
+        try:
+            client.infer(SEARCH, _search_inputs(grpcclient, queries, 10, 0.0), client_timeout=120)
+            return "ok", ""
+        except InferenceServerException as e:
+            return e.status(), e.message()
+
+    try:
+        with cf.ThreadPoolExecutor(16) as pool:
+            outcomes = list(pool.map(one, range(16)))
+        refused = [m for st, m in outcomes if st == "StatusCode.UNAVAILABLE"]
+        assert all(st in ("ok", "StatusCode.UNAVAILABLE") for st, _ in outcomes), outcomes
+        assert refused and all("retry later" in m for m in refused) and any(st == "ok" for st, _ in outcomes)
+        assert _gauge_settles(port, "elastic_router_in_flight", 0.0) == 0.0
+        res = client.infer(SEARCH, _search_inputs(grpcclient, ["a query"], 1, 0.1), client_timeout=TIMEOUT_S)
+        assert res.as_numpy("served_sparsity").ravel().tolist() == [0.1]
     finally:
         client.close()
 
@@ -779,7 +958,8 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
     watchdog = [c for c in TS.children(p.pid) if c != server]
     try:
         t = load_manifest(served["dir"])["triton"]
-        assert server is not None and sorted(TS.stubs_of(server)) == sorted([t["router"], *(m["name"] for m in t["models"])])
+        assert server is not None and sorted(TS.stubs_of(server)) == sorted([t["router"], t["search"]["name"],
+                                                                             *(m["name"] for m in t["models"])])
         assert len(watchdog) == 1 and "killpg" in " ".join(TS.cmdline(watchdog[0]))
         p.kill()
         p.wait(30)

@@ -30,27 +30,29 @@ class DenseIndex:
             UserError: its files are missing or do not match the entry.
         """
         manifest = Manifest.load(directory)
-        entry = manifest.index
-        if not entry:
+        if not manifest.index:
             return None
-        built_with = (entry.get("model") or {}).get("fingerprint")
-        if built_with and manifest.model.fingerprint and built_with != manifest.model.fingerprint:
-            raise UserError(f"index: built with model {built_with}, the directory holds {manifest.model.fingerprint}; "
-                            f"rebuild it with `elastic-export index --overwrite`")
+        files = index_files(manifest)
+        return cls.open(files["file"], files["ids"], files["docs"], manifest.index)
+
+    @classmethod
+    def open(cls, index_path: Path, ids_path: Path, docs_path: Path, entry: dict[str, Any]) -> "DenseIndex":
+        """The index in these files (FAISS index, ids, documents), checked against its manifest ``entry``
+        (what a served copy of the files, e.g. the Triton search model's, opens).
+
+        Raises:
+            UserError: the files do not match the entry.
+        """
         import faiss
 
-        files = {k: manifest.path(entry[k]) for k in ("file", "ids", "docs")}
-        missing = [str(p) for p in files.values() if not p.is_file()]
-        if missing:
-            raise UserError(f"index: {missing[0]} is missing; rebuild it with `elastic-export index --overwrite`")
-        index = faiss.read_index(str(files["file"]))
+        index = faiss.read_index(str(index_path))
         if entry.get("kind") == "hnsw":
             index.hnsw.efSearch = int(entry.get("ef_search", 128))
-        ids = json.loads(files["ids"].read_text())
+        ids = json.loads(Path(ids_path).read_text())
         if index.ntotal != len(ids) or len(ids) != entry["count"] or index.d != entry["dims"]:
-            raise UserError(f"index: {files['file']} holds {index.ntotal} vectors of {index.d} dims, its manifest "
+            raise UserError(f"index: {index_path} holds {index.ntotal} vectors of {index.d} dims, its manifest "
                             f"entry {entry['count']} of {entry['dims']}; rebuild it")
-        return cls(index, ids, files["docs"], entry)
+        return cls(index, ids, Path(docs_path), entry)
 
     @property
     def texts(self) -> list[str]:
@@ -79,3 +81,24 @@ class DenseIndex:
                 hit["texts"] = [self.texts[p] for _, p in keep]
             out.append(hit)
         return out
+
+
+def index_files(manifest: Manifest) -> dict[str, Path]:
+    """The files of the manifest's ``index`` entry (``file``, ``ids``, ``docs``), checked to exist and to be
+    built with the directory's model, without reading them.
+
+    Raises:
+        UserError: no index entry, a file missing, or an index built with another model.
+    """
+    entry = manifest.index
+    if not entry:
+        raise UserError("no index: build one with `elastic-export index DIR CORPUS`")
+    built_with = (entry.get("model") or {}).get("fingerprint")
+    if built_with and manifest.model.fingerprint and built_with != manifest.model.fingerprint:
+        raise UserError(f"index: built with model {built_with}, the directory holds {manifest.model.fingerprint}; "
+                        f"rebuild it with `elastic-export index --overwrite`")
+    files = {k: manifest.path(entry[k]) for k in ("file", "ids", "docs")}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise UserError(f"index: {missing[0]} is missing; rebuild it with `elastic-export index --overwrite`")
+    return files
