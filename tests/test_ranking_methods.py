@@ -220,3 +220,22 @@ def test_folders_that_name_no_class_give_no_labels(tmp_path):
     with pytest.raises(UserError, match="logits"):
         METHODS["elastic"](text, build_inventory(text), load_calibration(text, size=8, batch_size=4),
                            config=ElasticConfig(steps=1, loss="ce"))
+
+
+@pytest.mark.parametrize("name,loss", [("hf-bert", "auto"), ("timm-vit", "kl")])
+def test_the_elastic_ranking_takes_its_dense_targets_from_the_fisher_pass(name, loss, monkeypatch):
+    """The fisher scores' forward passes (every mask 1) are the dense model's outputs: the elastic
+    ranking reuses them as its dense targets, runs the model once less over the calibration data,
+    and ends with the ranking a separate dense pass gives, bit for bit."""
+    enc, inv, cal = _setup(name)
+    cfg = ElasticConfig(steps=4, targets_per_step=2, checkpoint_every=0, targets=(0.2, 0.5), loss=loss)
+    fisher = METHODS["fisher"](enc, inv, cal, seed=cfg.seed)
+    separate, _ = optimise_ranking(enc, inv, cal, fisher, cfg)
+    forward = enc.export_module().forward
+    calls = []
+    monkeypatch.setattr(type(enc.export_module()), "forward",
+                        lambda self, *a, **k: calls.append(1) or forward(*a, **k), raising=False)
+    reused = soft_ranking.elastic_ranking(enc, inv, cal, config=cfg)
+    for a, b in zip(separate[0] + separate[1], reused[0] + reused[1]):
+        np.testing.assert_array_equal(a, b)
+    assert len(calls) == len(cal.batches) + cfg.steps  # fisher's passes and the steps', no dense pass

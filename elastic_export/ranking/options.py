@@ -68,10 +68,10 @@ class ElasticConfig:
     """
 
     targets: tuple[float, ...] = DEFAULT_TARGETS
-    steps: int = 64
-    lr: float = 0.02
+    steps: int = 32
+    lr: float = 0.04
     temperature: float = 0.1
-    targets_per_step: int = 4
+    targets_per_step: int = 2
     checkpoint_every: int = 8
     seed: int = 0
     loss: str = "auto"

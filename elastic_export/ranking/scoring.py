@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -205,8 +205,13 @@ def _zero_vectors(encoder: Encoder):
             for k in (HEADS, NEURONS)}
 
 
-def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0, **_) -> Scores:
+def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0,
+                       observe: Callable[[int, Any, dict], None] | None = None, **_) -> Scores:
     """Squared mask gradients, summed over the calibration data.
+
+    ``observe(batch_index, outputs, feeds)``, when given, sees every batch's outputs (fp32, masks all
+    1: the dense model's own outputs, bit for bit) before the backward passes; the elastic ranking
+    takes its dense targets from there instead of a second forward pass.
 
     Under torch.distributed each process takes its share of every batch: per-sample squared
     gradients (labelled data) are summed over processes; the gradient of a batch's random
@@ -229,6 +234,9 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
             n, part = ddp.batch_size(feeds), ddp.share(ddp.batch_size(feeds))
             feeds = ddp.place(ddp.shard(feeds), dev, dtype)
             outputs = ddp.as_fp32(fn(*feeds.values()))
+            if observe is not None:
+                with torch.no_grad():
+                    observe(bi, tuple(o.detach() if torch.is_tensor(o) else o for o in outputs), feeds)
             if labels is not None:  # squared gradient of each sample's cross-entropy
                 ce = torch.nn.functional.cross_entropy(outputs[names.index("logits")], labels[bi][part].to(dev),
                                                        reduction="none")

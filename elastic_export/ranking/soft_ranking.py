@@ -216,10 +216,15 @@ class _Distiller:
         return t
 
     @torch.no_grad()
-    def dense_targets(self, fn, batches: list[dict], dev, dtype) -> list[dict[str, torch.Tensor]]:
-        """The frozen dense model's targets per batch; sets the dense index (``bank``)."""
+    def dense_targets(self, fn, batches: list[dict], dev, dtype,
+                      known: dict[int, dict[str, torch.Tensor]] | None = None) -> list[dict[str, torch.Tensor]]:
+        """The frozen dense model's targets per batch (``known``'s where it has them: no forward
+        pass for those); sets the dense index (``bank``)."""
         dense = []
-        for b in batches:
+        for i, b in enumerate(batches):
+            if known is not None and i in known:
+                dense.append(known[i])
+                continue
             feeds = ddp.place(ddp.shard(b), dev, dtype)
             dense.append(self.targets(ddp.as_fp32(fn(*feeds.values())), feeds))
         self.bank = torch.cat([d["emb"] for d in dense])
@@ -317,6 +322,7 @@ def optimise_ranking(
     checkpoint: Path | None = None,
     resume: bool = False,
     echo: Callable[[str], None] = lambda msg: None,
+    dense_known: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> tuple[Scores, list[float]]:
     """Run the soft-mask optimisation; returns the final scores and the loss per step.
 
@@ -329,6 +335,8 @@ def optimise_ranking(
         checkpoint: where rank 0 writes a checkpoint every ``config.checkpoint_every`` steps.
         resume: continue from ``checkpoint`` when it exists.
         echo: where to say whether it resumed, or starts over despite a checkpoint.
+        dense_known: the dense targets (:meth:`_Distiller.targets`) of calibration batches already
+            run, by batch index (the fisher scores' forward passes): no second pass for those.
     """
     names = _check_loss(encoder, config, calibration)
     ddp.check_batches(calibration.batches)
@@ -342,7 +350,7 @@ def optimise_ranking(
     fn = encoder.export_module()
     labels = calibration.labels if kind == "ce" else None
     distiller = _Distiller(encoder, names, config, kind)
-    dense = distiller.dense_targets(fn, batches, dev, dtype)
+    dense = distiller.dense_targets(fn, batches, dev, dtype, dense_known)
     blocks, state = encoder.blocks(), {}
 
     def mask_for(layer, kind):
@@ -393,7 +401,17 @@ def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibra
     config = config or ElasticConfig(seed=seed)
     if config.init not in METHODS or config.init == "elastic":
         raise UserError(f"elastic: unknown initial scores {config.init!r}")
-    _check_loss(encoder, config, calibration)  # before the initial scores, not after them
-    initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed)
-    scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume, echo)
+    names = _check_loss(encoder, config, calibration)  # before the initial scores, not after them
+    distiller = _Distiller(encoder, names, config, loss_kind(names, config, calibration))
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def observe(i: int, outputs: tuple, feeds: dict) -> None:
+        seen[i] = distiller.targets(outputs, feeds)
+
+    # the fisher scores' forward passes are the dense model's (every mask 1): their targets spare
+    # the optimisation its own pass over the calibration data
+    extra = {"observe": observe} if config.init == "fisher" else {}
+    initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed, **extra)
+    scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume, echo,
+                                 dense_known=seen)
     return scores

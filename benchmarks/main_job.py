@@ -1,0 +1,142 @@
+"""The main job's wall time, stage by stage, as a user runs it: ``elastic-export --budgets 0.1..0.6``.
+
+Each run is a fresh process (the CLI's own imports counted), timed from its start to its exit; inside
+it, every stage entry point of :mod:`elastic_export.pipeline` is wrapped in a timer, so the table says
+where the time goes (imports, load, ranking, export, slicing, checks, elastic graph, quick eval,
+report, the rest). The ranking's quality is :mod:`benchmarks.ranking_quality`'s business; this one
+only times.
+
+Usage:
+    python benchmarks/main_job.py [--model DIR --name NAME] [--runs 1] [--out DIR] [-- EXTRA CLI ARGS]
+
+Writes benchmarks/results/main_job_NAME.{json,md} (default NAME: minilm) and prints the table. All-mpnet-base-v2:
+``python benchmarks/mpnet.py fetch`` prints its directory; ``--model`` that directory ``--name mpnet``.
+Quote it with the machine line, measured on a quiet machine (nothing else running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+BUDGETS = "0.1..0.6"
+# (label, module, attribute): the pipeline's stage entry points, as the pipeline module names them
+STAGES = [
+    ("load", "elastic_export.pipeline", "_load"),
+    ("ranking", "elastic_export.pipeline", "rank_or_reuse"),
+    ("plans", "elastic_export.pipeline", "make_plans"),
+    ("dense export", "elastic_export.export.stage", "export_ranked"),
+    ("slicing", "elastic_export.export.stage", "slice_budgets"),
+    ("torch references", "elastic_export.precision.stage", "reference_outputs"),
+    ("checks", "elastic_export.precision.stage", "check_budgets"),
+    ("elastic graph", "elastic_export.pipeline", "write_elastic"),
+    ("manifest", "elastic_export.report.stage", "build_manifest"),
+    ("quick eval", "elastic_export.report.stage", "quick_eval_or_warn"),
+    ("report", "elastic_export.report.stage", "write_report_or_warn"),
+]
+
+
+def _child(args: list[str], record: Path) -> int:
+    """In the timed process: import the CLI, wrap the stages in timers, run it, write the timings."""
+    t0 = time.perf_counter()
+    import importlib
+
+    from elastic_export.cli.main import main as cli_main
+
+    times: dict[str, float] = {"imports": time.perf_counter() - t0}
+
+    def timed(label: str, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times[label] = times.get(label, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    for label, module, attr in STAGES:
+        mod = importlib.import_module(module)
+        setattr(mod, attr, timed(label, getattr(mod, attr)))
+    try:
+        cli_main(args)
+        rc = 0
+    except SystemExit as e:
+        rc = int(e.code or 0)
+    times["total in process"] = time.perf_counter() - t0
+    record.write_text(json.dumps({"stages": times, "rc": rc}))
+    return rc
+
+
+def _run_once(model: str | None, out: Path, extra: list[str]) -> dict:
+    """One main job in a fresh process: its wall time from start to exit, and its stage timings."""
+    args = ["--budgets", BUDGETS, "--out", str(out), "--overwrite", *(["--model", model] if model else []), *extra]
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "stages.json"
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, __file__, "--child", str(record), "--", *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0 or not record.is_file():
+            sys.stderr.write(p.stdout[-3000:])
+            raise SystemExit(f"the main job failed (exit {p.returncode})")
+        child = json.loads(record.read_text())
+    stages = child["stages"]
+    named = sum(v for k, v in stages.items() if k != "total in process")
+    stages["the rest (start-up, temp dir, moves)"] = max(0.0, wall - named)
+    return {"wall_s": wall, "stages": stages, "command": "elastic-export " + " ".join(args)}
+
+
+def _table(runs: list[dict]) -> list[str]:
+    labels = list(runs[0]["stages"])
+    lines = ["| stage | " + " | ".join(f"run {i + 1} (s)" for i in range(len(runs))) + " |",
+             "|---|" + "---|" * len(runs)]
+    for label in labels:
+        if label == "total in process":
+            continue
+        lines.append(f"| {label} | " + " | ".join(f"{r['stages'].get(label, 0.0):.1f}" for r in runs) + " |")
+    lines.append("| **wall, start to exit** | " + " | ".join(f"**{r['wall_s']:.1f}**" for r in runs) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="model directory or id (default: the embedded all-MiniLM-L6-v2)")
+    ap.add_argument("--name", default="minilm")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--out", default=None, help="artifact directory (default: a temporary one)")
+    ap.add_argument("--results", default=str(RESULTS))
+    a = ap.parse_args(argv)
+    if a.child:
+        return _child(extra, Path(a.child))
+    from elastic_export.measure.timing import machine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(a.out) if a.out else Path(tmp) / "elastic-out"
+        runs = [_run_once(a.model, out, extra) for _ in range(a.runs)]
+    res = {"model": a.model or "all-MiniLM-L6-v2 (embedded default)", "command": runs[0]["command"],
+           "runs": runs, "best_wall_s": min(r["wall_s"] for r in runs), "machine": machine(),
+           "date": time.strftime("%Y-%m-%d")}
+    results = Path(a.results)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"main_job_{a.name}.json").write_text(json.dumps(res, indent=2) + "\n")
+    m = res["machine"]
+    md = [f"# Main job: {res['model']}", "", f"`{res['command']}` (a fresh process each run, timed start to exit)",
+          "", f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, load average before {m['load_average']}, "
+          f"onnxruntime {m['onnxruntime']}, {res['date']}.", "", *_table(runs), ""]
+    (results / f"main_job_{a.name}.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
