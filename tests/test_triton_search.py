@@ -146,3 +146,18 @@ def test_serve_rebuilds_when_the_index_changes_and_skips_a_broken_one(indexed, t
     entry = TR.build_repository(d, platform="python", kind="cpu", echo=said.append).triton
     assert entry["search"] is None and not (d / "triton" / "elastic_search").exists()
     assert any(x.startswith("no search model: index:") and "ids.json is missing" in x for x in said), said
+
+
+def test_fit_pairs_cut_at_a_word_within_the_tokens(minilm_small):
+    """What the live test and benchmarks/elastic_search.py index: each side at most N tokens, cut at a word,
+    unchanged when it fits; a pair that repeats an earlier one once cut is dropped."""
+    from elastic_export.data.retrieval_data import cut_to_tokens, fit_pairs
+    from elastic_export.models.text import TextEncoder
+
+    tok = TextEncoder.from_dir(minilm_small / "tokenizer", ["input_ids"]).tokenizer
+    long = "the quick brown fox jumps over the lazy dog " * 10
+    cut = cut_to_tokens(tok, long, 16)
+    assert long.startswith(cut) and long[len(cut)] == " " and sum(tok.encode(cut).attention_mask) <= 16
+    assert sum(tok.encode(long[:len(cut) + 6]).attention_mask) > 16 and cut_to_tokens(tok, "a short one", 16) == "a short one"
+    pairs = [{"query": "open a file", "doc": long}, {"query": "open a file", "doc": "other"}, {"query": "q", "doc": long}]
+    assert fit_pairs(pairs, tok, 16) == [{"query": "open a file", "doc": cut}]

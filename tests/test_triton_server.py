@@ -68,29 +68,14 @@ def _assert_server_gone(server_pid: int, serve_pid: int | None = None) -> None:
 
 
 def short_pairs(directory: Path, n: int = 300, tokens: int = 30) -> list[dict]:
-    """``n`` held-out query/document pairs (``heldout_pairs``) cut at a word to at most ``tokens`` tokens
-    (special ones included), so that ``elastic-export eval`` (which truncates at the manifest's N, 32 here)
-    and the server (the model's own context) see the same tokens; pairs whose cut query or document repeats
-    an earlier one are dropped."""
-    from elastic_export.data.retrieval_data import heldout_pairs
+    """``n`` held-out query/document pairs cut at a word to at most ``tokens`` tokens (``fit_pairs``), so
+    that ``elastic-export eval`` (which truncates at the manifest's N, 32 here) and the server (the model's
+    own context) see the same tokens."""
+    from elastic_export.data.retrieval_data import fit_pairs, heldout_pairs
     from elastic_export.models.text import TextEncoder
 
-    tok = TextEncoder.from_dir(directory / "tokenizer", ["input_ids"]).tokenizer
-
-    def cut(text: str) -> str:
-        e = tok.encode(text)
-        last = {w: i for i, w in enumerate(e.word_ids) if w is not None}  # a word's last token
-        keep = [i for w, i in sorted(last.items()) if i + 2 <= tokens]  # ... and [SEP] after it
-        return text[:e.offsets[keep[-1]][1]] if keep else text
-
-    seen: set[str] = set()
-    out = []
-    for p in heldout_pairs(n + 20):
-        q, d = cut(p["query"]), cut(p["doc"])
-        if q.lower() not in seen and d.lower() not in seen and len(out) < n:
-            seen |= {q.lower(), d.lower()}
-            out.append({"query": q, "doc": d})
-    return out
+    tokenizer = TextEncoder.from_dir(directory / "tokenizer", ["input_ids"]).tokenizer
+    return fit_pairs(heldout_pairs(n + 20), tokenizer, tokens)[:n]
 
 
 @pytest.fixture(scope="module")

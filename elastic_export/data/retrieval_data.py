@@ -224,6 +224,30 @@ def heldout_pairs(n: int = 1000, seed: int = 0) -> list[dict]:
     return [{"query": p["query"], "doc": p["doc"]} for p in pool]
 
 
+def cut_to_tokens(tokenizer, text: str, tokens: int) -> str:
+    """``text`` cut after its last whole word that fits in ``tokens`` tokens of ``tokenizer`` (a
+    ``tokenizers.Tokenizer``, special tokens included: one after the cut); unchanged when it fits."""
+    e = tokenizer.encode(text)
+    last = {w: i for i, w in enumerate(e.word_ids) if w is not None}  # each word's last token
+    keep = [i for _, i in sorted(last.items()) if i + 2 <= tokens]
+    return text[:e.offsets[keep[-1]][1]] if keep else text
+
+
+def fit_pairs(pairs: list[dict], tokenizer, tokens: int) -> list[dict]:
+    """``pairs`` with query and doc cut to at most ``tokens`` tokens (:func:`cut_to_tokens`), so that every
+    encoder that truncates at ``tokens`` or later sees the same text (``elastic-export eval`` truncates at
+    the manifest's N, a served model at its own context); a pair whose cut query or doc repeats an earlier
+    one (case-insensitively) is dropped."""
+    seen: set[str] = set()
+    out = []
+    for p in pairs:
+        q, d = cut_to_tokens(tokenizer, p["query"], tokens), cut_to_tokens(tokenizer, p["doc"], tokens)
+        if q.lower() not in seen and d.lower() not in seen:
+            seen |= {q.lower(), d.lower()}
+            out.append({"query": q, "doc": d})
+    return out
+
+
 def write_pairs_jsonl(path: str | Path, pairs: list[dict]) -> Path:
     """Write one ``{"query", "doc"}`` JSON object per line (UTF-8), atomically."""
     from elastic_export.core.fileio import atomic_write
