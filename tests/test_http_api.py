@@ -241,13 +241,18 @@ def test_in_process_entry_point_starts_and_stops(live):
 
 
 def test_docs_embeddings_api_snippets_run(live, capsys):
-    """docs/embeddings_api.md's python blocks, as written, against the live API (its URL swapped in)."""
+    """docs/embeddings_api.md's python blocks, as written, against the live API and server (their URLs
+    swapped in)."""
+    import ast
     import re
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "embeddings_api.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for block in blocks:
-        exec(compile(block.replace("http://127.0.0.1:8003/v1", live.url + "/v1"), "embeddings_api.md", "exec"), {})
+        block = block.replace("http://127.0.0.1:8003/v1", live.url + "/v1").replace("127.0.0.1:8001", live.grpc)
+        exec(compile(block, "embeddings_api.md", "exec"), {})
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("(2, 384) 0.5 ") and out[1] == "384 384" and out[2].startswith("0")
+    ids = {d["id"] for d in live.docs}  # the Triton search model on the same server: 5 ids of the index, at 0.5
+    assert out[3].endswith(" [0.5]") and all(x in ids for x in ast.literal_eval(out[3].rsplit(" [", 1)[0]))

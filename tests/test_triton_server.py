@@ -746,10 +746,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_docs_serving_python_snippets_run(served):
-    """Every python block of docs/serving.md, run against this server (its gRPC address substituted)."""
+    """Every python block of docs/serving.md (text in, embeddings out; search), run against this server (its
+    gRPC address substituted)."""
     text = (ROOT / "docs" / "serving.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
+    searched = False
     for code in blocks:
         code = code.replace("127.0.0.1:8001", f"127.0.0.1:{served['port'] + 1}")
         scope: dict = {}
@@ -757,6 +759,12 @@ def test_docs_serving_python_snippets_run(served):
         if "res" in scope:  # 0.3 asked: served by 0.5 here (this directory's budgets are 0.1 and 0.5)
             assert scope["res"].as_numpy("served_sparsity").ravel().tolist() == [0.5, 0.5]
             assert scope["res"].as_numpy("sentence_embedding").shape == (2, 384)
+        if "hits" in scope:  # the search example: the index of this directory (short_pairs' documents)
+            ids = scope["hits"].as_numpy("ids")
+            assert ids.shape == (1, 5) and all(x.decode().startswith("p") for x in ids[0])
+            assert scope["hits"].as_numpy("scores").shape == (1, 5)
+            searched = True
+    assert searched, "no search block in docs/serving.md"
 
 
 def test_example_06_triton_client(served):
