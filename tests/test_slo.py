@@ -153,6 +153,27 @@ def test_the_measured_latency_corrects_every_prediction():
     assert policy.decide(0.0).pair[0] > 0.0  # dense no longer meets it at 2x
 
 
+def test_a_budget_not_served_since_a_spike_forgets_its_spike_correction():
+    """Dense's own answers during a spike measured 3x the prediction; afterwards only 0.3 is served, as
+    predicted. Once dense's answers are older than the horizon its own correction no longer counts: the
+    low load goes back to dense (a stale window would keep it away for good)."""
+    now = [0.0]
+    policy = _policy(lambda: now[0], dwell_s=0.0)
+    dense, sparse = (0.0, "fp32"), (0.3, "fp32")
+    raw = policy.correction_prediction(dense, 20.0)
+    for _ in range(50):
+        now[0] += 0.02
+        policy.answered(3.0 * raw, raw, dense)
+    assert policy.factor(dense) == pytest.approx(3.0)
+    policy.rate.rate = lambda now=None: 20.0
+    assert policy.decide(now[0]).pair != dense  # 3x: dense misses it at 20 rows/s
+    for _ in range(600):  # 12 s of answers at 0.3, as predicted
+        now[0] += 0.02
+        policy.answered(raw, raw, sparse)
+    assert not policy.corrections[dense].ready() and policy.factor(dense) == pytest.approx(1.0)
+    assert policy.decide(now[0]).pair == dense
+
+
 def test_quality_floor_and_unavailable_pairs():
     now = [0.0]
     policy = _policy(lambda: now[0], max_sparsity=0.3, dwell_s=0.0)

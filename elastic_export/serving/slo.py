@@ -17,7 +17,8 @@ Everything here is plain Python with an injected clock (the Triton router only c
   recent answers over the predicted p90 of the same requests (clamped; p90 rather than the SLO's own
   quantile, which a few hundred answers estimate too noisily), per budget once it has answers of its
   own, multiplies every prediction: what the model leaves out (the server's and the client's own costs
-  on shared cores, a slower machine) is measured, not guessed.
+  on shared cores, a slower machine) is measured, not guessed. Answers older than 10 s are forgotten:
+  a budget not served since a spike falls back to the correction of what is served now.
 * :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
@@ -175,31 +176,44 @@ def predict_quantile_ms(service: Affine, rate: float, quantile: float = DEFAULT_
 
 
 class LatencyCorrection:
-    """Measured over predicted latency quantile of the last ``size`` answers, clamped to ``bounds``;
-    1 until ``min_samples`` answers are in."""
+    """Measured over predicted latency quantile of the last ``size`` answers within ``horizon_s``,
+    clamped to ``bounds``; 1 until ``min_samples`` answers are in.
+
+    Answers older than ``horizon_s`` are forgotten, so a budget that stopped being served does not
+    keep the correction of a spike long over: once it has fewer than ``min_samples`` recent answers
+    it is not :meth:`ready` and the policy falls back to the correction over every answer."""
 
     def __init__(self, quantile: float = DEFAULT_QUANTILE, size: int = 200, min_samples: int = 30,
-                 bounds: Tuple[float, float] = (0.5, 4.0)) -> None:
-        self.quantile, self.min_samples, self.bounds = quantile, min_samples, bounds
-        self._measured: Deque[float] = deque(maxlen=size)
-        self._predicted: Deque[float] = deque(maxlen=size)
+                 bounds: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0,
+                 clock: Optional[Callable[[], float]] = None) -> None:
+        self.quantile, self.min_samples, self.bounds, self.horizon_s = quantile, min_samples, bounds, horizon_s
+        self.clock = clock or time.monotonic
+        self._answers: Deque[Tuple[float, float, float]] = deque(maxlen=size)  # (time, measured, predicted)
         self.factor = 1.0
 
-    def add(self, measured_ms: float, predicted_ms: float) -> None:
+    def _forget(self, now: float) -> None:
+        while self._answers and self._answers[0][0] < now - self.horizon_s:
+            self._answers.popleft()
+
+    def add(self, measured_ms: float, predicted_ms: float, now: Optional[float] = None) -> None:
         if not (math.isfinite(predicted_ms) and predicted_ms > 0):
             return
-        self._measured.append(measured_ms)
-        self._predicted.append(predicted_ms)
-        if len(self._measured) >= self.min_samples:
-            ratio = quantile_of(self._measured, self.quantile) / quantile_of(self._predicted, self.quantile)
+        now = self.clock() if now is None else now
+        self._answers.append((now, measured_ms, predicted_ms))
+        self._forget(now)
+        if len(self._answers) >= self.min_samples:
+            ratio = (quantile_of([m for _, m, _ in self._answers], self.quantile)
+                     / quantile_of([p for _, _, p in self._answers], self.quantile))
             self.factor = min(max(ratio, self.bounds[0]), self.bounds[1])
 
-    def ready(self) -> bool:
-        return len(self._measured) >= self.min_samples
+    def ready(self, now: Optional[float] = None) -> bool:
+        """At least ``min_samples`` answers within the horizon."""
+        self._forget(self.clock() if now is None else now)
+        return len(self._answers) >= self.min_samples
 
     def measured(self) -> Optional[float]:
         """The measured quantile of the window (ms), None before any answer."""
-        return quantile_of(self._measured, self.quantile) if self._measured else None
+        return quantile_of([m for _, m, _ in self._answers], self.quantile) if self._answers else None
 
 
 def quantile_of(values: Sequence[float], q: float) -> float:
@@ -254,9 +268,9 @@ class SloPolicy:
         self.margin, self.hysteresis, self.dwell_s = margin, hysteresis, dwell_s
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
-        self.correction = correction or LatencyCorrection(CORRECTION_QUANTILE)
-        self.corrections: Dict[Pair, LatencyCorrection] = {p: LatencyCorrection(CORRECTION_QUANTILE)
-                                                          for p in self.pairs}
+        self.correction = correction or LatencyCorrection(CORRECTION_QUANTILE, clock=self.rate.clock)
+        self.corrections: Dict[Pair, LatencyCorrection] = {
+            p: LatencyCorrection(CORRECTION_QUANTILE, clock=self.correction.clock) for p in self.pairs}
         self.current = self.pairs[0]
         self.switches = 0
         self.unavailable: set = set()
@@ -266,8 +280,8 @@ class SloPolicy:
         return self.factor(pair) * predict_quantile_ms(self.service.affine(pair), rate, self.quantile)
 
     def factor(self, pair: Pair) -> float:
-        """The correction of ``pair``'s predictions: its own measured / predicted quantile once it has enough
-        answers, else the one over every answer."""
+        """The correction of ``pair``'s predictions: its own measured / predicted quantile while it has
+        enough recent answers, else the one over every answer."""
         own = self.corrections.get(pair)
         return own.factor if own is not None and own.ready() else self.correction.factor
 
