@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -89,7 +90,9 @@ def _run_once(model: str | None, out: Path, extra: list[str]) -> dict:
     stages = child["stages"]
     named = sum(v for k, v in stages.items() if k != "total in process")
     stages["the rest (interpreter start-up, calibration text, temp dir, moves)"] = max(0.0, wall - named)
-    return {"wall_s": wall, "stages": stages, "command": "elastic-export " + " ".join(args)}
+    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB on Linux: the largest child so far
+    return {"wall_s": wall, "peak_rss_gb": round(peak_gb, 2), "stages": stages,
+            "command": "elastic-export " + " ".join(args)}
 
 
 def _table(runs: list[dict]) -> list[str]:
@@ -101,6 +104,7 @@ def _table(runs: list[dict]) -> list[str]:
             continue
         lines.append(f"| {label} | " + " | ".join(f"{r['stages'].get(label, 0.0):.1f}" for r in runs) + " |")
     lines.append("| **wall, start to exit** | " + " | ".join(f"**{r['wall_s']:.1f}**" for r in runs) + " |")
+    lines.append("| peak RSS (GB) | " + " | ".join(f"{r['peak_rss_gb']:.2f}" for r in runs) + " |")
     return lines
 
 
