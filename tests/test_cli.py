@@ -1,15 +1,19 @@
 """The console script (DESIGN.md §4 "CLI"): bad input ends with exit code 2, one ``error:`` line on
 stderr, no traceback and nothing new on disk; ``inspect`` and ``--help`` work.
 
-Every case runs ``python -m elastic_export`` in a subprocess (about 6 s each, mostly imports), in
-its own fresh directory. To keep the file short on few cores, the cases that the selected tests
-need are all started at once, on a thread pool as wide as the machine, when the first test asks for
-one; each test then waits for its own.
+Each case runs in its own fresh directory through ``elastic_export.cli.main.main`` (the function the
+console script calls), in this process with stdout and stderr captured: an exception that escapes
+``main`` fails the test as a traceback would. :data:`SUBPROCESS` names the cases that run as
+``python -m elastic_export`` in a fresh process instead (the exit codes 0 and 2 as the shell sees
+them: about 5 s each, mostly imports, so they start at once on a thread pool when the first test
+asks for one; each test then waits for its own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -24,8 +28,12 @@ from typing import Callable
 import pytest
 import torch
 
+from elastic_export.cli.main import main
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 CHEAP = ["--budgets", "0.5", "--no-verify", "--calib-size", "4"]
+# a main job that must complete: the magnitude ranking (these tests are not about the ranking)
+COMPLETE = [*CHEAP, "--method", "magnitude"]
 TIMEOUT = 300
 
 
@@ -59,11 +67,28 @@ class Result:
                 f"--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-3000:]}")
 
 
-def run_cli(args: list[str], cwd: Path) -> Result:
+def run_subprocess(args: list[str], cwd: Path) -> Result:
+    """``python -m elastic_export ARGS`` in a fresh process in ``cwd``."""
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "elastic_export", *args], cwd=cwd, env=ENV, capture_output=True,
                        text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     return Result(args, p.returncode, p.stdout, p.stderr, time.time() - t0, cwd)
+
+
+def run_cli(args: list[str], cwd: Path) -> Result:
+    """``main(ARGS)`` in this process with ``cwd`` as the working directory, stdout and stderr
+    captured; its exit code is the code of the ``SystemExit`` it ends with."""
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.time()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                pytest.raises(SystemExit) as done:
+            main(list(args))
+    finally:
+        os.chdir(here)
+    return Result(args, done.value.code, out.getvalue(), err.getvalue(), time.time() - t0, cwd)
 
 
 def stderr_lines(text: str) -> list[str]:
@@ -131,7 +156,7 @@ def _after_a_full_run(root: Path) -> tuple[list[str], dict]:
     """A complete (cheap) run into ``out``, then a run that fails while reusing ``out``."""
     save_tiny_bert(root / "bert", layers=2, seed=0)
     save_tiny_bert(root / "bert3", layers=3, seed=1)
-    first = run_cli(["--model", "bert", "--seq-len", "16", *CHEAP, "--out", "out"], root)
+    first = run_cli(["--model", "bert", "--seq-len", "16", *COMPLETE, "--out", "out"], root)
     second = ["--model", "bert3", "--seq-len", "16", *CHEAP, "--out", "out", "--ranking", "out/ranking.safetensors"]
     return second, {"first": first}
 
@@ -148,7 +173,7 @@ def _exported_then_built_with_target(root: Path) -> tuple[list[str], dict]:
     import shutil
 
     save_tiny_bert(root / "bert")
-    export = run_cli(["--model", "bert", "--seq-len", "16", *CHEAP, "--no-quick-eval", "--no-report",
+    export = run_cli(["--model", "bert", "--seq-len", "16", *COMPLETE, "--no-quick-eval", "--no-report",
                       "--no-elastic-graph", "--out", "out"], root)
     shutil.copytree(root / "out", root / "legacy")
     opts = ["--triton-kind", "cpu", "--triton-default-sparsity", "0.5", "--max-batch", "8"]
@@ -200,11 +225,24 @@ CASES: dict[str, Callable[[Path], list[str] | tuple[list[str], dict]]] = {
     "test_build_tensorrt_refuses_triton_options": _args("build", "tensorrt", ".", "--triton-name", "x"),
     "test_build_without_target_is_the_original_error": _args("build", "somewhere"),
 }
-SKIP_WITH_CUDA = {"test_device_cuda_without_cuda"}
+# run as `python -m elastic_export` in a fresh process: exit 0, a click usage error and a UserError
+# (exit 2) as the shell sees them
+SUBPROCESS = {"test_help", "test_unknown_option", "test_missing_model_path"}
+
+
+def run_case(name: str, root: Path, run: Callable[[list[str], Path], Result] = run_cli) -> Result:
+    """Case ``name`` in the fresh directory ``root``: its setup, then its command by ``run``, with a
+    snapshot of ``root`` before and after the command."""
+    got = CASES[name](root)
+    args, extra = got if isinstance(got, tuple) else (got, {})
+    before = snapshot(root)
+    r = run(args, root)
+    r.before, r.after, r.extra = before, snapshot(root), extra
+    return r
 
 
 class Runs:
-    """Starts every wanted case at once; ``get(name)`` waits for one."""
+    """Starts every wanted :data:`SUBPROCESS` case at once; ``get(name)`` waits for one."""
 
     def __init__(self, names: list[str], base: Path):
         self.base = base
@@ -220,12 +258,7 @@ class Runs:
     def _run(self, name: str) -> Result:
         root = self.base / re.sub(r"[^\w.-]+", "_", name)
         root.mkdir()
-        got = CASES[name](root)
-        args, extra = got if isinstance(got, tuple) else (got, {})
-        before = snapshot(root)
-        r = run_cli(args, root)
-        r.before, r.after, r.extra = before, snapshot(root), extra
-        return r
+        return run_case(name, root, run_subprocess)
 
     def get(self, name: str) -> Result:
         self._submit(name)
@@ -234,19 +267,17 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    wanted = [
-        item.name for item in request.session.items
-        if item.module is request.module and item.name in CASES
-        and not (item.name in SKIP_WITH_CUDA and torch.cuda.is_available())
-    ]
+    wanted = [item.name for item in request.session.items
+              if item.module is request.module and item.name in SUBPROCESS]
     r = Runs(wanted, tmp_path_factory.mktemp("cli"))
     yield r
     r.pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture
-def result(runs, request) -> Result:
-    return runs.get(request.node.name)
+def result(runs, request, tmp_path) -> Result:
+    name = request.node.name
+    return runs.get(name) if name in SUBPROCESS else run_case(name, tmp_path)
 
 
 # --- bad input -----------------------------------------------------------------------------------
