@@ -52,6 +52,50 @@ def prepared(enc, tmp_path, sparsities=(0.0, 0.25, 0.5, 0.9)):
     return inv, rk, dense, make_plans(rk, inv, list(sparsities))
 
 
+class TinyExport:
+    """One tiny model's :func:`prepared` export, made once and shared by the tests that take it: the
+    encoder, its inventory and ranking, and the dense ONNX file at ``path``. :meth:`prepared` hands
+    each test its own copy of the dense model, and checks that no test before changed the encoder."""
+
+    def __init__(self, name: str, directory) -> None:
+        from conftest import tiny_encoder
+
+        directory.mkdir()
+        self.name, self.path, self.enc = name, directory / "dense.onnx", tiny_encoder(name)
+        self.inv = build_inventory(self.enc)
+        self.rk = ranking_with_empty_layers(self.enc, self.inv)
+        self._dense = export_dense(self.enc, self.rk, self.path)
+        self._state = {k: v.clone() for k, v in self.enc.module.state_dict().items()}
+        self._hooks = self._hook_count()
+
+    def _hook_count(self) -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in self.enc.module.modules())
+
+    def prepared(self, sparsities=(0.0, 0.25, 0.5, 0.9)):
+        """What ``prepared(enc, tmp_path, sparsities)`` returns: the inventory, the ranking, a fresh
+        copy of the dense model (the test may change it) and the plans."""
+        state = self.enc.module.state_dict()
+        assert state.keys() == self._state.keys() and all(torch.equal(state[k], v) for k, v in self._state.items()), \
+            f"{self.name}: a test changed the shared encoder's weights"
+        assert self._hook_count() == self._hooks, f"{self.name}: a test left a hook on the shared encoder"
+        dense = onnx.ModelProto()
+        dense.CopyFrom(self._dense)
+        return self.inv, self.rk, dense, make_plans(self.rk, self.inv, list(sparsities))
+
+
+class TinyExports:
+    """The session's cache of :class:`TinyExport`, one per tiny model, made on first use (``conftest``'s
+    ``tiny_exports`` fixture): the same export is not repeated by every test that slices it."""
+
+    def __init__(self, directory) -> None:
+        self.directory, self._made = directory, {}
+
+    def __getitem__(self, name: str) -> TinyExport:
+        if name not in self._made:
+            self._made[name] = TinyExport(name, self.directory / name)
+        return self._made[name]
+
+
 def save_sentence_transformer(enc, path, pooling: dict) -> None:
     """A ``save_pretrained`` directory plus a sentence-transformers Transformer / Pooling (with the
     ``pooling`` config) / Normalize module list, as sentence-transformers saves a model."""

@@ -258,6 +258,20 @@ def tiny(request):
 
 
 @pytest.fixture(scope="session")
+def tiny_exports(tmp_path_factory):
+    """One dense export per tiny model (``_helpers.prepared``'s), made on first use, shared read-only."""
+    from _helpers import TinyExports
+
+    return TinyExports(tmp_path_factory.mktemp("tiny_exports"))
+
+
+@pytest.fixture(params=sorted(TINY))
+def tiny_export(request, tiny_exports):
+    """Every tiny model's shared dense export (:class:`_helpers.TinyExport`); read it, never write it."""
+    return tiny_exports[request.param]
+
+
+@pytest.fixture(scope="session")
 def minilm():
     return load_encoder(None, seq_len=32)
 

@@ -1,14 +1,15 @@
 """The elastic graph (passes/elastic_graph.py): one ONNX, weights once, ``budget_index`` selects.
 
 Every budget index must compute what that budget's own ONNX (``slice_model``) and the hard-masked
-torch model compute, within 1e-4, including layers that keep 0 heads or 0 neurons.
+torch model compute, within 1e-4, including layers that keep 0 heads or 0 neurons. The tiny models'
+dense exports are the session's shared ones (``conftest``'s ``tiny_exports``), read only.
 """
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from _helpers import masked_torch, max_err, prepared, run_onnx
+from _helpers import masked_torch, max_err, run_onnx
 from conftest import tiny_encoder
 
 from elastic_export.core.errors import UserError
@@ -43,10 +44,10 @@ def _zero_block_bytes(units: list[dict], heads: list[list[int]], neurons: list[l
     return total
 
 
-def test_every_budget_index_matches_its_budget(tiny, tmp_path):
+def test_every_budget_index_matches_its_budget(tiny_export):
     """Every architecture, every budget index == the per-budget ONNX == the hard-masked model."""
-    enc = tiny
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=SPARSITIES)
+    enc = tiny_export.enc
+    inv, rk, dense, plans = tiny_export.prepared(sparsities=SPARSITIES)
     heads = [p.heads_per_layer for p in plans]
     neurons = [p.neurons_per_layer for p in plans]
     assert any(row[0] == 0 for row in heads) and any(row[-1] == 0 for row in neurons)
@@ -66,11 +67,11 @@ def test_every_budget_index_matches_its_budget(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["hf-bert", "timm-vit", "timm-vit-glu-packed", "hf-dinov2-swiglu", "hf-modernbert", "hf-mpnet"])
-def test_arbitrary_tables_with_empty_and_constant_columns(name, tmp_path):
+def test_arbitrary_tables_with_empty_and_constant_columns(name, tiny_exports):
     """Tables need not nest: random counts, every layer empty at one budget, full at another, and
     columns that never change (a constant instead of a Gather), including one constant at 0."""
-    enc = tiny_encoder(name)
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.3,))
+    enc = tiny_exports[name].enc
+    inv, rk, dense, plans = tiny_exports[name].prepared(sparsities=(0.3,))
     units = get_units(dense)
     rng = np.random.default_rng(0)
     L = len(units)
@@ -91,9 +92,9 @@ def test_arbitrary_tables_with_empty_and_constant_columns(name, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    enc = tiny_encoder("hf-bert")
-    inv, rk, dense, plans = prepared(enc, tmp_path_factory.mktemp("elastic"), sparsities=SPARSITIES)
+def bert(tiny_exports):
+    enc = tiny_exports["hf-bert"].enc
+    inv, rk, dense, plans = tiny_exports["hf-bert"].prepared(sparsities=SPARSITIES)
     elastic = build_elastic_model(dense, [p.heads_per_layer for p in plans], [p.neurons_per_layer for p in plans])
     return enc, dense, plans, elastic
 
@@ -178,11 +179,11 @@ def test_bad_tables_are_refused(bert):
 
 
 @pytest.mark.parametrize("name", ["hf-bert", "timm-vit-glu-packed", "hf-modernbert"])
-def test_no_zero_sized_matmul_at_run_time(name, tmp_path):
+def test_no_zero_sized_matmul_at_run_time(name, tiny_exports):
     """A budget that empties every sub-block runs no 0-sized MatMul (DESIGN.md invariant 3): every
     MatMul input and output, observed in onnxruntime, has only non-zero dimensions."""
-    enc = tiny_encoder(name)
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.3,))
+    enc = tiny_exports[name].enc
+    inv, rk, dense, plans = tiny_exports[name].prepared(sparsities=(0.3,))
     L = len(get_units(dense))
     empty = [0] * L
     elastic = build_elastic_model(dense, [empty, plans[0].heads_per_layer], [empty, plans[0].neurons_per_layer])
@@ -211,7 +212,8 @@ def test_pipeline_writes_and_verifies_the_elastic_graph(tmp_path):
     model = tmp_path / "tiny-bert"
     tiny_encoder("hf-bert").module.save_pretrained(model)
     out = tmp_path / "out"
-    opts = pipeline.Options(model=str(model), budgets=(0.2, 0.5, 0.9), out=str(out), seq_len=16, method="magnitude")
+    opts = pipeline.Options(model=str(model), budgets=(0.2, 0.5, 0.9), out=str(out), seq_len=16, method="magnitude",
+                            quick_eval=False, report=False)
     m = pipeline.run(opts, echo=lambda s: None)
     assert Manifest.load(out).elastic == m.elastic
     e = m.elastic
@@ -229,6 +231,6 @@ def test_pipeline_writes_and_verifies_the_elastic_graph(tmp_path):
                                                                          get_units(onnx.load(str(out / "dense.onnx")))]
     with pytest.raises(SystemExit) as exit_:
         main(["--model", str(model), "--budgets", "0.3", "--seq-len", "16", "--method", "magnitude",
-              "--no-elastic-graph", "--no-verify", "--out", str(out)])
+              "--no-elastic-graph", "--no-verify", "--no-quick-eval", "--no-report", "--out", str(out)])
     assert exit_.value.code == 0
     assert Manifest.load(out).elastic is None and not (out / "elastic.onnx").exists()

@@ -1,10 +1,12 @@
-"""For every architecture: sliced ONNX (onnxruntime) == hard-masked torch model within 1e-4."""
+"""For every architecture: sliced ONNX (onnxruntime) == hard-masked torch model within 1e-4.
+
+The tiny models' dense exports are the session's shared ones (``conftest``'s ``tiny_export``), read only."""
 
 import json
 
 import numpy as np
 import onnx
-from _helpers import masked_torch, max_err, prepared, run_onnx
+from _helpers import masked_torch, max_err, run_onnx
 
 from elastic_export.export.dense import get_units, permuted_module
 from elastic_export.models.adapters import find_blocks
@@ -29,11 +31,11 @@ def _no_zero_sized_matmul(model: onnx.ModelProto) -> bool:
     )
 
 
-def test_sliced_onnx_matches_masked_torch(tiny, tmp_path):
-    enc = tiny
-    inv, rk, dense, plans = prepared(enc, tmp_path)
+def test_sliced_onnx_matches_masked_torch(tiny_export):
+    enc = tiny_export.enc
+    inv, rk, dense, plans = tiny_export.prepared()
     assert any(0 in p.heads_per_layer for p in plans), "a budget must empty some layer's heads"
-    onnx.checker.check_model(str(tmp_path / "dense.onnx"))
+    onnx.checker.check_model(str(tiny_export.path))
     feeds = enc.sample_inputs(batch=3, seq_len=11)
     perm = permuted_module(enc, rk)
     for plan in plans:
@@ -47,10 +49,10 @@ def test_sliced_onnx_matches_masked_torch(tiny, tmp_path):
         assert max_err(got, want) <= 1e-4
 
 
-def test_dense_export_is_dynamic(tiny, tmp_path):
+def test_dense_export_is_dynamic(tiny_export):
     """The dense ONNX runs at other batch sizes (and sequence lengths for text)."""
-    enc = tiny
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.3,))
+    enc = tiny_export.enc
+    inv, rk, dense, plans = tiny_export.prepared(sparsities=(0.3,))
     model = slice_model(dense, plans[0].heads_per_layer, plans[0].neurons_per_layer)
     for batch, seq in ((1, 5), (4, 13)):
         feeds = enc.sample_inputs(batch=batch, seq_len=seq)
