@@ -31,14 +31,35 @@ def _env() -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _run(args: list[str], cwd: Path, procs: int = 1) -> subprocess.CompletedProcess:
-    """``python -m elastic_export ...`` or ``torchrun --nproc-per-node N -m elastic_export ...``."""
-    launcher = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc-per-node={procs}"]
+def _run(args: list[str], cwd: Path, procs: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N -m elastic_export ...``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
     r = subprocess.run([*launcher, "-m", "elastic_export", *args], cwd=cwd, env=_env(), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def _rank_here(args: list[str], cwd: Path) -> None:
+    """``elastic-export rank ...`` in this process (``cli.main.main``), in ``cwd``, on one torch thread
+    as :func:`_run`'s ``OMP_NUM_THREADS=1`` gives a fresh process (the same arithmetic: test_pipeline's
+    test_ranking_is_deterministic checks the bytes agree)."""
+    import contextlib
+    import io
+
+    from elastic_export.cli.main import main
+
+    here, threads, err = os.getcwd(), torch.get_num_threads(), io.StringIO()
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), \
+                pytest.raises(SystemExit) as done:
+            main(["rank", *args])
+    finally:
+        torch.set_num_threads(threads)
+        os.chdir(here)
+    assert done.value.code == 0, err.getvalue()[-3000:]
 
 
 def _flat(r: Ranking) -> np.ndarray:
@@ -71,7 +92,7 @@ def bert_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(bert_dir) -> Ranking:
-    _run(["rank", "--model", "bert", *RANK, "--out", "one.safetensors"], bert_dir)
+    _rank_here(["--model", "bert", *RANK, "--out", "one.safetensors"], bert_dir)
     return load_ranking(bert_dir / "one.safetensors")
 
 
@@ -89,13 +110,13 @@ def test_torchrun_two_processes_match_one(bert_dir, one_process):
 
 
 def test_checkpointing_and_bf16(bert_dir, one_process):
-    _run(["rank", "--model", "bert", *RANK, "--checkpoint-activations", "--out", "ck.safetensors"], bert_dir)
+    _rank_here(["--model", "bert", *RANK, "--checkpoint-activations", "--out", "ck.safetensors"], bert_dir)
     ck = load_ranking(bert_dir / "ck.safetensors")
     assert ck.meta == one_process.meta
     assert_same_ranking(_flat(one_process), _flat(ck), rtol=1e-6)  # recomputation: the same arithmetic
 
-    _run(["rank", "--model", "bert", *RANK, "--weights-dtype", "bf16", "--checkpoint-activations",
-          "--out", "bf16.safetensors"], bert_dir)
+    _rank_here(["--model", "bert", *RANK, "--weights-dtype", "bf16", "--checkpoint-activations",
+                "--out", "bf16.safetensors"], bert_dir)
     bf = load_ranking(bert_dir / "bf16.safetensors")
     assert bf.meta["fingerprint"] == one_process.meta["fingerprint"]  # of the fp32 weights, for export
     assert bf.meta["hyperparameters"]["weights_dtype"] == "bf16"
@@ -158,7 +179,11 @@ def test_scoring_methods_two_processes_match_one(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     two = dict(np.load(out))
-    one = _all_scores()
+    threads = torch.get_num_threads()
+    try:
+        one = _all_scores()
+    finally:
+        torch.set_num_threads(threads)  # _all_scores sets one thread (the torchrun workers' count)
     assert sorted(two) == sorted(one)
     worst = {k: assert_same_ranking(one[k].astype(np.float64), two[k].astype(np.float64), rtol=1e-5) for k in one}
     print("max abs score difference 2 vs 1 processes:", {k: f"{v:.2g}" for k, v in worst.items()})
