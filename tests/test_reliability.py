@@ -37,6 +37,30 @@ def _cli(args: list[str], cwd: Path, **kw) -> subprocess.CompletedProcess:
                           text=True, timeout=600, **kw)
 
 
+def _main(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``elastic-export ARGS`` in this process (``cli.main.main``, what the console script calls) in
+    ``cwd``, on one torch thread as ``ENV``'s ``OMP_NUM_THREADS=1`` gives :func:`_cli` (the same
+    arithmetic, so the same ranking bytes); its exit code, stdout and stderr as :func:`_cli` returns them."""
+    import contextlib
+    import io
+
+    import torch
+
+    from elastic_export.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as done:
+            main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+        os.chdir(here)
+    return subprocess.CompletedProcess(["elastic-export", *args], done.value.code, out.getvalue(), err.getvalue())
+
+
 def _one_line_error(r: subprocess.CompletedProcess, *expected: str) -> str:
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
@@ -125,7 +149,7 @@ RANK = ["rank", "--seq-len", "16", "--calib-size", "16", "--batch-size", "4", "-
 def uninterrupted(tmp_path_factory, bert_dir) -> bytes:
     """The ranking of an uninterrupted run; ``--resume`` with no checkpoint says it starts from scratch."""
     root = tmp_path_factory.mktemp("rank-full")
-    r = _cli([*RANK, "--model", str(bert_dir), "--out", "r.safetensors", "--resume"], root)
+    r = _main([*RANK, "--model", str(bert_dir), "--out", "r.safetensors", "--resume"], root)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--resume: no checkpoint at r.safetensors.checkpoint; ranking from scratch" in r.stderr
     return (root / "r.safetensors").read_bytes()
@@ -202,7 +226,7 @@ def test_killed_ranking_resumes_to_the_identical_ranking(tmp_path, bert_dir, uni
             "interrupted; the ranking checkpoint r.safetensors.checkpoint holds step 8 of 48: "
             "run the same command again with --resume to continue from it")
     assert not (tmp_path / "r.safetensors").exists()  # nothing half-written
-    r = _cli([*RANK, "--model", str(bert_dir), "--out", "r.safetensors", "--resume"], tmp_path)
+    r = _main([*RANK, "--model", str(bert_dir), "--out", "r.safetensors", "--resume"], tmp_path)  # resumed here
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--resume: continuing the ranking from step 8 of 48 (checkpoint r.safetensors.checkpoint)" in r.stderr
     assert (tmp_path / "r.safetensors").read_bytes() == uninterrupted
@@ -381,8 +405,8 @@ def test_truncated_ranking_file_is_refused(tmp_path, bert_dir, art):
     raw = (art / "ranking.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(raw[: len(raw) // 2])
     before = _snapshot(tmp_path)
-    r = _cli(["--model", str(bert_dir), "--budgets", "0.5", "--seq-len", "16", "--no-verify",
-              "--ranking", "cut.safetensors", "--out", "out"], tmp_path)
+    r = _main(["--model", str(bert_dir), "--budgets", "0.5", "--seq-len", "16", "--no-verify",
+               "--ranking", "cut.safetensors", "--out", "out"], tmp_path)
     _one_line_error(r, "cut.safetensors")
     assert _snapshot(tmp_path) == before
 
@@ -417,17 +441,17 @@ def test_unwritable_output_location_is_refused(tmp_path, bert_dir):
         (tmp_path / "ro").mkdir()
         os.chmod(tmp_path / "ro", 0o555)
         out = str(tmp_path / "ro" / "out")
-    r = _cli(["--model", str(bert_dir), "--budgets", "0.5", "--seq-len", "16", "--method", "magnitude",
-              "--no-verify", "--out", out], tmp_path)
+    r = _main(["--model", str(bert_dir), "--budgets", "0.5", "--seq-len", "16", "--method", "magnitude",
+               "--no-verify", "--out", out], tmp_path)
     _one_line_error(r, out)
     assert not Path(out).exists()
 
 
-def test_main_job_under_torchrun_is_refused(tmp_path, bert_dir):
+def test_main_job_under_torchrun_is_refused(tmp_path, bert_dir, monkeypatch):
     """Only `rank` is distributed; the main job under torchrun would run once per process."""
-    env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    r = subprocess.run([sys.executable, "-m", "elastic_export", "--model", str(bert_dir), "--budgets", "0.5",
-                        "--out", "out"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):  # what torchrun sets
+        monkeypatch.setenv(name, value)
+    r = _main(["--model", str(bert_dir), "--budgets", "0.5", "--out", "out"], tmp_path)
     _one_line_error(r, "torchrun", "rank")
     assert list(tmp_path.iterdir()) == []
 
@@ -473,9 +497,10 @@ def test_killed_export_leaves_the_previous_artifacts(tmp_path, bert_dir, art):
     run removes the dead run's temporary directory and completes."""
     out = _copy(art, tmp_path / "out")
     before = _snapshot(out)
-    args = [sys.executable, "-m", "elastic_export", "--model", str(bert_dir), "--budgets", "0.3,0.6", "--seq-len",
-            "16", "--method", "magnitude", "--out", "out"]
-    p = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["--model", str(bert_dir), "--budgets", "0.3,0.6", "--seq-len", "16", "--method", "magnitude",
+            "--no-quick-eval", "--no-report", "--out", "out"]
+    p = subprocess.Popen([sys.executable, "-m", "elastic_export", *args], cwd=tmp_path, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
         while not list(tmp_path.glob(".out.tmp-*")) and p.poll() is None and time.time() < deadline:
@@ -486,7 +511,7 @@ def test_killed_export_leaves_the_previous_artifacts(tmp_path, bert_dir, art):
     finally:
         p.kill()
     assert _snapshot(out) == before
-    r = subprocess.run(args, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    r = _main(args, tmp_path)  # the next run (here: in this process)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [b["sparsity"] for b in json.loads((out / MANIFEST).read_text())["budgets"]] == [0.3, 0.6]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
