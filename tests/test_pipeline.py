@@ -121,7 +121,8 @@ def _tiny_dir(tmp_path: Path) -> Path:
 def test_reuse_ranking_and_replace_previous_output(tmp_path):
     model = _tiny_dir(tmp_path)
     out = tmp_path / "out"
-    opts = pipeline.Options(model=str(model), budgets=(0.2, 0.5), out=str(out), seq_len=16, calib_size=8)
+    opts = pipeline.Options(model=str(model), budgets=(0.2, 0.5), out=str(out), seq_len=16, calib_size=8,
+                            method="magnitude")  # the ranking's method is not what this test is about
     first = pipeline.run(opts, echo=lambda s: None)
     ranking = out / first.ranking.file
     saved = tmp_path / "ranking.safetensors"
@@ -138,7 +139,8 @@ def test_reuse_ranking_and_replace_previous_output(tmp_path):
 def test_failed_run_keeps_previous_output(tmp_path, monkeypatch):
     model = _tiny_dir(tmp_path)
     out = tmp_path / "out"
-    opts = pipeline.Options(model=str(model), budgets=(0.2,), out=str(out), seq_len=16, calib_size=8)
+    opts = pipeline.Options(model=str(model), budgets=(0.2,), out=str(out), seq_len=16, calib_size=8,
+                            method="magnitude")  # the ranking's method is not what this test is about
     pipeline.run(opts, echo=lambda s: None)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
