@@ -26,7 +26,9 @@ from elastic_export.models.loader import default_model_path, load_encoder
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 TIMM_REPO = "timm/vit_tiny_test.elastic"
 MAIN, V1 = "1" * 40, "2" * 40  # the commits of refs/main and refs/v1
-QUICK = ["--budgets", "0.5", "--method", "magnitude", "--calib-size", "8", "--no-report"]
+# the main job as these tests need it: no quick eval, report or elastic graph (none is read here)
+QUICK = ["--budgets", "0.5", "--method", "magnitude", "--calib-size", "8", "--no-report", "--no-quick-eval",
+         "--no-elastic-graph"]
 
 
 def add_to_cache(cache: Path, repo_id: str, files: Path, commit: str, ref: str = "main") -> Path:
