@@ -1,5 +1,5 @@
-"""Every numbered example in examples/ runs, in order, on a tiny model (the first exports the
-directory the others use)."""
+"""Every numbered example in examples/ runs, in order, on a tiny model (the first, run in this process,
+exports the directory the others use, each run as ``python examples/SCRIPT``)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,32 @@ def _run(script: str, *args: str, cwd: Path) -> str:
     return r.stdout
 
 
+def _run_here(script: str, *args: str, cwd: Path) -> str:
+    """The example as ``python examples/SCRIPT ARGS`` runs it (``runpy``, as ``__main__``, its argv), in
+    this process, in ``cwd``; what it prints. Saves a fresh process's imports where the example's
+    own work is what is tested."""
+    import contextlib
+    import io
+    import runpy
+
+    out, here, argv = io.StringIO(), os.getcwd(), sys.argv
+    os.chdir(cwd)
+    sys.argv = [str(EXAMPLES / script), *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("examples")
     tiny_encoder("hf-bert").module.save_pretrained(root / "bert")
-    out = _run("01_export.py", "--model", "bert", "--budgets", "0.3,0.6", "--seq-len", "16", "--method", "magnitude",
-               "--out", "art", cwd=root)
+    out = _run_here("01_export.py", "--model", "bert", "--budgets", "0.3,0.6", "--seq-len", "16", "--method",
+                    "magnitude", "--out", "art", cwd=root)
     assert "sparsity 0.30" in out and "budget_s060.onnx" in out
     return root
 
