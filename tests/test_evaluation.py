@@ -90,7 +90,7 @@ def text_dirs(work) -> list[Path]:
     for model, method, name in ((pooled, "random", "a-random"), (pooled, "magnitude", "b-magnitude"),
                                 (plain, "random", "c-plain")):
         opts = Options(model=str(model), method=method, budgets=(0.3, 0.6), out=str(work / name), seq_len=16,
-                       calib_size=8)
+                       calib_size=8, quick_eval=False, report=False)  # eval reads neither
         run(opts, **QUIET)
         out.append(work / name)
     return out
@@ -120,7 +120,7 @@ def image_folder(work) -> Path:
 @pytest.fixture(scope="module")
 def vit_dir(work) -> Path:
     opts = Options(model="vit_tiny_patch16_224", pretrained=False, image_size=32, method="magnitude",
-                   budgets=(0.3, 0.6), out=str(work / "vit"))
+                   budgets=(0.3, 0.6), out=str(work / "vit"), quick_eval=False, report=False)  # eval reads neither
     run(opts, **QUIET)
     return work / "vit"
 
