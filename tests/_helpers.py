@@ -96,6 +96,17 @@ class TinyExports:
         return self._made[name]
 
 
+def minilm_small_export(minilm, out) -> tuple[Ranking, onnx.ModelProto]:
+    """``conftest``'s session export ``minilm_small`` (directory ``out``): its ranking and a fresh load of
+    its dense ONNX, checked to be the data-free magnitude ranking of ``minilm`` (the embedded
+    all-MiniLM-L6-v2), so ``out/dense.onnx`` is what ``export_dense(minilm, that ranking)`` writes."""
+    from elastic_export.ranking.file import load_ranking
+
+    rk = load_ranking(out / "ranking.safetensors")
+    assert rk.meta["method"] == "magnitude" and rk.meta["fingerprint"] == minilm.fingerprint(), rk.meta
+    return rk, onnx.load(str(out / "dense.onnx"))
+
+
 def save_sentence_transformer(enc, path, pooling: dict) -> None:
     """A ``save_pretrained`` directory plus a sentence-transformers Transformer / Pooling (with the
     ``pooling`` config) / Normalize module list, as sentence-transformers saves a model."""

@@ -14,18 +14,16 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _helpers import masked_torch, prepared, run_onnx
+from _helpers import masked_torch, minilm_small_export, prepared, run_onnx
 from conftest import tiny_encoder
 
 from elastic_export.checks.compare import relative_error
 from elastic_export.core.errors import UserError
-from elastic_export.export.dense import UNITS_KEY, export_dense
+from elastic_export.export.dense import UNITS_KEY
 from elastic_export.models.inventory import build_inventory
 from elastic_export.passes import slice_model
 from elastic_export.precision.fp16 import FP16_RTOL, FP32_OPS, PRECISION_KEY, fp16_name, fp32_tail, to_fp16
-from elastic_export.ranking.file import Ranking
 from elastic_export.ranking.plans import make_plans
-from elastic_export.ranking.scoring import METHODS
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 # text (mean pooling + L2 normalisation), fused qkv + SwiGLU + classifier head, HF vision with
@@ -112,14 +110,13 @@ def test_fp16_conversion_is_deterministic_and_pure(tmp_path):
     assert fp16_name("budget_s010.onnx") == "budget_s010.fp16.onnx"
 
 
-def test_minilm_fp16(minilm, tmp_path):
-    """The real all-MiniLM-L6-v2 (dense and one budget) on real text with padding."""
+def test_minilm_fp16(minilm, minilm_small):
+    """The real all-MiniLM-L6-v2 (dense and one budget; the dense export of the magnitude ranking is
+    the session's ``minilm_small``) on real text with padding."""
     from pydoc_data.topics import topics
 
     inv = build_inventory(minilm)
-    heads, neurons = METHODS["magnitude"](minilm, inv)
-    rk = Ranking(heads, neurons, {})
-    dense = export_dense(minilm, rk, tmp_path / "dense.onnx")
+    rk, dense = minilm_small_export(minilm, minilm_small)
     plan = make_plans(rk, inv, [0.5])[0]
     texts = [v[:1500] for v in list(topics.values())[:6]] + ["short query", "how do I sort a list"]
     tok = minilm.tokenizer(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
@@ -152,7 +149,8 @@ def test_pipeline_precision(tmp_path):
     from elastic_export.pipeline import Options, run
 
     bert = _save_tiny_bert(tmp_path / "bert")
-    common = dict(model=bert, budgets=(0.3, 0.6), method="magnitude", seq_len=16)
+    common = dict(model=bert, budgets=(0.3, 0.6), method="magnitude", seq_len=16, quick_eval=False,
+                  report=False)  # neither is read here
     m = run(Options(out=str(tmp_path / "half"), precision="fp16", **common), echo=lambda s: None)
     assert m.precisions == ["fp32", "fp16"]
     assert m.dense.onnx_fp16 == "dense.fp16.onnx"

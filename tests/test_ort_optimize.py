@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _helpers import max_err, run_onnx
+from _helpers import max_err, minilm_small_export, run_onnx
 
 from elastic_export.core.errors import UserError
 from elastic_export.export.dense import export_dense
@@ -126,13 +126,12 @@ def test_refuses_bad_requests(bert_graphs, tmp_path):
     assert optimized_name("budget_s030.onnx") == "budget_s030.opt.onnx"
 
 
-def test_minilm_budget_with_mixed_heads(minilm, tmp_path):
+def test_minilm_budget_with_mixed_heads(minilm, minilm_small, tmp_path):
+    """The real all-MiniLM-L6-v2 at 50 %, magnitude-ranked (the dense export: the session's ``minilm_small``)."""
     inv = build_inventory(minilm)
-    heads, neurons = METHODS["magnitude"](minilm, inv)
-    ranking = Ranking(heads, neurons, {})
+    ranking, dense = minilm_small_export(minilm, minilm_small)
     plan = make_plans(ranking, inv, [0.5])[0]
     assert len(set(plan.heads_per_layer)) > 1 and min(plan.heads_per_layer) > 0
-    dense = export_dense(minilm, ranking, tmp_path / "dense.onnx")
     onnx.save(slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer), str(tmp_path / "budget_s050.onnx"))
     res = optimize_onnx(tmp_path / "budget_s050.onnx")
     assert res.fused["Attention"] == 6
@@ -171,7 +170,8 @@ def test_optimize_artifacts_updates_manifest(tmp_path):
 
     out = tmp_path / "vit"
     run(Options(model="vit_tiny_patch16_224", pretrained=False, image_size=32, budgets=(0.3, 0.6),
-                method="magnitude", out=str(out), verify=False), echo=lambda s: None)
+                method="magnitude", out=str(out), verify=False, quick_eval=False, report=False),  # not read here
+        echo=lambda s: None)
     lines: list[str] = []
     results = optimize_artifacts(out, update_manifest=True, echo=lines.append)
     assert sorted(results) == ["budget_s030.onnx", "budget_s060.onnx", "dense.onnx"] and len(lines) == 3
@@ -199,7 +199,7 @@ def test_cli_ort_optimize_writes_checked_copies(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_:
         main(["--model", str(model), "--budgets", "0.3,0.6", "--seq-len", "16", "--method", "magnitude",
-              "--no-elastic-graph", "--ort-optimize", "--out", str(out)])
+              "--no-elastic-graph", "--no-quick-eval", "--no-report", "--ort-optimize", "--out", str(out)])
     assert exit_.value.code == 0
     m = load_manifest(out)
     ids = torch.tensor([[5, 17, 300, 9, 2, 0], [7, 8, 9, 0, 0, 0]])
