@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import masked_torch, max_err, prepared, run_onnx
+from _helpers import masked_torch, max_err, run_onnx
 from conftest import TINY, tiny_encoder
 from onnx import numpy_helper
 
@@ -78,10 +78,10 @@ def test_clip_text_embedding_is_the_eos_state(name):
     assert enc.embedding((hidden, emb), feeds) is emb
 
 
-def test_clip_text_stays_causal_after_slicing(tmp_path):
+def test_clip_text_stays_causal_after_slicing(tiny_exports):
     """The sliced ONNX keeps the causal mask: a later token never changes earlier states."""
-    enc = tiny_encoder("hf-clip-text")
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.5,))
+    enc = tiny_exports["hf-clip-text"].enc
+    inv, rk, dense, plans = tiny_exports["hf-clip-text"].prepared(sparsities=(0.5,))
     model = slice_model(dense, plans[0].heads_per_layer, plans[0].neurons_per_layer)
     feeds = enc.sample_inputs(batch=1, seq_len=12)
     changed = {k: v.clone() for k, v in feeds.items()}
@@ -125,11 +125,11 @@ def test_deit_distilled_tokens_and_logits():
 
 
 @pytest.mark.parametrize("name", ["hf-distilbert", "hf-clip-text", "hf-clip-vision"])
-def test_head_reshapes_carry_explicit_head_counts(name, tmp_path):
+def test_head_reshapes_carry_explicit_head_counts(name, tiny_exports):
     """These models reshape with ``view(..., -1, head_dim)``; after slicing, every split and merge
     Reshape the unit map names holds the layer's explicit head count, and the output is exact."""
-    enc = tiny_encoder(name)
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.5,))
+    enc = tiny_exports[name].enc
+    inv, rk, dense, plans = tiny_exports[name].prepared(sparsities=(0.5,))
     plan = plans[0]
     model = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer)
     nodes = {n.name: n for n in model.graph.node}
@@ -212,16 +212,16 @@ def test_eva_outputs_and_tokens(name, prefix):
         torch.testing.assert_close(logits, enc.module(x))
 
 
-def test_eva_separate_biases_are_sliced_with_their_heads(tmp_path):
+def test_eva_separate_biases_are_sliced_with_their_heads(tiny_exports):
     """EVA stores the fused qkv's bias apart (q_bias, a zero k_bias buffer, v_bias): the torch slicer
     cuts each part, and the exported graph carries their concatenation as the qkv bias."""
     from elastic_export.ranking.reference import sliced_copy
 
-    enc = tiny_encoder("timm-eva02")
+    enc = tiny_exports["timm-eva02"].enc
     attn = enc.module.blocks[0].attn
     role = enc.blocks()[0].heads.producers[0]
     assert [a for _, a in role.bias_parts] == ["q_bias", "k_bias", "v_bias"] and attn.qkv.bias is None
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.5,))
+    inv, rk, dense, plans = tiny_exports["timm-eva02"].prepared(sparsities=(0.5,))
     inits = {t.name: numpy_helper.to_array(t) for t in dense.graph.initializer}
     perm = enc.blocks(permuted_module(enc, rk))
     want = perm[0].heads.producers[0].bias.detach().numpy()

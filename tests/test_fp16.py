@@ -14,8 +14,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _helpers import masked_torch, minilm_small_export, prepared, run_onnx
-from conftest import tiny_encoder
+from _helpers import masked_torch, minilm_small_export, run_onnx
 
 from elastic_export.checks.compare import relative_error
 from elastic_export.core.errors import UserError
@@ -84,9 +83,9 @@ def assert_fp16_recipe(fp32: onnx.ModelProto, half: onnx.ModelProto) -> None:
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_tiny_fp16_budgets_match_fp32(name, tmp_path):
-    enc = tiny_encoder(name)
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.0, 0.5, 0.9))
+def test_tiny_fp16_budgets_match_fp32(name, tiny_exports):
+    enc = tiny_exports[name].enc
+    inv, rk, dense, plans = tiny_exports[name].prepared(sparsities=(0.0, 0.5, 0.9))
     feeds = enc.sample_inputs(batch=3, seq_len=11)
     for plan in plans:
         model = slice_model(dense, plan.heads_per_layer, plan.neurons_per_layer)
@@ -99,10 +98,9 @@ def test_tiny_fp16_budgets_match_fp32(name, tmp_path):
         assert relative_error(masked_torch(enc, plan, rk, feeds), got, valid) <= FP16_RTOL, plan.sparsity
 
 
-def test_fp16_conversion_is_deterministic_and_pure(tmp_path):
+def test_fp16_conversion_is_deterministic_and_pure(tiny_exports):
     """Converting is deterministic and leaves the fp32 model untouched."""
-    enc = tiny_encoder("hf-bert")
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.5,))
+    inv, rk, dense, plans = tiny_exports["hf-bert"].prepared(sparsities=(0.5,))
     before = dense.SerializeToString()
     a, b = to_fp16(dense), to_fp16(dense)
     assert dense.SerializeToString() == before

@@ -9,8 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from _helpers import prepared
-from conftest import save_tiny, tiny_encoder
+from conftest import save_tiny
 
 from elastic_export.checks.verify import sample_inputs
 from elastic_export.cli.main import main
@@ -44,10 +43,10 @@ def test_parse_precisions():
     assert int8_name("budget_s030.onnx") == "budget_s030.int8.onnx"
 
 
-def test_int8_budget_file(tmp_path):
+def test_int8_budget_file(tmp_path, tiny_exports):
     """A tiny BERT budget's int8 file: smaller, quantized MatMuls, runs, cosine within the bound."""
-    enc = tiny_encoder("hf-bert")
-    _, _, dense, plans = prepared(enc, tmp_path, (0.5,))
+    enc = tiny_exports["hf-bert"].enc
+    _, _, dense, plans = tiny_exports["hf-bert"].prepared(sparsities=(0.5,))
     BudgetSlicer(dense).save(plans[0].heads_per_layer, plans[0].neurons_per_layer, tmp_path / "budget.onnx")
     feeds = {k: v.numpy() for k, v in enc.sample_inputs(batch=4, seed=3).items()}
     name, cos = add_int8(tmp_path, "budget.onnx", feeds)

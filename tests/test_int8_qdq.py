@@ -9,8 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from _helpers import prepared
-from conftest import save_tiny, tiny_encoder
+from conftest import save_tiny
 from onnx import numpy_helper
 
 from elastic_export.checks.verify import sample_inputs
@@ -54,11 +53,11 @@ def test_split_heldout_and_names():
     assert qdq_name("budget_s030.onnx") == "budget_s030.int8-qdq.onnx" and "int8-qdq" in PRECISIONS
 
 
-def test_qdq_budget_file(tmp_path):
+def test_qdq_budget_file(tmp_path, tiny_exports):
     """A tiny BERT budget's QDQ file: int8 per-channel weights, symmetric activations, Q/DQ only on
     MatMul inputs, runs on the CPU EP within the bound on held-out calibration samples."""
-    enc = tiny_encoder("hf-bert")
-    _, _, dense, plans = prepared(enc, tmp_path, (0.5,))
+    enc = tiny_exports["hf-bert"].enc
+    _, _, dense, plans = tiny_exports["hf-bert"].prepared(sparsities=(0.5,))
     BudgetSlicer(dense).save(plans[0].heads_per_layer, plans[0].neurons_per_layer, tmp_path / "budget.onnx")
     data = split_heldout(load_calibration(enc, None, size=16, batch_size=4).batches)
     name, cos = add_qdq(tmp_path, "budget.onnx", data)

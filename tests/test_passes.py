@@ -4,8 +4,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from _helpers import masked_torch, max_err, prepared, run_onnx
-from conftest import tiny_encoder
+from _helpers import masked_torch, max_err, run_onnx
 from onnx import helper, numpy_helper
 
 from elastic_export.core.errors import UserError
@@ -15,9 +14,9 @@ from elastic_export.passes.base import register_pass, verify, verify_graph
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    enc = tiny_encoder("hf-bert")
-    inv, rk, dense, plans = prepared(enc, tmp_path_factory.mktemp("passes"))
+def setup(tiny_exports):
+    enc = tiny_exports["hf-bert"].enc
+    inv, rk, dense, plans = tiny_exports["hf-bert"].prepared()
     plan = next(p for p in plans if 0 in p.heads_per_layer and 0 < max(p.heads_per_layer) < 4)
     return enc, rk, dense, plan
 

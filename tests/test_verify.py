@@ -20,8 +20,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _helpers import masked_torch, prepared, run_onnx
-from conftest import tiny_encoder
+from _helpers import masked_torch, run_onnx
 from onnx import helper, numpy_helper
 
 from elastic_export.checks.verify import masked_dense
@@ -314,11 +313,11 @@ def test_engines(art, capsys):
 
 # --- the reference itself ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["timm-vit", "timm-vit-glu-packed", "hf-roberta", "hf-dinov2-swiglu"])
-def test_masked_dense_is_the_hard_masked_model(name, tmp_path):
+def test_masked_dense_is_the_hard_masked_model(name, tiny_exports):
     """Zeroing the consumer weights beyond each layer's prefix == torch hard masks (fused qkv,
     packed GLU, RoBERTa, SwiGLU + layer scale), including layers left with 0 heads / 0 neurons."""
-    enc = tiny_encoder(name)
-    inv, rk, dense, plans = prepared(enc, tmp_path, sparsities=(0.0, 0.5, 0.9))
+    enc = tiny_exports[name].enc
+    inv, rk, dense, plans = tiny_exports[name].prepared(sparsities=(0.0, 0.5, 0.9))
     feeds = enc.sample_inputs(batch=2, seq_len=9)
     for plan in plans:
         got = run_onnx(masked_dense(dense, plan.heads_per_layer, plan.neurons_per_layer), feeds)
