@@ -58,7 +58,7 @@ def test_forced_external_data_matches_inline_files(model_class, precisions, tmp_
     monkeypatch.chdir(tmp_path)
     save_tiny(model_class, tmp_path / "model")
     common = ["--model", "model", "--budgets", "0.3,0.6", "--method", "magnitude", "--calib-size", "8",
-              "--precision", precisions, "--no-report"]
+              "--precision", precisions, "--no-report", "--no-quick-eval"]  # neither is read (a failed quick eval only warns)
     rc, _, err = _run(common + ["--out", "inline"], capsys)
     assert rc == 0, err[-2000:]
     rc, _, err = _run(common + ["--out", "ext", "--external-data", "--ranking", "inline/ranking.safetensors"], capsys)
@@ -97,7 +97,7 @@ def test_models_over_the_limit_go_external_automatically(tmp_path, capsys, monke
     monkeypatch.setattr(onnx_io, "INLINE_LIMIT", 1)
     save_tiny(BertModel, tmp_path / "model")
     rc, _, err = _run(["--model", "model", "--budgets", "0.5", "--method", "magnitude", "--calib-size", "8",
-                       "--precision", "fp32,fp16", "--no-report", "--out", "out"], capsys)
+                       "--precision", "fp32,fp16", "--no-report", "--no-quick-eval", "--out", "out"], capsys)
     assert rc == 0, err[-2000:]
     m = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert m["budgets"][0]["max_abs_error"] <= 1e-4 and m["elastic"]["max_abs_error"] <= 1e-4
