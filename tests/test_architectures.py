@@ -399,7 +399,7 @@ def test_tower_through_the_cli(tmp_path, capsys):
     assert rc == 2 and err.strip().splitlines()[-1].startswith("error:") and "--tower text" in err
     out_dir = tmp_path / "out"
     rc, out, err = cli("--model", str(path), "--tower", "vision", "--budgets", "0.5", "--method", "magnitude",
-                       "--out", str(out_dir), "--no-elastic-graph", "--no-report")
+                       "--out", str(out_dir), "--no-elastic-graph", "--no-report", "--no-quick-eval")
     assert rc == 0, err
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["model"]["tower"] == "vision" and manifest["model"]["architecture"] == "SiglipVisionModel"

@@ -69,7 +69,7 @@ def test_cli_precision_int8_and_verify(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     save_tiny(BertModel, tmp_path / "model")
     rc, out, err = _run(["--model", "model", "--budgets", "0.3,0.6", "--method", "magnitude", "--calib-size", "8",
-                         "--out", "out", "--no-report", "--precision", "fp32,int8"], capsys)
+                         "--out", "out", "--no-report", "--no-quick-eval", "--precision", "fp32,int8"], capsys)
     assert rc == 0, err[-2000:]
     m = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert m["precisions"] == ["fp32", "int8"]

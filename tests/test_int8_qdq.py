@@ -93,7 +93,7 @@ def qdq_out(tmp_path_factory):
     save_tiny(BertModel, root / "model")
     with pytest.raises(SystemExit) as e:
         main(["--model", str(root / "model"), "--budgets", "0.3,0.6", "--method", "magnitude", "--calib-size", "16",
-              "--out", str(root / "out"), "--no-report", "--precision", "fp32,int8-qdq"])
+              "--out", str(root / "out"), "--no-report", "--no-quick-eval", "--precision", "fp32,int8-qdq"])
     assert e.value.code == 0
     return root / "out"
 

@@ -204,7 +204,8 @@ def test_cli_main_job_and_verify(tmp_path, capsys):
     model, out = tmp_path / "model", tmp_path / "out"
     _save_sentence_transformer(tiny_encoder("hf-modernbert"), model)
     with pytest.raises(SystemExit) as done:
-        main(["--model", str(model), "--budgets", "0.3,0.6", "--method", "magnitude", "--out", str(out)])
+        main(["--model", str(model), "--budgets", "0.3,0.6", "--method", "magnitude", "--no-quick-eval", "--no-report",
+              "--out", str(out)])
     assert done.value.code == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert [o["name"] for o in manifest["outputs"]] == ["last_hidden_state", "sentence_embedding"]
