@@ -48,8 +48,8 @@ def _export(tmp_path_factory, budgets: tuple[float, ...], **options) -> Path:
 
 @pytest.fixture(scope="module")
 def art(tmp_path_factory) -> Path:
-    """A tiny BERT artifact directory: dense + 3 budgets + elastic.onnx."""
-    return _export(tmp_path_factory, BUDGETS)
+    """A tiny BERT artifact directory: dense + 3 budgets + elastic.onnx (no quick eval or report: not read here)."""
+    return _export(tmp_path_factory, BUDGETS, quick_eval=False, report=False)
 
 
 @pytest.fixture(scope="module")
@@ -420,7 +420,7 @@ def test_runtime_imports_and_runs_without_torch(art):
 @pytest.fixture(scope="module")
 def art16(tmp_path_factory) -> Path:
     """A tiny BERT directory exported with --precision fp16 (fp16 twins of every file)."""
-    return _export(tmp_path_factory, (0.3, 0.6), precision="fp16", report=False)
+    return _export(tmp_path_factory, (0.3, 0.6), precision="fp16", quick_eval=False, report=False)
 
 
 @pytest.mark.parametrize("mode", ["per-budget", "elastic"])
