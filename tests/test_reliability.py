@@ -88,7 +88,7 @@ def art(tmp_path_factory, bert_dir) -> Path:
 
     out = tmp_path_factory.mktemp("rel-art") / "out"
     pipeline.run(pipeline.Options(model=str(bert_dir), budgets=BUDGETS, out=str(out), seq_len=16, method="magnitude",
-                                  verify=False, report=False), echo=lambda s: None)
+                                  verify=False, report=False, quick_eval=False), echo=lambda s: None)
     return out
 
 

@@ -366,7 +366,8 @@ def test_runtime_shares_a_large_vocabulary(tmp_path_factory, feeds):
                          intermediate_size=128, max_position_embeddings=64)).save_pretrained(root / "bert")
     out = root / "out"
     pipeline.run(pipeline.Options(model=str(root / "bert"), budgets=(0.5,), out=str(out), seq_len=16,
-                                  method="magnitude", verify=False, elastic_graph=False), echo=lambda s: None)
+                                  method="magnitude", verify=False, elastic_graph=False, quick_eval=False,
+                                  report=False), echo=lambda s: None)
     shared = ElasticRuntime.from_dir(out, config=SessionConfig(threads=1))
     plain = ElasticRuntime.from_dir(out, config=SessionConfig(threads=1, share_weights=False))
     names = shared.shared_weights()
