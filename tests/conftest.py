@@ -13,15 +13,6 @@ import torch  # noqa: E402
 
 from elastic_export.models.loader import load_encoder, wrap_module  # noqa: E402
 
-# One torch intra-op thread in the test process. Its models are tiny (at most MiniLM), and with few
-# cores the intra-op pool stalls whenever another process holds a core (a subprocess, a server, anything
-# else on the machine): on this 2-core machine under load a tiny model's forward pass took 2-3 ms on one
-# thread and 5-300 ms on two (test_cli.py with test_cli_families' base cases: 44-53 s against 67-98 s);
-# on a quiet machine one thread is as fast or slightly faster (test_cli_families + test_elastic_graph
-# 79-82 s against 82-84 s). Results do not depend on it: every comparison has a tolerance, the
-# byte-for-byte ranking checks set one thread themselves, and subprocesses keep their own default.
-torch.set_num_threads(1)
-
 
 def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Random biases, norms and layer scales, so that no parameter is trivially 0 or 1."""
