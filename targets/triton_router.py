@@ -980,15 +980,9 @@ class _BudgetFailure(Exception):
 
 def _texts(tensor: Any) -> List[str]:
     """The ``text`` input's strings; :class:`BudgetError` for bytes that are not UTF-8."""
-    out = []
-    for i, v in enumerate(tensor.as_numpy().reshape(-1)):
-        if isinstance(v, bytes):
-            try:
-                v = v.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise BudgetError(f"text {i} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        out.append(str(v))
-    return out
+    from elastic_export.models.text import decode_utf8  # the text input's module (loaded with its tokenizer)
+
+    return decode_utf8(tensor.as_numpy().reshape(-1), BudgetError)
 
 
 async def _exec_all(calls: List[Any]) -> List[Any]:

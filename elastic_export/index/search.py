@@ -107,17 +107,12 @@ def decode_texts(values: Sequence[Any]) -> list[str]:
     Raises:
         SearchError: bytes that are not UTF-8, or an empty query.
     """
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, bytes):
-            try:
-                v = v.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise SearchError(f"text {i} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        v = str(v)
-        if not v.strip():
-            raise SearchError(f"text {i} is empty")
-        out.append(v)
+    from elastic_export.models.text import decode_utf8
+
+    out = decode_utf8(values, SearchError)
+    empty = next((i for i, v in enumerate(out) if not v.strip()), None)
+    if empty is not None:
+        raise SearchError(f"text {empty} is empty")
     return out
 
 

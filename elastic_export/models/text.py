@@ -184,6 +184,23 @@ def tokenizer_folder(manifest, directory: Path) -> Path | None:
     return folder if folder is not None and (folder / "tokenizer.json").is_file() else None
 
 
+def decode_utf8(values, error: type[Exception] = UserError) -> list[str]:
+    """A text input's rows as strings (UTF-8 bytes decoded, strings kept).
+
+    Raises:
+        error: bytes that are not UTF-8 (one line naming the row and the byte).
+    """
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"text {i} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        out.append(str(v))
+    return out
+
+
 def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Mean of the token vectors under the attention mask (sentence-transformers' mean pooling)."""
     m = mask.astype(hidden.dtype)[..., None]
