@@ -14,8 +14,11 @@ A run that fails answers its requests with onnxruntime's message; when every run
 (``nv_inference_request_failure``; an error response counts as a success).
 
 Parameters of its ``config.pbtxt``: ``intra_op_threads`` (0: onnxruntime's default), ``allow_spinning``
-(``"0"``: idle onnxruntime threads sleep, see :func:`session_options`) and ``warmup_tokens`` (the free
-dims of the warm-up runs at load: the manifest's nominal tokens).
+(``"0"``: idle onnxruntime threads sleep, see :func:`session_options`), ``warmup_tokens`` (the free
+dims of the warm-up runs at load: the manifest's nominal tokens) and ``nice`` (the stub process's
+niceness increment: its compute yields the cores to the server, the router and the clients whenever they
+need them, so that admission, refusals and health answers stay fast while the cores are saturated; it
+takes nothing from the compute while they are idle).
 """
 
 import json
@@ -33,6 +36,7 @@ except ImportError:  # outside a Triton server: the module imports, the model ne
 THREADS_PARAMETER = "intra_op_threads"
 WARMUP_PARAMETER = "warmup_tokens"
 SPIN_PARAMETER = "allow_spinning"
+NICE_PARAMETER = "nice"
 MODEL_FILE = "model.onnx"
 
 
@@ -124,6 +128,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: (v or {}).get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
         path = os.path.join(args["model_repository"], str(args["model_version"]), MODEL_FILE)
+        if int(params.get(NICE_PARAMETER) or 0) > 0:
+            os.nice(int(params[NICE_PARAMETER]))  # this stub process only (its onnxruntime threads included)
         self.session = open_session(path, params)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]

@@ -138,6 +138,10 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, repo, tm
         (t.name, t.data_type, list(t.dims)) for t in onnx_flavor.output]
     assert cfg.HasField("dynamic_batching") and cfg.parameters["intra_op_threads"].string_value == "1"
     assert cfg.parameters["allow_spinning"].string_value == "0"  # see test_python_budget_model_session_options
+    assert cfg.parameters["nice"].string_value == str(TR.BUDGET_NICE)  # its compute yields to the request path
+    assert not cfg.dynamic_batching.HasField("default_queue_policy")  # Triton 2.51's python backend: see queue_policy
+    policy = onnx_flavor.dynamic_batching.default_queue_policy  # other backends: bounded, late work rejected
+    assert policy.max_queue_size == TR.QUEUE_BATCHES * 16 and policy.timeout_action == policy.REJECT
     files = sorted(p.name for p in (d / "triton" / "elastic_s050" / "1").iterdir())
     assert files == ["model.onnx", "model.py"]
     assert (d / "triton" / "elastic_s050" / "1" / "model.py").read_text() == TR._package_source(TR.ORT_MODEL_FILE)
