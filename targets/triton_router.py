@@ -350,12 +350,16 @@ class SloRouting:
         self.last = self.policy.decide(now)
         return self.last
 
-    def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0) -> float:
+    def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
+              elsewhere: Optional[Dict[float, int]] = None) -> float:
         """The request's predicted latency (ms) at ``budget``, or :class:`Overload` when it misses the SLO
-        behind ``ahead`` rows in flight there, by the model or by what they already waited (``waited_ms``: the
-        oldest of them, measured; its own service comes on top). A request with nothing ahead always runs."""
-        ok, ms = self.policy.admit((budget, self.precision), rows, ahead)
-        if ahead > 0 and (not ok or waited_ms + self.policy.request_ms((budget, self.precision), rows, 0) > self.policy.slo_ms):
+        behind ``ahead`` rows in flight there and ``elsewhere`` (rows in flight per other budget: they share
+        the cores), by the model or by what they already waited (``waited_ms``: the oldest of them, measured;
+        its own service comes on top). A request with nothing in flight ahead of it always runs."""
+        pair = (budget, self.precision)
+        others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
+        ok, ms = self.policy.admit(pair, rows, ahead, others)
+        if (ahead > 0 or others) and (not ok or waited_ms + self.policy.request_ms(pair, rows, 0) > self.policy.slo_ms):
             raise Overload(f"overloaded: predicted {max(ms, waited_ms):.0f} ms at sparsity {budget:g} exceeds the SLO "
                            f"of {self.policy.slo_ms:g} ms; retry later", "overload")
         return ms
@@ -458,7 +462,8 @@ class RouterMetrics:
     and ``elastic_router_switches_total``. Gauges, from :meth:`TritonPythonModel.snapshot`:
     ``elastic_router_served_sparsity``, ``elastic_router_arrival_rate``, ``elastic_router_in_flight``,
     ``elastic_router_predicted_latency_ms`` and ``elastic_router_measured_latency_ms`` (the SLO quantile),
-    ``elastic_router_slo_ms``, ``elastic_router_budget_up{sparsity}``.
+    ``elastic_router_slo_ms``, ``elastic_router_latency_correction`` (measured over modelled latency at the
+    served budget: what the latency model leaves out), ``elastic_router_budget_up{sparsity}``.
 
     Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them every
     :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread of the server that
@@ -470,7 +475,8 @@ class RouterMetrics:
     OUTCOMES = ("served", "refused", "failed")
     REASONS = ("bad_request", "overload", "queue_full", "unavailable")
     PATHS = ("inline", "forwarded")
-    GAUGES = ("served_sparsity", "arrival_rate", "in_flight", "predicted_latency_ms", "measured_latency_ms", "slo_ms")
+    GAUGES = ("served_sparsity", "arrival_rate", "in_flight", "predicted_latency_ms", "measured_latency_ms", "slo_ms",
+              "latency_correction")
     FLUSH_S = 0.5
 
     def __init__(self, router: str, sparsities: Sequence[float], snapshot=lambda: {}):
@@ -674,7 +680,8 @@ class TritonPythonModel:
             if self.routing is not None:
                 policy, last = self.routing.policy, self.routing.last
                 snap.update(served_sparsity=policy.current[0], slo_ms=policy.slo_ms,
-                            measured_latency_ms=policy.correction.measured())
+                            measured_latency_ms=policy.correction.measured(),
+                            latency_correction=policy.factor(policy.current))
                 if last is not None:
                     snap.update(arrival_rate=policy.rate.rate(), predicted_latency_ms=last.predicted_ms)
         return snap
@@ -734,7 +741,7 @@ class TritonPythonModel:
         for budget in [job.budget] + (faster if job.routed else []):
             try:
                 self.routing.admit(budget, job.batch, self.monitor.rows_at.get(budget, 0),
-                                   self.monitor.oldest_ms(budget, now))
+                                   self.monitor.oldest_ms(budget, now), self.monitor.rows_at)
             except Overload:
                 if budget == (faster[-1] if job.routed and faster else job.budget):
                     raise

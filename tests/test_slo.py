@@ -197,6 +197,18 @@ def test_admission_bounds_the_wait_behind_rows_in_flight():
     assert not ok and ms == pytest.approx(330.0)
 
 
+def test_admission_counts_the_rows_in_flight_at_other_pairs_which_share_the_cores():
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense = (0.0, "fp32")
+    elsewhere = {(0.6, "fp32"): 8, (0.3, "fp32"): 8, dense: 50}  # its own pair's entry is rows_ahead's, not counted twice
+    ok, ms = policy.admit(dense, 1, 0, elsewhere)
+    assert ok and ms == pytest.approx(26.0 + 124 * 0.52 + 124 * 0.76)
+    ok, ms = policy.admit(dense, 1, 8, elsewhere)  # + 2 x 12 + 8 x 14 ahead at its own pair
+    assert not ok and ms == pytest.approx(136.0 + 26.0 + 124 * 0.52 + 124 * 0.76)
+    assert policy.admit(dense, 1, 8)[0]  # the same wait without the other pairs' work fits
+
+
 def test_oracle_is_the_densest_pair_whose_capacity_covers_the_rate_with_headroom():
     pairs = [(s, "fp32") for s in (0.0, 0.3, 0.6)]
     caps = {pairs[0]: 68.0, pairs[1]: 80.0, pairs[2]: 118.0}

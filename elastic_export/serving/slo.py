@@ -23,8 +23,8 @@ Everything here is plain Python with an injected clock (the Triton router only c
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
   it goes denser as soon as one does. :meth:`SloPolicy.admit`: a request whose own predicted latency
-  (the rows in flight ahead of it at its pair drained first) exceeds the SLO is refused rather than
-  queued.
+  (the rows in flight ahead of it at its pair drained first, and those at the other pairs, which share
+  the cores) exceeds the SLO is refused rather than queued.
 """
 
 from __future__ import annotations
@@ -310,17 +310,22 @@ class SloPolicy:
             self.current, self.switches, self.switched_at = chosen, self.switches + 1, now
         return Decision(chosen, predicted, meets, rate)
 
-    def request_ms(self, pair: Pair, rows: int, rows_ahead: int) -> float:
-        """A request's own predicted latency (ms): ``rows_ahead`` rows in flight at ``pair`` first
-        (the batch running and the one queued behind it), then its own batch."""
+    def request_ms(self, pair: Pair, rows: int, rows_ahead: int,
+                   elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
+        """A request's own predicted latency (ms): ``rows_ahead`` rows in flight at ``pair`` first (the
+        batch running and the one queued behind it), the rows in flight at other pairs (``elsewhere``:
+        the pairs share the machine's cores, so their work delays this one's), then its own batch."""
         f = self.service.affine(pair)
         ahead = 2 * f.a + f.c * rows_ahead if rows_ahead > 0 else 0.0
-        return self.factor(pair) * (ahead + f.ms(rows))
+        shared = sum(self.service.ms(p, n) for p, n in (elsewhere or {}).items()
+                     if n > 0 and p != pair and p in self.service.fits)
+        return self.factor(pair) * (ahead + shared + f.ms(rows))
 
-    def admit(self, pair: Pair, rows: int, rows_ahead: int) -> Tuple[bool, float]:
-        """Whether to run a request of ``rows`` at ``pair`` with ``rows_ahead`` in flight there (its
-        prediction within the SLO), and the prediction."""
-        ms = self.request_ms(pair, rows, rows_ahead)
+    def admit(self, pair: Pair, rows: int, rows_ahead: int,
+              elsewhere: Optional[Mapping[Pair, int]] = None) -> Tuple[bool, float]:
+        """Whether to run a request of ``rows`` at ``pair`` with ``rows_ahead`` in flight there and
+        ``elsewhere`` at other pairs (its prediction within the SLO), and the prediction."""
+        ms = self.request_ms(pair, rows, rows_ahead, elsewhere)
         return ms <= self.slo_ms, ms
 
     def correction_prediction(self, pair: Pair, rate: float) -> float:
