@@ -153,9 +153,10 @@ BUDGET_NICE = 5  # a python budget model's compute yields the cores to the reque
 
 def _session_parameters(ort_threads: int, warmup_tokens: int) -> dict[str, str]:
     """The onnxruntime session parameters (:func:`elastic_export.targets.triton_onnx_model.open_session`)
-    of a python budget model and of the router's inline sessions: threads, no spinning, warm-up length."""
+    of a python budget model and of the router's inline sessions: threads, no spinning, warm-up length, and
+    the niceness of their compute (:data:`BUDGET_NICE`)."""
     return {ort_model.THREADS_PARAMETER: str(ort_threads), ort_model.WARMUP_PARAMETER: str(warmup_tokens),
-            ort_model.SPIN_PARAMETER: "0"}
+            ort_model.SPIN_PARAMETER: "0", ort_model.NICE_PARAMETER: str(BUDGET_NICE)}
 
 
 def queue_policy(max_batch: int, slo_ms: float | None) -> str:
@@ -194,7 +195,6 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
     params = {"sparsity": repr(model.sparsity)}
     if model.platform == "python":
         params.update(_session_parameters(ort_threads, warmup_tokens))
-        params[ort_model.NICE_PARAMETER] = str(BUDGET_NICE)
     return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n"
@@ -236,7 +236,7 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
     outputs: the model's plus ``served_sparsity`` (FP64 ``[-1, 1]``) and ``served_precision`` (BYTES).
     Its ``parameters`` carry the budget table (``budget_models``: JSON ``[[sparsity, model name], ...]``),
     ``default_sparsity``, ``policy``, ``slo_ms``, ``precision`` and, with ``settings.inline``, ``inline``
-    (with the inline sessions' ``intra_op_threads``, ``allow_spinning`` and ``warmup_tokens``): editing
+    (with the inline sessions' ``intra_op_threads``, ``allow_spinning``, ``warmup_tokens`` and ``nice``): editing
     them changes the routing without touching ``model.py``."""
     table = json.dumps([[m.sparsity, m.name] for m in models])
     own_in = [_tensor(SPARSITY_INPUT, "TYPE_FP32", [-1, 1], optional=True)]

@@ -37,9 +37,13 @@ The router does not batch (``max_batch_size: 0``); the budget models' dynamic ba
 
 Inline runs (``inline: "1"``, written for Python budget models, whose Python has onnxruntime): the
 router opens a session on each budget model's own ``1/model.onnx`` at load and runs a request there
-when nothing else is in flight (one budget for every row), instead of the BLS round trip through the
-server process (about 1 ms on a 2-CPU machine, more than the router's own work); with other requests
-in flight it forwards, so that the budget models' dynamic batchers still batch under load.
+when nothing else is in flight (one budget for every row) and (adaptive policy) the estimated load is
+light, instead of the BLS round trip through the server process (about 1 ms on a 2-CPU machine, more
+than the router's own work); with other requests in flight, or a load at which the next one likely
+arrives during the run, it forwards, so that the budget models' dynamic batchers batch under load. The
+sessions open and run on one thread of their own at the budget models' niceness (``nice``), so the
+router's compute yields to the request path as theirs does (at a higher priority than the budget models,
+a run started while idle would take the cores from the batches forwarded as the load rises).
 """
 
 import asyncio
@@ -73,6 +77,7 @@ SLO_PARAMETER = "slo_ms"
 PRECISION_PARAMETER = "precision"
 READY_TIMEOUT_PARAMETER = "ready_timeout_s"
 CONCURRENCY_PARAMETER = "max_concurrency"
+INLINE_MAX_LOAD = 0.25  # adaptive policy: inline runs only while the estimated load is below this (SloRouting.light)
 INLINE_PARAMETER = "inline"  # "1": the router runs a request itself when it has nothing else in flight
 QUANTILE_PARAMETER = "slo_quantile"
 MAX_SPARSITY_PARAMETER = "max_sparsity"
@@ -352,22 +357,26 @@ class SloRouting:
 
     def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
               elsewhere: Optional[Dict[float, int]] = None) -> float:
-        """The request's predicted latency (ms) at ``budget``, or :class:`Overload` when it misses the SLO
-        behind ``ahead`` rows in flight there and ``elsewhere`` (rows in flight per other budget: they share
-        the cores), by the model or by what they already waited (``waited_ms``: the oldest of them, measured;
-        its own service comes on top). A request with nothing in flight ahead of it always runs."""
+        """The request's uncorrected predicted latency (ms) at ``budget`` (what
+        :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes back), or :class:`Overload` when it
+        misses the SLO behind ``ahead`` rows in flight there and ``elsewhere`` (rows in flight per other
+        budget: they share the cores), by the model or by what they already waited (``waited_ms``: the oldest
+        of them, measured; its own service comes on top). A request with nothing in flight ahead of it always
+        runs."""
         pair = (budget, self.precision)
         others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
-        ok, ms = self.policy.admit(pair, rows, ahead, others)
+        ok, ms, raw = self.policy.admit(pair, rows, ahead, others)
         if (ahead > 0 or others) and (not ok or waited_ms + self.policy.request_ms(pair, rows, 0) > self.policy.slo_ms):
             raise Overload(f"overloaded: predicted {max(ms, waited_ms):.0f} ms at sparsity {budget:g} exceeds the SLO "
                            f"of {self.policy.slo_ms:g} ms; retry later", "overload")
-        return ms
+        return raw
 
-    def raw_prediction(self, budget: float) -> float:
-        """The uncorrected prediction an answer at ``budget`` is compared with, at the current rate (ms)."""
+    def light(self, budget: float) -> bool:
+        """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
+        service time below :data:`INLINE_MAX_LOAD`. Above it the next request likely arrives during the
+        run, and forwarded it would compete for the cores with it instead of batching behind it."""
         rate = self.last.rate if self.last is not None else 0.0
-        return self.policy.correction_prediction((budget, self.precision), rate)
+        return rate * self.policy.service.ms((budget, self.precision), 1) / 1e3 < INLINE_MAX_LOAD
 
     def set_down(self, down: Sequence[float]) -> None:
         self.policy.unavailable = {(s, self.precision) for s in down}
@@ -462,8 +471,9 @@ class RouterMetrics:
     and ``elastic_router_switches_total``. Gauges, from :meth:`TritonPythonModel.snapshot`:
     ``elastic_router_served_sparsity``, ``elastic_router_arrival_rate``, ``elastic_router_in_flight``,
     ``elastic_router_predicted_latency_ms`` and ``elastic_router_measured_latency_ms`` (the SLO quantile),
-    ``elastic_router_slo_ms``, ``elastic_router_latency_correction`` (measured over modelled latency at the
-    served budget: what the latency model leaves out), ``elastic_router_budget_up{sparsity}``.
+    ``elastic_router_slo_ms``, ``elastic_router_latency_correction`` (the scale on the modelled service times
+    of the served budget that matches the measured latency: what the latency model leaves out),
+    ``elastic_router_budget_up{sparsity}``.
 
     Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them every
     :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread of the server that
@@ -620,16 +630,18 @@ class _Job:
     """A request ``execute`` accepted: its model-input tensors (None for text), its texts, batch size, the
     served sparsity of every row (named by the request, else picked by the policy: ``routed``), the outputs
     it asks for, when it arrived, the one budget that serves it (``budget``; None: several), whether the
-    router runs it itself (``inline``), its uncorrected predicted latency quantile (``predicted``)."""
+    router runs it itself (``inline``), the arrival rate the policy estimated when it was admitted (``rate``)
+    and its admission's uncorrected predicted latency (``admit_raw``)."""
 
     __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "arrived", "routed", "budget",
-                 "inline", "predicted", "counted", "ticket")
+                 "inline", "rate", "admit_raw", "counted", "ticket")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Optional[List[str]], batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
         self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
         self.served, self.wanted = served, wanted
-        self.arrived, self.routed, self.budget, self.inline, self.predicted = 0.0, False, None, False, None
+        self.arrived, self.routed, self.budget, self.inline, self.rate = 0.0, False, None, False, None
+        self.admit_raw: Optional[float] = None  # the admission's uncorrected prediction (ms)
         self.counted, self.ticket = None, 0  # the budget the monitor counted it at (None: several or not yet)
 
 
@@ -656,8 +668,15 @@ class TritonPythonModel:
             from elastic_export.models.text import TextEncoder
 
             self.tokenizer = TextEncoder.from_dir(os.path.join(here, TOKENIZER_DIR), config.inputs)
-        self.sessions = (inline_sessions(config, os.path.dirname(args.get("model_repository", "")))
-                         if config.inline else None)
+        self.sessions, self._inline = None, None
+        if config.inline:  # sessions and runs on one thread at the budget models' niceness (its ORT threads too)
+            from elastic_export.targets.triton_onnx_model import NICE_PARAMETER, nice_this_thread
+
+            self._inline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-inline",
+                                              initializer=nice_this_thread,
+                                              initargs=(int(config.parameters.get(NICE_PARAMETER) or 0),))
+            self.sessions = self._inline.submit(inline_sessions, config,
+                                                os.path.dirname(args.get("model_repository", ""))).result()
         self.monitor, self.health = LoadMonitor(), BudgetHealth(config.sparsities)
         points = (service_points(config, self.sessions, os.path.join(here, PROFILE_FILE), config.tokens)
                   if config.policy == "adaptive" else None)
@@ -680,7 +699,7 @@ class TritonPythonModel:
             if self.routing is not None:
                 policy, last = self.routing.policy, self.routing.last
                 snap.update(served_sparsity=policy.current[0], slo_ms=policy.slo_ms,
-                            measured_latency_ms=policy.correction.measured(),
+                            measured_latency_ms=policy.measured(),
                             latency_correction=policy.factor(policy.current))
                 if last is not None:
                     snap.update(arrival_rate=policy.rate.rate(), predicted_latency_ms=last.predicted_ms)
@@ -728,7 +747,8 @@ class TritonPythonModel:
                                "queue_full")
             if self.routing is not None and job.budget is not None:
                 self._admit(job)
-            job.inline = self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
+            job.inline = (self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
+                          and (self.routing is None or self.routing.light(job.budget)))
             self.monitor.arrive(job.budget, job.batch)
             job.arrived, job.counted, job.ticket = self.monitor.last_arrival, job.budget, self.monitor.last_ticket
 
@@ -740,14 +760,14 @@ class TritonPythonModel:
                   and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
         for budget in [job.budget] + (faster if job.routed else []):
             try:
-                self.routing.admit(budget, job.batch, self.monitor.rows_at.get(budget, 0),
-                                   self.monitor.oldest_ms(budget, now), self.monitor.rows_at)
+                job.admit_raw = self.routing.admit(budget, job.batch, self.monitor.rows_at.get(budget, 0),
+                                                   self.monitor.oldest_ms(budget, now), self.monitor.rows_at)
             except Overload:
                 if budget == (faster[-1] if job.routed and faster else job.budget):
                     raise
                 continue
             job.served, job.budget = [budget] * job.batch, budget
-            job.predicted = self.routing.raw_prediction(budget)
+            job.rate = self.routing.last.rate if self.routing.last is not None else 0.0
             return
 
     def _accept(self, request: Any) -> _Job:
@@ -809,8 +829,10 @@ class TritonPythonModel:
         ms = (time.monotonic() - job.arrived) * 1e3
         with self._lock:
             self.monitor.leave(job.counted, job.batch, job.ticket)
-            if outcome == "served" and self.routing is not None and job.predicted is not None:
-                self.routing.policy.answered(ms, job.predicted, (job.budget, self.config.precision))
+            if outcome == "served" and self.routing is not None and job.rate is not None:
+                self.routing.policy.answered(ms, job.rate, (job.budget, self.config.precision))
+            if outcome == "served" and self.routing is not None and job.admit_raw is not None:
+                self.routing.policy.admitted(ms, job.admit_raw)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if self.metrics is not None:
             self.metrics.count(outcome, detail)
@@ -821,7 +843,8 @@ class TritonPythonModel:
         names = [n for n in self.config.outputs if not wanted or n in wanted]
         if job.inline:  # nothing else in flight: run it here, no round trip to the budget model
             arrays = feeds if feeds is not None else {t.name(): t.as_numpy() for t in job.tensors}
-            outputs = [pb_utils.Tensor(n, a) for n, a in zip(names, self.sessions[job.budget].run(names, arrays))]
+            arrays = self._inline.submit(self.sessions[job.budget].run, names, arrays).result()
+            outputs = [pb_utils.Tensor(n, a) for n, a in zip(names, arrays)]
         else:
             outputs = self._forward_with_failover(job, feeds, names)
         if not wanted or SERVED_OUTPUT in wanted:
@@ -973,6 +996,8 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._closed.set()
         self._pool.shutdown(wait=True, cancel_futures=False)
+        if self._inline is not None:
+            self._inline.shutdown(wait=True)
         if self.metrics is not None:
             self.metrics.close()
 

@@ -134,44 +134,52 @@ def test_hysteresis_in_slack_keeps_a_load_at_the_boundary_from_flapping():
     assert switches["with"] <= 0.35 * switches["without"], switches
 
 
-def test_the_measured_latency_corrects_every_prediction():
+def _answers_at_scale(policy: slo.SloPolicy, now: list, pair, scale: float, rate: float, n: int, dt: float = 0.02):
+    """``n`` answers at ``pair`` measuring what the model predicts with every service time ``scale`` x."""
+    f = policy.service.affine(pair)
+    ms = slo.predict_quantile_ms(slo.Affine(f.a * scale, f.c * scale), rate, slo.CORRECTION_QUANTILE)
+    for _ in range(n):
+        now[0] += dt
+        policy.answered(ms, rate, pair)
+
+
+def test_the_measured_latency_scales_the_service_times_and_moves_the_saturation_point():
     now = [0.0]
     policy = _policy(lambda: now[0])
-    raw = policy.correction_prediction((0.0, "fp32"), 40.0)
-    assert raw < policy.predict((0.0, "fp32"), 40.0)  # the p90 it is compared at, below the SLO's p99
-    for _ in range(50):
-        policy.answered(2.0 * raw, raw)  # the server measures twice what the model predicts
-    assert policy.correction.factor == pytest.approx(2.0)
-    for _ in range(50):  # dense's own answers: as predicted; its own correction takes over for it alone
-        policy.answered(raw, raw, (0.0, "fp32"))
-    assert policy.factor((0.0, "fp32")) == pytest.approx(1.0) and policy.factor((0.3, "fp32")) > 1.2
-    for _ in range(50):
-        policy.answered(2.0 * raw, raw, (0.0, "fp32"))
-    assert policy.predict((0.3, "fp32"), 40.0) == pytest.approx(
-        2.0 * slo.predict_quantile_ms(policy.service.affine((0.3, "fp32")), 40.0))
+    dense, sparse = (0.0, "fp32"), (0.3, "fp32")
+    bare = policy.predict(dense, 20.0)
+    _answers_at_scale(policy, now, dense, 2.0, 20.0, 50)  # the server serves dense at half the model's speed
+    assert policy.factor(dense) == pytest.approx(2.0, rel=1e-3)
+    f = policy.service.affine(dense)
+    assert policy.predict(dense, 20.0) == pytest.approx(
+        slo.predict_quantile_ms(slo.Affine(2 * f.a, 2 * f.c), 20.0, policy.quantile), rel=1e-3)
+    assert policy.predict(dense, 20.0) > 2 * bare  # more than twice: the queue grows faster than the service
+    assert policy.factor(sparse) == pytest.approx(2.0, rel=1e-3)  # no answers of its own: the served pair's
+    # 40 rows/s: the bare model has dense at 56 % of its capacity (71 rows/s), the scaled one past it
+    assert math.isfinite(slo.predict_quantile_ms(f, 40.0)) and policy.predict(dense, 40.0) == math.inf
     policy.rate.rate = lambda now=None: 40.0
-    assert policy.decide(0.0).pair[0] > 0.0  # dense no longer meets it at 2x
+    assert policy.decide(now[0]).pair[0] > 0.0  # dense cannot carry 40 rows/s at 2x
+    _answers_at_scale(policy, now, dense, 1.0, 20.0, 200)  # as modelled again
+    assert policy.factor(dense) == pytest.approx(1.0, rel=1e-3)
 
 
-def test_a_budget_not_served_since_a_spike_forgets_its_spike_correction():
-    """Dense's own answers during a spike measured 3x the prediction; afterwards only 0.3 is served, as
-    predicted. Once dense's answers are older than the horizon its own correction no longer counts: the
-    low load goes back to dense (a stale window would keep it away for good)."""
+def test_a_budget_not_served_since_a_spike_forgets_its_spike_scale():
+    """Dense's answers during a spike measured what the model gives at 3x its service times; afterwards
+    only 0.3 is served, as modelled. Once dense has no answer for 2 s its own scale no longer counts (the
+    served pair's does): the low load goes back to dense (a stale window would keep it away)."""
     now = [0.0]
     policy = _policy(lambda: now[0], dwell_s=0.0)
     dense, sparse = (0.0, "fp32"), (0.3, "fp32")
-    raw = policy.correction_prediction(dense, 20.0)
-    for _ in range(50):
-        now[0] += 0.02
-        policy.answered(3.0 * raw, raw, dense)
-    assert policy.factor(dense) == pytest.approx(3.0)
+    _answers_at_scale(policy, now, dense, 3.0, 20.0, 50)
+    assert policy.factor(dense) == pytest.approx(3.0, rel=1e-3)
     policy.rate.rate = lambda now=None: 20.0
     assert policy.decide(now[0]).pair != dense  # 3x: dense misses it at 20 rows/s
-    for _ in range(600):  # 12 s of answers at 0.3, as predicted
-        now[0] += 0.02
-        policy.answered(raw, raw, sparse)
-    assert not policy.corrections[dense].ready() and policy.factor(dense) == pytest.approx(1.0)
-    assert policy.decide(now[0]).pair == dense
+    assert policy.current != dense
+    _answers_at_scale(policy, now, sparse, 1.0, 20.0, 60)  # 1.2 s at 0.3, as modelled: dense's own still fresh
+    assert policy.factor(dense) == pytest.approx(3.0, rel=1e-3)
+    _answers_at_scale(policy, now, sparse, 1.0, 20.0, 50)  # 1 s more: dense's own is stale
+    assert not policy.scales[dense].ready() and policy.factor(dense) == pytest.approx(1.0, rel=1e-3)
+    assert policy.decide(now[0]).pair == dense  # back to dense 2 s after its last answer
 
 
 def test_quality_floor_and_unavailable_pairs():
@@ -191,9 +199,9 @@ def test_quality_floor_and_unavailable_pairs():
 def test_admission_bounds_the_wait_behind_rows_in_flight():
     now = [0.0]
     policy = _policy(lambda: now[0])
-    ok, ms = policy.admit((0.0, "fp32"), 1, 0)
+    ok, ms, _ = policy.admit((0.0, "fp32"), 1, 0)
     assert ok and ms == pytest.approx(26.0)
-    ok, ms = policy.admit((0.0, "fp32"), 1, 20)  # 2 x 12 + 20 x 14 + 26
+    ok, ms, _ = policy.admit((0.0, "fp32"), 1, 20)  # 2 x 12 + 20 x 14 + 26
     assert not ok and ms == pytest.approx(330.0)
 
 
@@ -202,11 +210,43 @@ def test_admission_counts_the_rows_in_flight_at_other_pairs_which_share_the_core
     policy = _policy(lambda: now[0])
     dense = (0.0, "fp32")
     elsewhere = {(0.6, "fp32"): 8, (0.3, "fp32"): 8, dense: 50}  # its own pair's entry is rows_ahead's, not counted twice
-    ok, ms = policy.admit(dense, 1, 0, elsewhere)
+    ok, ms, _ = policy.admit(dense, 1, 0, elsewhere)
     assert ok and ms == pytest.approx(26.0 + 124 * 0.52 + 124 * 0.76)
-    ok, ms = policy.admit(dense, 1, 8, elsewhere)  # + 2 x 12 + 8 x 14 ahead at its own pair
+    ok, ms, _ = policy.admit(dense, 1, 8, elsewhere)  # + 2 x 12 + 8 x 14 ahead at its own pair
     assert not ok and ms == pytest.approx(136.0 + 26.0 + 124 * 0.52 + 124 * 0.76)
     assert policy.admit(dense, 1, 8)[0]  # the same wait without the other pairs' work fits
+
+
+def test_admission_correction_fits_fixed_costs_and_slow_downs_from_what_admitted_requests_measured():
+    now = [0.0]
+    corr = slo.AdmissionCorrection(min_samples=30, clock=lambda: now[0])
+    rng = np.random.default_rng(0)
+    for i in range(29):
+        corr.add(15.0 + 1.5 * (10 + i), 10 + i)
+    assert corr.ms(100.0) == 100.0  # the identity until min_samples answers are in
+    for i in range(200):
+        now[0] += 0.01
+        raw = float(rng.uniform(10, 120))
+        corr.add(15.0 + 1.5 * raw + float(rng.uniform(0, 10)), raw)  # fixed 15 ms, 1.5x the work, noise 0-10 ms
+    assert corr.k == pytest.approx(1.5, abs=0.05)
+    assert corr.ms(100.0) == pytest.approx(15.0 + 150.0 + 9.0, abs=3.0)  # the p90 of the noise on top
+    assert corr.ms(10.0) == pytest.approx(15.0 + 15.0 + 9.0, abs=3.0)  # a fixed cost, not a factor: small ones stay small
+    now[0] += 11.0  # past the horizon: a fresh start forgets the old fit
+    corr.add(30.0, 10.0)
+    assert corr.ms(100.0) == 100.0
+
+
+def test_admission_uses_what_admitted_requests_measured():
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense = (0.0, "fp32")
+    assert policy.admit(dense, 1, 8)[0]  # 2 x 12 + 8 x 14 + 26 = 162 ms modelled
+    for i in range(60):  # every admitted request took twice its modelled latency, plus 20 ms
+        now[0] += 0.05
+        raw = 26.0 + 14.0 * (i % 10)
+        policy.admitted(20.0 + 2.0 * raw, raw)
+    ok, ms, raw = policy.admit(dense, 1, 8)
+    assert raw == pytest.approx(162.0) and ms == pytest.approx(20.0 + 2 * 162.0, abs=1.0) and not ok
 
 
 def test_oracle_is_the_densest_pair_whose_capacity_covers_the_rate_with_headroom():

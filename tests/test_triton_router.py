@@ -148,6 +148,12 @@ def test_an_idle_router_runs_a_request_itself_on_the_budget_models_file(tmp_path
     (busy,) = execute(model, [Request(feeds, {"sparsity": 0.5})])
     model.monitor.in_flight -= 1
     assert [n for e, n in server.calls if e == "start"] == ["elastic_s050"]
+    rate = model.routing.policy.rate.rate
+    model.routing.policy.rate.rate = lambda now=None: 1e6  # idle, but the load says the next one is coming
+    (loaded,) = execute(model, [Request(feeds, {"sparsity": 0.5})])
+    model.routing.policy.rate.rate = rate
+    assert [n for e, n in server.calls if e == "start"] == ["elastic_s050"] * 2  # forwarded
+    assert not loaded.has_error()
     want = server.run("elastic_s050", Request(feeds).tensors, ["last_hidden_state"]).as_dict()["last_hidden_state"]
     for response in (alone, busy):
         assert not response.has_error() and response.as_dict()["served_sparsity"].tolist() == [[0.5], [0.5]]
@@ -455,7 +461,7 @@ def test_a_routed_request_that_would_miss_the_slo_goes_to_a_faster_budget_before
     routed = triton_router._Job(None, None, None, 2, [0.0, 0.0], ())
     routed.budget, routed.routed = 0.0, True
     model._admit(routed)
-    assert routed.budget == 0.25 and routed.served == [0.25, 0.25] and routed.predicted > 0
+    assert routed.budget == 0.25 and routed.served == [0.25, 0.25] and routed.admit_raw > 0
     named = triton_router._Job(None, None, None, 2, [0.0, 0.0], ())
     named.budget = 0.0
     with pytest.raises(Exception, match="exceeds the SLO") as err:

@@ -13,18 +13,21 @@ Everything here is plain Python with an injected clock (the Triton router only c
   cycle lasts ``T = a / (1 - λc)`` (stable only while ``λc < 1``); an arrival finds the server busy with
   probability ``min(1, λT)``, then waits for a residual uniform on ``[0, T]``, and its own batch holds
   ``Poisson(λT)`` other rows at that quantile.
-* :class:`LatencyCorrection`: what the server observes refreshes the model: the measured p90 of the
-  recent answers over the predicted p90 of the same requests (clamped; p90 rather than the SLO's own
-  quantile, which a few hundred answers estimate too noisily), per budget once it has answers of its
-  own, multiplies every prediction: what the model leaves out (the server's and the client's own costs
-  on shared cores, a slower machine) is measured, not guessed. Answers older than 10 s are forgotten:
-  a budget not served since a spike falls back to the correction of what is served now.
+* :class:`ServiceScale`: what the server observes refreshes the model: per budget, the factor on its
+  service times under which the model's median at the observed rate equals the measured median of its
+  recent answers (clamped; the median rather than the SLO's own quantile, which a few hundred answers
+  estimate too noisily and a burst of late answers would swing for seconds): what the model leaves out
+  (the server's and the clients' own costs on shared cores, a slower machine) is measured, not
+  guessed, and it moves the load at which a budget saturates too. Answers older than 10 s are
+  forgotten, and a budget not served for 2 s takes the scale of the one served now (not its own, from
+  a spike).
 * :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
   it goes denser as soon as one does. :meth:`SloPolicy.admit`: a request whose own predicted latency
   (the rows in flight ahead of it at its pair drained first, and those at the other pairs, which share
-  the cores) exceeds the SLO is refused rather than queued.
+  the cores; corrected by :class:`AdmissionCorrection`, a line fitted to what admitted requests
+  measured) exceeds the SLO is refused rather than queued.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ DEFAULT_QUANTILE = 0.99
 DEFAULT_MARGIN = 0.2  # the prediction must leave this fraction of the SLO free
 DEFAULT_HYSTERESIS = 0.1  # and a denser pair this much more
 DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
-CORRECTION_QUANTILE = 0.9  # the quantile the measured / predicted correction compares
+CORRECTION_QUANTILE = 0.5  # the quantile at which the service scale matches the model to the answers
+ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
 
 
 def poisson_quantile(mean: float, q: float) -> int:
@@ -175,45 +179,115 @@ def predict_quantile_ms(service: Affine, rate: float, quantile: float = DEFAULT_
     return wait + service.ms(1 + poisson_quantile(lam * cycle, quantile))
 
 
-class LatencyCorrection:
-    """Measured over predicted latency quantile of the last ``size`` answers within ``horizon_s``,
-    clamped to ``bounds``; 1 until ``min_samples`` answers are in.
+class ServiceScale:
+    """How much slower than the service model the server serves a pair: the factor ``s`` on its
+    ``S(n)`` (``a`` and ``c`` alike) under which :func:`predict_quantile_ms` at ``quantile`` and the
+    answers' mean arrival rate equals the measured quantile of the last ``size`` answers within
+    ``horizon_s``; ``s`` within ``bounds``, 1 until ``min_samples`` answers are in.
 
-    Answers older than ``horizon_s`` are forgotten, so a budget that stopped being served does not
-    keep the correction of a spike long over: once it has fewer than ``min_samples`` recent answers
-    it is not :meth:`ready` and the policy falls back to the correction over every answer."""
+    A scale on the service time, not a factor on the predicted latency: what the model leaves out (the
+    server's, the router's and the clients' costs per request on the same cores) slows every batch, so
+    it also lowers the rate at which the pair saturates. A factor on the prediction keeps that pole where
+    the bare model puts it and passes a load the pair cannot carry (measured here: the load test's 1.4x
+    phase served a budget whose capacity was below the load, its factor pinned at the clamp).
 
-    def __init__(self, quantile: float = DEFAULT_QUANTILE, size: int = 200, min_samples: int = 30,
-                 bounds: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0,
-                 clock: Optional[Callable[[], float]] = None) -> None:
+    A pair that stopped being served does not keep the scale of a spike long over: without an answer in
+    the last ``fresh_s`` (or with fewer than ``min_samples`` within ``horizon_s``) it is not
+    :meth:`ready` and the policy uses the scale of the pair served now."""
+
+    def __init__(self, quantile: float = CORRECTION_QUANTILE, size: int = 200, min_samples: int = 30,
+                 bounds: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0, fresh_s: float = 2.0,
+                 refit_every: int = 4, clock: Optional[Callable[[], float]] = None) -> None:
         self.quantile, self.min_samples, self.bounds, self.horizon_s = quantile, min_samples, bounds, horizon_s
+        self.fresh_s, self.refit_every = fresh_s, refit_every
         self.clock = clock or time.monotonic
-        self._answers: Deque[Tuple[float, float, float]] = deque(maxlen=size)  # (time, measured, predicted)
+        self._answers: Deque[Tuple[float, float, float]] = deque(maxlen=size)  # (time, measured, rate)
+        self._added = 0
         self.factor = 1.0
 
     def _forget(self, now: float) -> None:
         while self._answers and self._answers[0][0] < now - self.horizon_s:
             self._answers.popleft()
 
-    def add(self, measured_ms: float, predicted_ms: float, now: Optional[float] = None) -> None:
-        if not (math.isfinite(predicted_ms) and predicted_ms > 0):
+    def add(self, measured_ms: float, rate: float, service: Affine, now: Optional[float] = None) -> None:
+        """An answer's measured latency (ms), the arrival rate when it arrived, the pair's service model."""
+        if not (math.isfinite(measured_ms) and math.isfinite(rate) and rate >= 0):
             return
         now = self.clock() if now is None else now
-        self._answers.append((now, measured_ms, predicted_ms))
+        self._answers.append((now, measured_ms, rate))
         self._forget(now)
-        if len(self._answers) >= self.min_samples:
-            ratio = (quantile_of([m for _, m, _ in self._answers], self.quantile)
-                     / quantile_of([p for _, _, p in self._answers], self.quantile))
-            self.factor = min(max(ratio, self.bounds[0]), self.bounds[1])
+        self._added += 1
+        if len(self._answers) >= self.min_samples and (
+                self._added % self.refit_every == 0 or len(self._answers) == self.min_samples):
+            self.factor = self._fit(service)
+
+    def _fit(self, service: Affine) -> float:
+        target = quantile_of([m for _, m, _ in self._answers], self.quantile)
+        rate = sum(r for _, _, r in self._answers) / len(self._answers)
+
+        def predicted(scale: float) -> float:
+            return predict_quantile_ms(Affine(service.a * scale, service.c * scale), rate, self.quantile)
+
+        lo, hi = self.bounds
+        if predicted(lo) >= target:
+            return lo
+        if predicted(hi) <= target:
+            return hi
+        for _ in range(30):  # the prediction grows with the scale: bisection
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+        return (lo + hi) / 2
 
     def ready(self, now: Optional[float] = None) -> bool:
-        """At least ``min_samples`` answers within the horizon."""
-        self._forget(self.clock() if now is None else now)
-        return len(self._answers) >= self.min_samples
+        """At least ``min_samples`` answers within the horizon, the latest within ``fresh_s``."""
+        now = self.clock() if now is None else now
+        self._forget(now)
+        return len(self._answers) >= self.min_samples and self._answers[-1][0] >= now - self.fresh_s
 
-    def measured(self) -> Optional[float]:
-        """The measured quantile of the window (ms), None before any answer."""
-        return quantile_of([m for _, m, _ in self._answers], self.quantile) if self._answers else None
+
+class AdmissionCorrection:
+    """An admitted request's measured latency against the admission's uncorrected prediction for it
+    (:meth:`SloPolicy.raw_request_ms`): a least-squares line ``measured = o + k·raw`` over the last ``size``
+    answers within ``horizon_s``, raised by the ``quantile`` of its residuals, so :meth:`ms` predicts that
+    quantile of a request's latency. Costs every request pays (the server's, the router's, the client's)
+    land in ``o``; slow-downs in proportion to the queued work (cores shared with other processes) in
+    ``k``. A multiplicative factor would charge the fixed costs once per queued batch and refuse work
+    that fits. The identity until ``min_samples`` answers are in; ``k`` clamped to ``slope``."""
+
+    def __init__(self, quantile: float = ADMISSION_QUANTILE, size: int = 200, min_samples: int = 30,
+                 slope: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0, refit_every: int = 8,
+                 clock: Optional[Callable[[], float]] = None) -> None:
+        self.quantile, self.min_samples, self.slope, self.horizon_s = quantile, min_samples, slope, horizon_s
+        self.refit_every, self.clock = refit_every, clock or time.monotonic
+        self._answers: Deque[Tuple[float, float, float]] = deque(maxlen=size)  # (time, raw, measured)
+        self._added = 0
+        self.offset, self.k = 0.0, 1.0
+
+    def add(self, measured_ms: float, raw_ms: float, now: Optional[float] = None) -> None:
+        if not (math.isfinite(raw_ms) and raw_ms > 0 and math.isfinite(measured_ms)):
+            return
+        now = self.clock() if now is None else now
+        self._answers.append((now, raw_ms, measured_ms))
+        while self._answers and self._answers[0][0] < now - self.horizon_s:
+            self._answers.popleft()
+        self._added += 1
+        if len(self._answers) < self.min_samples:
+            self.offset, self.k = 0.0, 1.0
+        elif self._added % self.refit_every == 0 or len(self._answers) == self.min_samples:
+            self._fit()
+
+    def _fit(self) -> None:
+        xs, ys = [a[1] for a in self._answers], [a[2] for a in self._answers]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 1e-9 else my / max(mx, 1e-9)
+        k = min(max(k, self.slope[0]), self.slope[1])
+        residuals = [y - k * x for x, y in zip(xs, ys)]
+        self.offset, self.k = max(0.0, quantile_of(residuals, self.quantile)), k
+
+    def ms(self, raw_ms: float) -> float:
+        """The corrected prediction (ms) of a request whose uncorrected one is ``raw_ms``."""
+        return self.offset + self.k * raw_ms
 
 
 def quantile_of(values: Sequence[float], q: float) -> float:
@@ -247,15 +321,14 @@ class SloPolicy:
             faster pair is never delayed).
         max_sparsity: never serve a pair sparser than this (a quality floor); None: no floor.
         rate: the arrival-rate estimator (its clock is the policy's).
-        correction: the measured / predicted correction over every answer (a pair's own, once it has
-            enough answers of its own, takes over for that pair).
+        clock: seconds (monotonic; default: the rate estimator's).
     """
 
     def __init__(self, pairs: Sequence[Pair], service: ServiceModel, slo_ms: float, *,
                  quantile: float = DEFAULT_QUANTILE, margin: float = DEFAULT_MARGIN,
                  hysteresis: float = DEFAULT_HYSTERESIS, dwell_s: float = DEFAULT_DWELL_S,
                  max_sparsity: Optional[float] = None,
-                 rate: Optional[RateEstimator] = None, correction: Optional[LatencyCorrection] = None) -> None:
+                 rate: Optional[RateEstimator] = None, clock: Optional[Callable[[], float]] = None) -> None:
         if not slo_ms > 0 or not 0 < quantile < 1 or not 0 <= margin < 1 or not 0 <= hysteresis < 1 - margin:
             raise ValueError("SloPolicy needs slo_ms > 0, 0 < quantile < 1, 0 <= margin, hysteresis < 1 - margin")
         allowed = [p for p in pairs if max_sparsity is None or p[0] <= max_sparsity + 1e-9]
@@ -268,22 +341,33 @@ class SloPolicy:
         self.margin, self.hysteresis, self.dwell_s = margin, hysteresis, dwell_s
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
-        self.correction = correction or LatencyCorrection(CORRECTION_QUANTILE, clock=self.rate.clock)
-        self.corrections: Dict[Pair, LatencyCorrection] = {
-            p: LatencyCorrection(CORRECTION_QUANTILE, clock=self.correction.clock) for p in self.pairs}
+        clock = clock or self.rate.clock
+        self.scales: Dict[Pair, ServiceScale] = {p: ServiceScale(clock=clock) for p in self.pairs}
+        self.fallback_scale = 1.0  # the latest scale fitted to any pair
+        self.recent: Deque[float] = deque(maxlen=200)  # the latest answers' latencies (ms), every pair
+        self.admission = AdmissionCorrection(clock=clock)
         self.current = self.pairs[0]
         self.switches = 0
         self.unavailable: set = set()
 
     def predict(self, pair: Pair, rate: float) -> float:
-        """Corrected predicted latency quantile (ms) at ``pair`` under ``rate``."""
-        return self.factor(pair) * predict_quantile_ms(self.service.affine(pair), rate, self.quantile)
+        """Predicted latency quantile (ms) at ``pair`` under ``rate``, its service times scaled by
+        :meth:`factor`."""
+        f, k = self.service.affine(pair), self.factor(pair)
+        return predict_quantile_ms(Affine(f.a * k, f.c * k), rate, self.quantile)
 
     def factor(self, pair: Pair) -> float:
-        """The correction of ``pair``'s predictions: its own measured / predicted quantile while it has
-        enough recent answers, else the one over every answer."""
-        own = self.corrections.get(pair)
-        return own.factor if own is not None and own.ready() else self.correction.factor
+        """The scale of ``pair``'s service times: its own while it has recent answers, else that of the
+        pair served now, else the latest fitted to any (:class:`ServiceScale`)."""
+        for p in (pair, self.current):
+            own = self.scales.get(p)
+            if own is not None and own.ready():
+                return own.factor
+        return self.fallback_scale
+
+    def measured(self) -> Optional[float]:
+        """The measured SLO quantile of the latest answers (ms; None before any)."""
+        return quantile_of(list(self.recent), self.quantile) if self.recent else None
 
     def decide(self, now: Optional[float] = None) -> Decision:
         """The pair to serve now (call once per arrival, after :meth:`RateEstimator.arrive`)."""
@@ -310,33 +394,44 @@ class SloPolicy:
             self.current, self.switches, self.switched_at = chosen, self.switches + 1, now
         return Decision(chosen, predicted, meets, rate)
 
-    def request_ms(self, pair: Pair, rows: int, rows_ahead: int,
-                   elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
-        """A request's own predicted latency (ms): ``rows_ahead`` rows in flight at ``pair`` first (the
-        batch running and the one queued behind it), the rows in flight at other pairs (``elsewhere``:
-        the pairs share the machine's cores, so their work delays this one's), then its own batch."""
+    def raw_request_ms(self, pair: Pair, rows: int, rows_ahead: int,
+                       elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
+        """A request's own modelled latency (ms, uncorrected): ``rows_ahead`` rows in flight at ``pair``
+        first (the batch running and the one queued behind it), the rows in flight at other pairs
+        (``elsewhere``: the pairs share the machine's cores, so their work delays this one's), then its own
+        batch."""
         f = self.service.affine(pair)
         ahead = 2 * f.a + f.c * rows_ahead if rows_ahead > 0 else 0.0
         shared = sum(self.service.ms(p, n) for p, n in (elsewhere or {}).items()
                      if n > 0 and p != pair and p in self.service.fits)
-        return self.factor(pair) * (ahead + shared + f.ms(rows))
+        return ahead + shared + f.ms(rows)
+
+    def request_ms(self, pair: Pair, rows: int, rows_ahead: int,
+                   elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
+        """:meth:`raw_request_ms` corrected by what admitted requests measured (:attr:`admission`)."""
+        return self.admission.ms(self.raw_request_ms(pair, rows, rows_ahead, elsewhere))
 
     def admit(self, pair: Pair, rows: int, rows_ahead: int,
-              elsewhere: Optional[Mapping[Pair, int]] = None) -> Tuple[bool, float]:
+              elsewhere: Optional[Mapping[Pair, int]] = None) -> Tuple[bool, float, float]:
         """Whether to run a request of ``rows`` at ``pair`` with ``rows_ahead`` in flight there and
-        ``elsewhere`` at other pairs (its prediction within the SLO), and the prediction."""
-        ms = self.request_ms(pair, rows, rows_ahead, elsewhere)
-        return ms <= self.slo_ms, ms
+        ``elsewhere`` at other pairs (its corrected prediction within the SLO), the corrected prediction
+        and the uncorrected one (what :meth:`admitted` takes back with the measured latency)."""
+        raw = self.raw_request_ms(pair, rows, rows_ahead, elsewhere)
+        ms = self.admission.ms(raw)
+        return ms <= self.slo_ms, ms, raw
 
-    def correction_prediction(self, pair: Pair, rate: float) -> float:
-        """The uncorrected prediction an answer at ``pair`` is compared with (:data:`CORRECTION_QUANTILE`)."""
-        return predict_quantile_ms(self.service.affine(pair), rate, CORRECTION_QUANTILE)
+    def admitted(self, measured_ms: float, raw_ms: float) -> None:
+        """An admitted request's measured latency against its uncorrected admission prediction."""
+        self.admission.add(measured_ms, raw_ms)
 
-    def answered(self, measured_ms: float, predicted_ms: float, pair: Optional[Pair] = None) -> None:
-        """An answered request's latency against its :meth:`correction_prediction` at arrival, at ``pair``."""
-        self.correction.add(measured_ms, predicted_ms)
-        if pair in self.corrections:
-            self.corrections[pair].add(measured_ms, predicted_ms)
+    def answered(self, measured_ms: float, rate: float, pair: Optional[Pair] = None) -> None:
+        """An answered request's latency (ms) at ``pair``, and the arrival rate it arrived at."""
+        self.recent.append(measured_ms)
+        own = self.scales.get(pair)
+        if own is not None:
+            own.add(measured_ms, rate, self.service.affine(pair))
+            if own.ready():
+                self.fallback_scale = own.factor
 
 
 def service_points_from_profile(rows: Mapping[int, Mapping[float, Mapping[str, float]]], precision: str,
