@@ -287,7 +287,8 @@ async def open_loop(client, model: str, times: np.ndarray, feeds, sparsity_outpu
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.ensure_future(timed(client, model, inputs, outputs, timeout_s=timeout_s)))
-    rec = {"arrival": [float(t) for t in times], "latency_ms": [], "sparsity": [], "outcome": [], "error": []}
+    rec = {"arrival": [float(t) for t in times], "latency_ms": [], "sparsity": [], "outcome": [], "error": [],
+           "t0": t0}
     for ms, res, err in await asyncio.gather(*tasks):
         rec["latency_ms"].append(ms)
         rec["error"].append(err)
@@ -295,6 +296,45 @@ async def open_loop(client, model: str, times: np.ndarray, feeds, sparsity_outpu
         s = float(res.as_numpy("served_sparsity").ravel()[0]) if (res is not None and sparsity_output) else 0.0
         rec["sparsity"].append(s if res is not None else None)
     return rec
+
+
+class GaugePoller:
+    """The router's gauges (``elastic_router_*`` on the metrics port) every ``period_s`` in a thread of its own,
+    timed on the client's clock: what the policy saw and predicted beside what the clients measured."""
+
+    def __init__(self, metrics_url: str, period_s: float = 0.25):
+        import threading
+
+        self.url, self.period_s, self.samples = metrics_url, period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "GaugePoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(self.period_s):
+            try:
+                text = urllib.request.urlopen(self.url, timeout=2).read().decode()
+            except OSError:
+                continue
+            row = {"t": time.perf_counter()}
+            for line in text.splitlines():
+                if line.startswith("elastic_router_") and "{" in line and "_total" not in line:
+                    name, value = line.split("{", 1)[0], line.rsplit(" ", 1)[1]
+                    if "budget_up" not in name:
+                        row[name[len("elastic_router_"):]] = float(value)
+            self.samples.append(row)
+
+    def relative_to(self, t0: float) -> list[dict]:
+        return [{**r, "t": r["t"] - t0} for r in self.samples]
 
 
 def phase_summary(rec: dict, idx: np.ndarray, phase: int, slo_ms: float, quality: dict, oracle: float | None) -> dict:
@@ -349,7 +389,7 @@ def quality_per_budget(directory: Path, sparsities: list[float]) -> tuple[str, d
     return "recall@10", out
 
 
-async def acceptance(client, router: str, by_s: dict, one, args, quality: dict) -> dict:
+async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, metrics_url: str) -> dict:
     """Capacities, then the schedule (router deciding / dense-only), then the overload burst."""
     sparsities = sorted(by_s)
     caps = await capacities(client, by_s, one, args.concurrency, args.capacity_seconds)
@@ -363,7 +403,9 @@ async def acceptance(client, router: str, by_s: dict, one, args, quality: dict) 
     for name, model, flag in (("elastic router", router, True), ("dense-only", by_s[0.0], False)):
         await asyncio.sleep(2.0)  # the previous run's tail is gone
         before = await triton_counts(client, model)
-        rec = await open_loop(client, model, times, one, flag, args.request_timeout)
+        with GaugePoller(metrics_url) as gauges:
+            rec = await open_loop(client, model, times, one, flag, args.request_timeout)
+        rec["gauges"] = gauges.relative_to(rec["t0"]) if flag else []
         after = await triton_counts(client, model)
         phases = [phase_summary(rec, idx, i, args.slo_ms, quality, oracles[i] if flag else None)
                   for i in range(len(PHASES))]
@@ -419,13 +461,14 @@ def _rolling(t: list[float], v: list[float], width: float = 1.0) -> tuple[np.nda
 
 
 def plot(path: Path, acc: dict, slo_ms: float, phase_s: float) -> None:
-    """Served sparsity against the oracle's over time (router), and latency against the SLO (both runs)."""
+    """Served sparsity against the oracle's over time (router), latency against the SLO (both runs), and
+    the router's own gauges (its predicted and measured SLO-quantile latency, its service-time scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     rec = acc["runs"]["elastic router"]["records"]
     ok = [i for i, o in enumerate(rec["outcome"]) if o == "ok"]
     mids, means = _rolling([rec["arrival"][i] for i in ok], [rec["sparsity"][i] for i in ok])
@@ -444,11 +487,28 @@ def plot(path: Path, acc: dict, slo_ms: float, phase_s: float) -> None:
     ax2.axhline(slo_ms, color="k", ls="--", lw=1, label=f"SLO {slo_ms:g} ms")
     ax2.set_yscale("log")
     ax2.set_ylabel("latency (ms)")
-    ax2.set_xlabel("time (s)")
     ax2.legend(fontsize=8, loc="upper left")
+    _plot_gauges(ax3, rec.get("gauges") or [], slo_ms)
+    ax3.set_xlabel("time (s)")
     fig.suptitle("Real Triton server, seeded phases of dense capacity: served sparsity vs the oracle", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _plot_gauges(ax, gauges: list[dict], slo_ms: float) -> None:
+    """The router's gauges as scraped during its run: predicted and measured latency quantile, and the
+    scale on its modelled service times (right axis)."""
+    t = [g["t"] for g in gauges]
+    for key, color, label in (("predicted_latency_ms", "tab:purple", "router: predicted p99 at the served budget"),
+                              ("measured_latency_ms", "tab:green", "router: measured p99 of its recent answers")):
+        ax.plot(t, [g.get(key, np.nan) for g in gauges], color=color, lw=1, label=label)
+    ax.axhline(slo_ms, color="k", ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_ylabel("router gauges (ms)")
+    ax.legend(fontsize=8, loc="upper left")
+    twin = ax.twinx()
+    twin.plot(t, [g.get("latency_correction", np.nan) for g in gauges], color="tab:orange", lw=1)
+    twin.set_ylabel("service-time scale", color="tab:orange", fontsize=8)
 
 
 def where_it_goes(directory: Path, manifest: Manifest, sparsity: float, tokens: int, caps: dict) -> dict:
@@ -502,7 +562,7 @@ async def measure(server: TritonServer, directory: Path, manifest: Manifest, t: 
             print("head of line", {k: v for k, v in out["head_of_line"].items() if k != "trials"})
         if "acceptance" in args.parts:
             metric, quality = quality_per_budget(directory, sorted(by_s))
-            acc = await acceptance(client, router, by_s, one, args, quality)
+            acc = await acceptance(client, router, by_s, one, args, quality, server.metrics_url)
             acc.update(quality_metric=metric, quality=quality, verdict=verdict(acc, args.slo_ms),
                        sparsest=where_it_goes(directory, manifest, max(by_s), tokens, acc["capacity_rps"]))
             out["acceptance"] = acc
