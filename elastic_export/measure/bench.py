@@ -42,7 +42,7 @@ from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import atomic_write, check_creatable
 from elastic_export.core.latency_profile import PRECISION_ORDER, key
 from elastic_export.core.manifest import Manifest
-from elastic_export.measure.timing import latency_stats, machine, sample_feeds, time_calls
+from elastic_export.measure.timing import dense_graph, latency_stats, machine, sample_feeds, time_calls
 from elastic_export.serving.backends import DEFAULT_BACKEND, backend_names, get_backend
 from elastic_export.targets.onnxruntime import PROVIDERS
 
@@ -218,8 +218,9 @@ def run_bench(directory: str | Path, config: BenchConfig, echo: Callable[[str], 
     text = any(spec.name == "input_ids" for spec in manifest.inputs)
     seq_len = (config.seq_len or manifest.tokens) if text else None
     rows: list[dict] = []
+    dense = dense_graph(directory, manifest)
     for batch in config.batches:
-        feeds = sample_feeds(directory, manifest, batch, config.seq_len)
+        feeds = sample_feeds(directory, manifest, batch, config.seq_len, dense)
         steady, switches = _measure_batch(runtime, feeds, graphs, batch, config, echo)
         base_tp = steady[base]["throughput"]
         for g in graphs:

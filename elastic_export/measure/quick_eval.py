@@ -298,9 +298,10 @@ def measure_speed(rt, feeds_by_batch: dict[int, Feeds], figures: dict[Pair, floa
 # --- the whole step -----------------------------------------------------------------------------
 def speed_feeds(directory: Path, manifest: Manifest) -> dict[int, Feeds]:
     """The inputs ``elastic-export bench`` times, at each of :data:`BATCHES`."""
-    from elastic_export.measure.timing import sample_feeds
+    from elastic_export.measure.timing import dense_graph, sample_feeds
 
-    return {b: sample_feeds(directory, manifest, b, None) for b in BATCHES}
+    dense = dense_graph(directory, manifest)
+    return {b: sample_feeds(directory, manifest, b, None, dense) for b in BATCHES}
 
 
 def entry_rows(manifest: Manifest, qual: dict[Pair, dict], prof: LatencyProfile) -> list[dict]:
