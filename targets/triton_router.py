@@ -634,7 +634,7 @@ class _Job:
     and its admission's uncorrected predicted latency (``admit_raw``)."""
 
     __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "arrived", "routed", "budget",
-                 "inline", "rate", "admit_raw", "counted", "ticket")
+                 "inline", "rate", "admit_raw", "model_ms", "counted", "ticket")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Optional[List[str]], batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
@@ -642,6 +642,7 @@ class _Job:
         self.served, self.wanted = served, wanted
         self.arrived, self.routed, self.budget, self.inline, self.rate = 0.0, False, None, False, None
         self.admit_raw: Optional[float] = None  # the admission's uncorrected prediction (ms)
+        self.model_ms: Optional[float] = None  # of its latency, the time in the budget model (or inline run)
         self.counted, self.ticket = None, 0  # the budget the monitor counted it at (None: several or not yet)
 
 
@@ -830,7 +831,7 @@ class TritonPythonModel:
         with self._lock:
             self.monitor.leave(job.counted, job.batch, job.ticket)
             if outcome == "served" and self.routing is not None and job.rate is not None:
-                self.routing.policy.answered(ms, job.rate, (job.budget, self.config.precision))
+                self.routing.policy.answered(ms, job.rate, (job.budget, self.config.precision), job.model_ms)
             if outcome == "served" and self.routing is not None and job.admit_raw is not None:
                 self.routing.policy.admitted(ms, job.admit_raw)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -841,12 +842,14 @@ class TritonPythonModel:
         feeds = self.tokenizer.encode(job.text) if job.text is not None else None
         wanted = job.wanted
         names = [n for n in self.config.outputs if not wanted or n in wanted]
+        start = time.monotonic()
         if job.inline:  # nothing else in flight: run it here, no round trip to the budget model
             arrays = feeds if feeds is not None else {t.name(): t.as_numpy() for t in job.tensors}
             arrays = self._inline.submit(self.sessions[job.budget].run, names, arrays).result()
             outputs = [pb_utils.Tensor(n, a) for n, a in zip(names, arrays)]
         else:
             outputs = self._forward_with_failover(job, feeds, names)
+        job.model_ms = (time.monotonic() - start) * 1e3
         if not wanted or SERVED_OUTPUT in wanted:
             outputs.append(pb_utils.Tensor(SERVED_OUTPUT, np.array(job.served, dtype=np.float64).reshape(-1, 1)))
         if not wanted or PRECISION_OUTPUT in wanted:

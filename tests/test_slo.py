@@ -111,7 +111,7 @@ def test_served_budget_is_the_densest_that_meets_the_slo():
     """At each rate the pick is the first pair (best first) whose corrected prediction meets SLO x (1 - margin);
     a pair better than the current one must meet it with the hysteresis' slack too."""
     now = [0.0]
-    policy = _policy(lambda: now[0], dwell_s=0.0)
+    policy = _policy(lambda: now[0], dwell_s=0.0, max_step=len(BUDGETS))  # test_a_move_denser_steps_... below
     for rate in (10.0, 50.0, 60.0, 70.0, 90.0, 110.0):
         policy.rate.rate = lambda now=None, r=rate: r
         stay = [p for p in policy.pairs if policy.predict(p, rate) <= 250 * (1 - policy.margin)]
@@ -163,6 +163,27 @@ def test_the_measured_latency_scales_the_service_times_and_moves_the_saturation_
     assert policy.factor(dense) == pytest.approx(1.0, rel=1e-3)
 
 
+def test_the_time_outside_the_budget_model_is_added_once_not_scaled():
+    """Answers that spend what the bare model predicts in the budget model plus 12 ms elsewhere: the
+    scale stays 1 (a scale fitted to the whole latency would read 12 ms at a light load as a slower
+    model and overstate every queue) and each prediction carries the 12 ms once."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense = (0.0, "fp32")
+    f = policy.service.affine(dense)
+    model = slo.predict_quantile_ms(f, 10.0, slo.CORRECTION_QUANTILE)
+    for _ in range(50):
+        now[0] += 0.02
+        policy.answered(model + 12.0, 10.0, dense, model_ms=model)
+    assert policy.factor(dense) == pytest.approx(1.0, rel=1e-3) and policy.overhead_ms() == pytest.approx(12.0)
+    assert policy.predict(dense, 40.0) == pytest.approx(12.0 + slo.predict_quantile_ms(f, 40.0, policy.quantile), rel=1e-3)
+    scaled = _policy(lambda: now[0])
+    for _ in range(50):  # the same answers without the split: the scale takes the 12 ms as slowness
+        now[0] += 0.02
+        scaled.answered(model + 12.0, 10.0, dense)
+    assert scaled.factor(dense) > 1.3 and scaled.predict(dense, 40.0) > policy.predict(dense, 40.0)
+
+
 def test_a_budget_not_served_since_a_spike_forgets_its_spike_scale():
     """Dense's answers during a spike measured what the model gives at 3x its service times; afterwards
     only 0.3 is served, as modelled. Once dense has no answer for 2 s its own scale no longer counts (the
@@ -179,7 +200,29 @@ def test_a_budget_not_served_since_a_spike_forgets_its_spike_scale():
     assert policy.factor(dense) == pytest.approx(3.0, rel=1e-3)
     _answers_at_scale(policy, now, sparse, 1.0, 20.0, 50)  # 1 s more: dense's own is stale
     assert not policy.scales[dense].ready() and policy.factor(dense) == pytest.approx(1.0, rel=1e-3)
-    assert policy.decide(now[0]).pair == dense  # back to dense 2 s after its last answer
+    assert policy.current == (0.5, "fp32")  # where the spike sent it
+    path = [policy.decide(now[0]).pair[0] for _ in range(2)]
+    assert path == [0.2, 0.0]  # back to dense 2 s after its last answer, three budgets at a time (max_step)
+
+
+def test_a_move_denser_steps_at_most_max_step_budgets_past_the_ones_measured_just_now():
+    """From the sparsest budget under a light load: three budgets up per move (dwell 1 s between), so the
+    way back to dense measures each on the way; a denser budget with fresh answers of its own is
+    trusted from any distance; going sparser is never limited."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    policy.current, policy.switched_at = (0.6, "fp32"), -10.0
+    policy.rate.rate = lambda now=None: 10.0
+    path = []
+    for t in (0.0, 0.5, 1.0, 2.0, 3.0, 4.0):
+        now[0] = t
+        path.append(policy.decide(t).pair[0])
+    assert path == [0.3, 0.3, 0.0, 0.0, 0.0, 0.0]
+    policy.current, policy.switched_at = (0.6, "fp32"), -10.0
+    _answers_at_scale(policy, now, (0.0, "fp32"), 1.0, 10.0, 40)  # dense measured just now
+    assert policy.decide(now[0]).pair == (0.0, "fp32")
+    policy.rate.rate = lambda now=None: 1e4
+    assert policy.decide(now[0]).pair == (0.6, "fp32")  # nothing keeps up: the fastest at once
 
 
 def test_quality_floor_and_unavailable_pairs():
@@ -234,6 +277,15 @@ def test_admission_correction_fits_fixed_costs_and_slow_downs_from_what_admitted
     now[0] += 11.0  # past the horizon: a fresh start forgets the old fit
     corr.add(30.0, 10.0)
     assert corr.ms(100.0) == 100.0
+
+
+def test_admission_runs_queued_work_no_faster_than_the_pair_serves():
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense = (0.0, "fp32")
+    _answers_at_scale(policy, now, dense, 3.0, 10.0, 40)  # dense serves at a third of the model's speed
+    ok, ms, raw = policy.admit(dense, 1, 8)
+    assert raw == pytest.approx(162.0) and ms == pytest.approx(3.0 * 162.0, rel=1e-3) and not ok
 
 
 def test_admission_uses_what_admitted_requests_measured():

@@ -24,10 +24,11 @@ Everything here is plain Python with an injected clock (the Triton router only c
 * :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
-  it goes denser as soon as one does. :meth:`SloPolicy.admit`: a request whose own predicted latency
-  (the rows in flight ahead of it at its pair drained first, and those at the other pairs, which share
-  the cores; corrected by :class:`AdmissionCorrection`, a line fitted to what admitted requests
-  measured) exceeds the SLO is refused rather than queued.
+  it goes denser as soon as one does (at most ``max_step`` pairs per move, past those measured just
+  now). :meth:`SloPolicy.admit`: a request whose own predicted latency (the rows in flight ahead of it
+  at its pair drained first, and those at the other pairs, which share the cores; corrected by
+  :class:`AdmissionCorrection`, a line fitted to what admitted requests measured) exceeds the SLO is
+  refused rather than queued.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ DEFAULT_QUANTILE = 0.99
 DEFAULT_MARGIN = 0.2  # the prediction must leave this fraction of the SLO free
 DEFAULT_HYSTERESIS = 0.1  # and a denser pair this much more
 DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
+DEFAULT_MAX_STEP = 3  # a move denser goes at most this many pairs, past them only to pairs measured just now
 CORRECTION_QUANTILE = 0.5  # the quantile at which the service scale matches the model to the answers
 ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
 
@@ -285,9 +287,10 @@ class AdmissionCorrection:
         residuals = [y - k * x for x, y in zip(xs, ys)]
         self.offset, self.k = max(0.0, quantile_of(residuals, self.quantile)), k
 
-    def ms(self, raw_ms: float) -> float:
-        """The corrected prediction (ms) of a request whose uncorrected one is ``raw_ms``."""
-        return self.offset + self.k * raw_ms
+    def ms(self, raw_ms: float, min_slope: float = 0.0) -> float:
+        """The corrected prediction (ms) of a request whose uncorrected one is ``raw_ms``, the slope at
+        least ``min_slope``."""
+        return self.offset + max(self.k, min_slope) * raw_ms
 
 
 def quantile_of(values: Sequence[float], q: float) -> float:
@@ -319,6 +322,10 @@ class SloPolicy:
         hysteresis: extra fraction a pair better than the current one must leave free.
         dwell_s: a better pair only once the current one has served this long (seconds; going to a
             faster pair is never delayed).
+        max_step: a move to a better pair goes at most this many pairs up the list, except to a pair
+            whose own scale is current (:meth:`ServiceScale.ready`): the others are predicted with the
+            served pair's scale, which understates a denser pair's per-request costs, so it steps up and
+            measures each on the way (a move to a faster pair is never limited).
         max_sparsity: never serve a pair sparser than this (a quality floor); None: no floor.
         rate: the arrival-rate estimator (its clock is the policy's).
         clock: seconds (monotonic; default: the rate estimator's).
@@ -327,7 +334,7 @@ class SloPolicy:
     def __init__(self, pairs: Sequence[Pair], service: ServiceModel, slo_ms: float, *,
                  quantile: float = DEFAULT_QUANTILE, margin: float = DEFAULT_MARGIN,
                  hysteresis: float = DEFAULT_HYSTERESIS, dwell_s: float = DEFAULT_DWELL_S,
-                 max_sparsity: Optional[float] = None,
+                 max_step: int = DEFAULT_MAX_STEP, max_sparsity: Optional[float] = None,
                  rate: Optional[RateEstimator] = None, clock: Optional[Callable[[], float]] = None) -> None:
         if not slo_ms > 0 or not 0 < quantile < 1 or not 0 <= margin < 1 or not 0 <= hysteresis < 1 - margin:
             raise ValueError("SloPolicy needs slo_ms > 0, 0 < quantile < 1, 0 <= margin, hysteresis < 1 - margin")
@@ -338,23 +345,31 @@ class SloPolicy:
         if missing:
             raise ValueError(f"no service times for {missing}")
         self.pairs, self.service, self.slo_ms, self.quantile = list(allowed), service, float(slo_ms), quantile
-        self.margin, self.hysteresis, self.dwell_s = margin, hysteresis, dwell_s
+        self.margin, self.hysteresis, self.dwell_s, self.max_step = margin, hysteresis, dwell_s, max_step
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
         clock = clock or self.rate.clock
         self.scales: Dict[Pair, ServiceScale] = {p: ServiceScale(clock=clock) for p in self.pairs}
         self.fallback_scale = 1.0  # the latest scale fitted to any pair
         self.recent: Deque[float] = deque(maxlen=200)  # the latest answers' latencies (ms), every pair
+        self.overheads: Deque[float] = deque(maxlen=200)  # their latency outside the budget model (ms)
         self.admission = AdmissionCorrection(clock=clock)
         self.current = self.pairs[0]
         self.switches = 0
         self.unavailable: set = set()
 
     def predict(self, pair: Pair, rate: float) -> float:
-        """Predicted latency quantile (ms) at ``pair`` under ``rate``, its service times scaled by
-        :meth:`factor`."""
+        """Predicted latency quantile (ms) at ``pair`` under ``rate``: the budget model's queue and service,
+        its service times scaled by :meth:`factor`, plus :meth:`overhead_ms`."""
         f, k = self.service.affine(pair), self.factor(pair)
-        return predict_quantile_ms(Affine(f.a * k, f.c * k), rate, self.quantile)
+        return self.overhead_ms() + predict_quantile_ms(Affine(f.a * k, f.c * k), rate, self.quantile)
+
+    def overhead_ms(self) -> float:
+        """What a request spends outside its budget model (the router's checks, tokens, hand-offs and
+        the round trip to the model): the p90 of the latest answers' (0 before any). Every request pays
+        it once, whatever the queue: added to the prediction, not folded into the service scale (at a
+        light load a scale would carry it as a factor and overstate every queue)."""
+        return quantile_of(list(self.overheads), ADMISSION_QUANTILE) if self.overheads else 0.0
 
     def factor(self, pair: Pair) -> float:
         """The scale of ``pair``'s service times: its own while it has recent answers, else that of the
@@ -382,6 +397,8 @@ class SloPolicy:
             usable, here = usable[here:], 0  # too soon to go denser
         chosen, predicted = None, math.inf
         for i, p in enumerate(usable):
+            if i < here - self.max_step and not self.scales[p].ready(now):
+                continue  # too far up to trust the served pair's scale for it
             ms = self.predict(p, rate)
             if ms <= (move if i < here else stay):
                 chosen, predicted = p, ms
@@ -408,8 +425,9 @@ class SloPolicy:
 
     def request_ms(self, pair: Pair, rows: int, rows_ahead: int,
                    elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
-        """:meth:`raw_request_ms` corrected by what admitted requests measured (:attr:`admission`)."""
-        return self.admission.ms(self.raw_request_ms(pair, rows, rows_ahead, elsewhere))
+        """:meth:`raw_request_ms` corrected by what admitted requests measured (:attr:`admission`), its
+        slope at least ``pair``'s service scale (queued work runs no faster than the pair serves)."""
+        return self.admission.ms(self.raw_request_ms(pair, rows, rows_ahead, elsewhere), self.factor(pair))
 
     def admit(self, pair: Pair, rows: int, rows_ahead: int,
               elsewhere: Optional[Mapping[Pair, int]] = None) -> Tuple[bool, float, float]:
@@ -417,19 +435,24 @@ class SloPolicy:
         ``elsewhere`` at other pairs (its corrected prediction within the SLO), the corrected prediction
         and the uncorrected one (what :meth:`admitted` takes back with the measured latency)."""
         raw = self.raw_request_ms(pair, rows, rows_ahead, elsewhere)
-        ms = self.admission.ms(raw)
+        ms = self.admission.ms(raw, self.factor(pair))
         return ms <= self.slo_ms, ms, raw
 
     def admitted(self, measured_ms: float, raw_ms: float) -> None:
         """An admitted request's measured latency against its uncorrected admission prediction."""
         self.admission.add(measured_ms, raw_ms)
 
-    def answered(self, measured_ms: float, rate: float, pair: Optional[Pair] = None) -> None:
-        """An answered request's latency (ms) at ``pair``, and the arrival rate it arrived at."""
+    def answered(self, measured_ms: float, rate: float, pair: Optional[Pair] = None,
+                 model_ms: Optional[float] = None) -> None:
+        """An answered request's latency (ms) at ``pair``, the arrival rate it arrived at, and (when
+        known) the part of it spent in the budget model (queue and run, ``model_ms``): the scale is
+        fitted to that part, the rest is :meth:`overhead_ms`."""
         self.recent.append(measured_ms)
+        if model_ms is not None:
+            self.overheads.append(max(0.0, measured_ms - model_ms))
         own = self.scales.get(pair)
         if own is not None:
-            own.add(measured_ms, rate, self.service.affine(pair))
+            own.add(measured_ms if model_ms is None else model_ms, rate, self.service.affine(pair))
             if own.ready():
                 self.fallback_scale = own.factor
 
