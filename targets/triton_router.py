@@ -375,8 +375,11 @@ class SloRouting:
         """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
         service time below :data:`INLINE_MAX_LOAD`. Above it the next request likely arrives during the
         run, and forwarded it would compete for the cores with it instead of batching behind it."""
-        rate = self.last.rate if self.last is not None else 0.0
-        return rate * self.policy.service.ms((budget, self.precision), 1) / 1e3 < INLINE_MAX_LOAD
+        return self.rate() * self.policy.service.ms((budget, self.precision), 1) / 1e3 < INLINE_MAX_LOAD
+
+    def rate(self) -> float:
+        """The arrival rate the latest decision assumed (rows/s; 0 before the first)."""
+        return self.last.rate if self.last is not None else 0.0
 
     def set_down(self, down: Sequence[float]) -> None:
         self.policy.unavailable = {(s, self.precision) for s in down}
@@ -768,7 +771,7 @@ class TritonPythonModel:
                     raise
                 continue
             job.served, job.budget = [budget] * job.batch, budget
-            job.rate = self.routing.last.rate if self.routing.last is not None else 0.0
+            job.rate = self.routing.rate()
             return
 
     def _accept(self, request: Any) -> _Job:
@@ -830,10 +833,11 @@ class TritonPythonModel:
         ms = (time.monotonic() - job.arrived) * 1e3
         with self._lock:
             self.monitor.leave(job.counted, job.batch, job.ticket)
-            if outcome == "served" and self.routing is not None and job.rate is not None:
-                self.routing.policy.answered(ms, job.rate, (job.budget, self.config.precision), job.model_ms)
-            if outcome == "served" and self.routing is not None and job.admit_raw is not None:
-                self.routing.policy.admitted(ms, job.admit_raw)
+            if outcome == "served" and self.routing is not None:
+                if job.rate is not None:
+                    self.routing.policy.answered(ms, job.rate, (job.budget, self.config.precision), job.model_ms)
+                if job.admit_raw is not None:
+                    self.routing.policy.admitted(ms, job.admit_raw)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if self.metrics is not None:
             self.metrics.count(outcome, detail)

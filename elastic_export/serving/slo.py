@@ -96,11 +96,23 @@ def fit_affine(points: Mapping[int, float]) -> Affine:
         return Affine(0.0, float(ms) / max(n, 1))
     ns, ms = list(map(float, points)), [float(v) for v in points.values()]
     mn, mm = sum(ns) / len(ns), sum(ms) / len(ms)
-    var = sum((n - mn) ** 2 for n in ns)
-    c = sum((n - mn) * (m - mm) for n, m in zip(ns, ms)) / var if var else mm / max(mn, 1.0)
-    c = max(c, 1e-6)
+    c = least_squares_slope(ns, ms)
+    c = max(mm / max(mn, 1.0) if c is None else c, 1e-6)
     a = max(mm - c * mn, 0.0)
     return Affine(a, c)
+
+
+def least_squares_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """The least-squares slope of ``ys`` on ``xs`` (None when the ``xs`` do not spread)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 1e-9 else None
+
+
+def _forget_before(answers: Deque[Tuple[float, ...]], cutoff: float) -> None:
+    """Drop the entries of ``answers`` (time first, oldest first) older than ``cutoff``."""
+    while answers and answers[0][0] < cutoff:
+        answers.popleft()
 
 
 class ServiceModel:
@@ -207,17 +219,13 @@ class ServiceScale:
         self._added = 0
         self.factor = 1.0
 
-    def _forget(self, now: float) -> None:
-        while self._answers and self._answers[0][0] < now - self.horizon_s:
-            self._answers.popleft()
-
     def add(self, measured_ms: float, rate: float, service: Affine, now: Optional[float] = None) -> None:
         """An answer's measured latency (ms), the arrival rate when it arrived, the pair's service model."""
         if not (math.isfinite(measured_ms) and math.isfinite(rate) and rate >= 0):
             return
         now = self.clock() if now is None else now
         self._answers.append((now, measured_ms, rate))
-        self._forget(now)
+        _forget_before(self._answers, now - self.horizon_s)
         self._added += 1
         if len(self._answers) >= self.min_samples and (
                 self._added % self.refit_every == 0 or len(self._answers) == self.min_samples):
@@ -243,7 +251,7 @@ class ServiceScale:
     def ready(self, now: Optional[float] = None) -> bool:
         """At least ``min_samples`` answers within the horizon, the latest within ``fresh_s``."""
         now = self.clock() if now is None else now
-        self._forget(now)
+        _forget_before(self._answers, now - self.horizon_s)
         return len(self._answers) >= self.min_samples and self._answers[-1][0] >= now - self.fresh_s
 
 
@@ -270,8 +278,7 @@ class AdmissionCorrection:
             return
         now = self.clock() if now is None else now
         self._answers.append((now, raw_ms, measured_ms))
-        while self._answers and self._answers[0][0] < now - self.horizon_s:
-            self._answers.popleft()
+        _forget_before(self._answers, now - self.horizon_s)
         self._added += 1
         if len(self._answers) < self.min_samples:
             self.offset, self.k = 0.0, 1.0
@@ -280,9 +287,8 @@ class AdmissionCorrection:
 
     def _fit(self) -> None:
         xs, ys = [a[1] for a in self._answers], [a[2] for a in self._answers]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 1e-9 else my / max(mx, 1e-9)
+        k = least_squares_slope(xs, ys)
+        k = sum(ys) / max(sum(xs), 1e-9) if k is None else k
         k = min(max(k, self.slope[0]), self.slope[1])
         residuals = [y - k * x for x, y in zip(xs, ys)]
         self.offset, self.k = max(0.0, quantile_of(residuals, self.quantile)), k
@@ -353,6 +359,7 @@ class SloPolicy:
         self.fallback_scale = 1.0  # the latest scale fitted to any pair
         self.recent: Deque[float] = deque(maxlen=200)  # the latest answers' latencies (ms), every pair
         self.overheads: Deque[float] = deque(maxlen=200)  # their latency outside the budget model (ms)
+        self._overhead_ms = 0.0  # the overheads' p90, kept as answers come (read on every prediction)
         self.admission = AdmissionCorrection(clock=clock)
         self.current = self.pairs[0]
         self.switches = 0
@@ -369,7 +376,7 @@ class SloPolicy:
         the round trip to the model): the p90 of the latest answers' (0 before any). Every request pays
         it once, whatever the queue: added to the prediction, not folded into the service scale (at a
         light load a scale would carry it as a factor and overstate every queue)."""
-        return quantile_of(list(self.overheads), ADMISSION_QUANTILE) if self.overheads else 0.0
+        return self._overhead_ms
 
     def factor(self, pair: Pair) -> float:
         """The scale of ``pair``'s service times: its own while it has recent answers, else that of the
@@ -450,6 +457,7 @@ class SloPolicy:
         self.recent.append(measured_ms)
         if model_ms is not None:
             self.overheads.append(max(0.0, measured_ms - model_ms))
+            self._overhead_ms = quantile_of(list(self.overheads), ADMISSION_QUANTILE)
         own = self.scales.get(pair)
         if own is not None:
             own.add(measured_ms if model_ms is None else model_ms, rate, self.service.affine(pair))
