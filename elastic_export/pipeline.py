@@ -121,7 +121,7 @@ def _run(opts: Options, lock: OutputLock, echo: Callable[[str], None]) -> Manife
                                     precision="fp16" if "fp16" in precisions else "fp32")
         manifest = finish_stage.build_manifest(encoder, inventory, dense, tmp, opts.align, twins,
                                                list(zip(plans, names, errors)), elastic, ranking, rank_seconds)
-        manifest = finish_stage.finish(tmp, out, manifest, encoder, opts, echo)
+        manifest = finish_stage.finish(tmp, out, manifest, encoder, opts, echo, dense)
         commit_out(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -277,9 +277,10 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
         heads: heads to keep per layer.
         neurons: neurons to keep per layer.
         names: passes to run (default: the budget pipeline).
-        full_check: ``onnx.checker`` and strict shape inference on the result (the expensive
-            part: both serialise the weights). Every pass is checked in memory either way.
+        full_check: ``onnx.checker`` and strict shape inference on the result (on a weightless
+            copy, :func:`elastic_export.core.onnx_io.check`). Every pass is checked in memory either way.
     """
+    from elastic_export.core import onnx_io
     from elastic_export.core.unit_map import set_units
 
     ctx = _budget_context(dense_units(dense), heads, neurons)
@@ -287,7 +288,7 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
     del out.graph.value_info[:]
     set_units(out, _sliced_units(ctx))
     if full_check:
-        onnx.shape_inference.infer_shapes(out, strict_mode=True)  # raises on inconsistent shapes
+        onnx_io.infer_shapes(onnx_io.weightless(out), strict_mode=True)  # raises on inconsistent shapes
     return out
 
 

@@ -57,7 +57,10 @@ def permuted_module(encoder: Encoder, ranking: Ranking) -> torch.nn.Module:
 
 
 def _digest(a: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(a).tobytes() + str(a.shape).encode()).hexdigest()
+    """A weight's values and shape, hashed from its own memory (no copy of the bytes)."""
+    h = hashlib.sha1(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data, usedforsecurity=False)
+    h.update(str(a.shape).encode())
+    return h.hexdigest()
 
 
 class _Graph:
@@ -336,7 +339,7 @@ def _drop_empty_inputs(model: onnx.ModelProto) -> None:
     g = model.graph
     if not any(0 in t.dims for t in g.initializer):
         return
-    dims = _static_dims(onnx_io.infer_shapes(model))
+    dims = _static_dims(onnx_io.infer_shapes(onnx_io.weightless(model)))
     for n in g.node:
         if n.op_type != "Concat":
             continue

@@ -296,11 +296,12 @@ def measure_speed(rt, feeds_by_batch: dict[int, Feeds], figures: dict[Pair, floa
 
 
 # --- the whole step -----------------------------------------------------------------------------
-def speed_feeds(directory: Path, manifest: Manifest) -> dict[int, Feeds]:
-    """The inputs ``elastic-export bench`` times, at each of :data:`BATCHES`."""
+def speed_feeds(directory: Path, manifest: Manifest, dense=None) -> dict[int, Feeds]:
+    """The inputs ``elastic-export bench`` times, at each of :data:`BATCHES` (``dense``: the dense
+    ONNX model, when the caller has it in memory)."""
     from elastic_export.measure.timing import dense_graph, sample_feeds
 
-    dense = dense_graph(directory, manifest)
+    dense = dense_graph(directory, manifest) if dense is None else dense
     return {b: sample_feeds(directory, manifest, b, None, dense) for b in BATCHES}
 
 
@@ -319,7 +320,7 @@ def entry_rows(manifest: Manifest, qual: dict[Pair, dict], prof: LatencyProfile)
 
 
 def run_quick_eval(directory: Path, manifest: Manifest, encoder, calib: str | None, calib_size: int, seed: int,
-                   echo: Callable[[str], None] = print) -> dict:
+                   echo: Callable[[str], None] = print, dense=None) -> dict:
     """Measure every pair of the artifact ``directory`` (its manifest already written); write
     ``DIR/latency_profile.json``; return the manifest's ``quick_eval`` entry (module docstring).
 
@@ -331,6 +332,7 @@ def run_quick_eval(directory: Path, manifest: Manifest, encoder, calib: str | No
         calib_size: samples the calibration took from it (held out: the others).
         seed: the calibration seed (synthetic images).
         echo: progress lines.
+        dense: the dense ONNX model in memory (its vocabulary: the timed inputs); None reads its file.
     """
     from elastic_export.measure.frontier import profile_frontier
     from elastic_export.measure.timing import machine
@@ -345,7 +347,7 @@ def run_quick_eval(directory: Path, manifest: Manifest, encoder, calib: str | No
     qual = quality(rt, batches, text=encoder.modality == "text")
     figures = {pair: q[QUALITY_METRIC] for pair, q in qual.items()}
     t_speed = time.time()
-    prof, runs = measure_speed(rt, speed_feeds(directory, manifest), figures)
+    prof, runs = measure_speed(rt, speed_feeds(directory, manifest, dense), figures)
     speed_s = time.time() - t_speed
     prof.frontier = profile_frontier({p: prof.rows(p) for p in prof.measured_precisions()}, figures, QUALITY_METRIC)
     save_profile(prof, directory)

@@ -86,13 +86,14 @@ def write_report_or_warn(directory: Path, out: Path, echo: Callable[[str], None]
 
 
 def quick_eval_or_warn(directory: Path, manifest: Manifest, encoder: Encoder, opts: FinishOptions,
-                       echo: Callable[[str], None]) -> Manifest:
+                       echo: Callable[[str], None], dense: onnx.ModelProto | None = None) -> Manifest:
     """Add the ``quick_eval`` entry (:mod:`elastic_export.measure.quick_eval`) to the manifest in ``directory``;
-    a failure only warns (the entry is then null): the measurements never cost the artifacts."""
+    a failure only warns (the entry is then null): the measurements never cost the artifacts. ``dense``:
+    the dense model in memory, when the caller has it (else read from its file)."""
     from elastic_export.measure.quick_eval import run_quick_eval
 
     try:
-        entry = run_quick_eval(directory, manifest, encoder, opts.calib, opts.calib_size, opts.seed, echo)
+        entry = run_quick_eval(directory, manifest, encoder, opts.calib, opts.calib_size, opts.seed, echo, dense)
     except Exception as e:  # noqa: BLE001 - a view of the artifacts, not one of them
         echo(f"warning: quick eval skipped ({type(e).__name__}: {first_line(e)})")
         entry = None
@@ -131,9 +132,10 @@ def build_manifest(encoder: Encoder, inventory: Inventory, dense: onnx.ModelProt
 
 
 def finish(tmp: Path, out: Path, manifest: Manifest, encoder: Encoder, opts: FinishOptions,
-           echo: Callable[[str], None]) -> Manifest:
+           echo: Callable[[str], None], dense: onnx.ModelProto | None = None) -> Manifest:
     """Write the manifest into ``tmp`` (shown as ``out``) and what is derived from the artifacts
-    (sentence-transformers layout, onnxruntime-optimised copies, quick eval, report); the final manifest."""
+    (sentence-transformers layout, onnxruntime-optimised copies, quick eval, report); the final manifest.
+    ``dense``: the dense model in memory (the quick eval reads its vocabulary)."""
     if opts.layout == st_layout.LAYOUT:
         manifest.sentence_transformers = write_st_layout(tmp, out, manifest, echo)
     write_manifest(tmp, manifest)
@@ -141,7 +143,7 @@ def finish(tmp: Path, out: Path, manifest: Manifest, encoder: Encoder, opts: Fin
         optimize_artifacts(tmp, update_manifest=True, echo=echo)
         manifest = Manifest.load(tmp)
     if opts.quick_eval:
-        manifest = quick_eval_or_warn(tmp, manifest, encoder, opts, echo)
+        manifest = quick_eval_or_warn(tmp, manifest, encoder, opts, echo, dense)
     if opts.report:
         write_report_or_warn(tmp, out, echo)
     return manifest
