@@ -28,24 +28,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from elastic_export.core import onnx_io
 
-_MODEL_GRAPH = 7  # ModelProto.graph
-_GRAPH_INITIALIZER = 5  # GraphProto.initializer
 _TENSOR_RAW_DATA = 9  # TensorProto.raw_data
-_LENGTH_DELIMITED = 2
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field_header(number: int, length: int) -> bytes:
-    """Tag and length of a length-delimited protobuf field."""
-    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(length)
 
 
 class TensorCache:
@@ -95,9 +78,9 @@ def _initializer_pieces(const: gs.Constant, cache: TensorCache) -> list[bytes | 
             head, raw = parts
             if const.data_location is not None:
                 head.data_location = const.data_location
-            body = [head.SerializeToString(), _field_header(_TENSOR_RAW_DATA, raw.nbytes), raw]
+            body = [head.SerializeToString(), onnx_io.field_header(_TENSOR_RAW_DATA, raw.nbytes), raw]
     size = sum(_nbytes(b) for b in body)
-    return [_field_header(_GRAPH_INITIALIZER, size)] + body
+    return [onnx_io.field_header(onnx_io.GRAPH_INITIALIZER, size)] + body
 
 
 class _DataFile:
@@ -132,7 +115,7 @@ def _external_pieces(const: gs.Constant, cache: TensorCache, data: _DataFile) ->
     if parts is None or parts[1].nbytes < onnx_io.SIZE_THRESHOLD:
         return _initializer_pieces(const, cache)
     record = data.add(*parts)
-    return [_field_header(_GRAPH_INITIALIZER, len(record)), record]
+    return [onnx_io.field_header(onnx_io.GRAPH_INITIALIZER, len(record)), record]
 
 
 def _weight_bytes(graph: gs.Graph) -> int:
@@ -180,7 +163,7 @@ def save_graph(graph: gs.Graph, skeleton: onnx.ModelProto, path: str | Path, cac
         raise ValueError(f"{path}: graph over 2 GiB even with its weights in external data")
     with open(path, "wb") as f:
         f.write(skeleton.SerializeToString())
-        f.write(_field_header(_MODEL_GRAPH, graph_size))
+        f.write(onnx_io.field_header(onnx_io.MODEL_GRAPH, graph_size))
         f.write(small)
         for p in pieces:
             f.write(p)

@@ -93,3 +93,14 @@ def test_check_accepts_an_empty_tensor_without_values():
     model.graph.initializer.append(helper.make_tensor("roi", TensorProto.FLOAT, [0], []))
     onnx.checker.check_model(model)  # onnx's own accepts it
     onnx_io.check(model)
+
+
+def test_save_writes_onnx_save_s_bytes(tmp_path):
+    """save() streams an inline model one initializer at a time: the same bytes as onnx.save."""
+    model = _model()
+    model.doc_string, model.graph.doc_string = "a model", "a graph"
+    onnx.helper.set_model_props(model, {"k": "v"})
+    model.graph.value_info.extend([helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 64])])
+    onnx.save(model, str(tmp_path / "theirs.onnx"))
+    assert onnx_io.save(model, tmp_path / "ours.onnx") is False
+    assert (tmp_path / "ours.onnx").read_bytes() == (tmp_path / "theirs.onnx").read_bytes()

@@ -24,6 +24,21 @@ PROTOBUF_LIMIT = 2**31 - 1  # bytes: one serialised ModelProto, weights inside, 
 INLINE_LIMIT = PROTOBUF_LIMIT - 2**26  # weight bytes a file keeps inline (room left for nodes and metadata)
 SIZE_THRESHOLD = 1024  # bytes: smaller tensors stay inline even in an external-data file (onnx's default)
 DATA_SUFFIX = ".data"
+MODEL_GRAPH = 7  # ModelProto.graph (protobuf field numbers)
+GRAPH_INITIALIZER = 5  # GraphProto.initializer
+_LENGTH_DELIMITED = 2
+
+
+def field_header(number: int, length: int) -> bytes:
+    """Tag and length of a length-delimited protobuf field (varints)."""
+    out, n = bytearray(), number << 3 | _LENGTH_DELIMITED
+    for value in (n, length):
+        while True:
+            byte, value = value & 0x7F, value >> 7
+            out.append(byte | (0x80 if value else 0))
+            if not value:
+                break
+    return bytes(out)
 
 
 def data_name(onnx_name: str) -> str:
@@ -81,13 +96,48 @@ def save(model: onnx.ModelProto, path: str | Path, external: bool | None = None)
     data = path.with_name(data_name(path.name))
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     if not needs_external(weight_bytes(model), external):
-        onnx.save(model, str(path))
+        write_inline(model, path)
         return False
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data.name, size_threshold=SIZE_THRESHOLD)
     load_external_data_for_model(model, str(path.parent))
     share_mode(data)
     return True
+
+
+def _split(message, at: int, skip: str):
+    """Two messages of ``message``'s type: its set fields numbered below ``at`` and above it (``skip`` left out)."""
+    from google.protobuf.message import Message
+
+    low, high = type(message)(), type(message)()
+    for f, value in message.ListFields():  # the set fields
+        if f.name == skip:
+            continue
+        dst = low if f.number < at else high
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(dst, f.name).extend(value)
+        elif isinstance(value, Message):
+            getattr(dst, f.name).CopyFrom(value)
+        else:
+            setattr(dst, f.name, value)
+    return low, high
+
+
+def write_inline(model: onnx.ModelProto, path: str | Path) -> None:
+    """``onnx.save(model, path)``, byte for byte, one initializer at a time: protobuf writes a message's
+    fields in number order, so the model is its fields before the graph, the graph (its fields before
+    the initializers, each initializer, the rest) and the fields after it. onnx's own serialises the
+    whole model into one buffer first (3 s of a 436 MB model's save in the main job; half that here)."""
+    m_low, m_high = _split(model, MODEL_GRAPH, "graph")
+    g_low, g_high = (part.SerializeToString() for part in _split(model.graph, GRAPH_INITIALIZER, "initializer"))
+    sizes = [t.ByteSize() for t in model.graph.initializer]
+    graph = len(g_low) + len(g_high) + sum(len(field_header(GRAPH_INITIALIZER, n)) + n for n in sizes)
+    with open(path, "wb") as f:
+        f.write(m_low.SerializeToString() + field_header(MODEL_GRAPH, graph) + g_low)
+        for t, n in zip(model.graph.initializer, sizes):
+            f.write(field_header(GRAPH_INITIALIZER, n))
+            f.write(t.SerializeToString())
+        f.write(g_high + m_high.SerializeToString())
 
 
 def model_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
