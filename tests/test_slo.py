@@ -163,6 +163,22 @@ def test_the_measured_latency_scales_the_service_times_and_moves_the_saturation_
     assert policy.factor(dense) == pytest.approx(1.0, rel=1e-3)
 
 
+def test_answers_from_two_load_levels_fit_the_scale_each_served_at():
+    """After a step in the load the window holds answers of both levels. Each is held against the
+    prediction at its own rate: one mean rate would put the busier level's queue on the scale
+    (the load test's first 0.6x served 0.1 for 8 s on a scale fitted that way)."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense = (0.0, "fp32")
+    _answers_at_scale(policy, now, dense, 1.2, 20.0, 40)  # 0.3x of the model's capacity
+    _answers_at_scale(policy, now, dense, 1.2, 45.0, 60)  # then 0.6x, as served at the same 1.2
+    assert policy.factor(dense) == pytest.approx(1.2, rel=1e-3)
+    f = policy.service.affine(dense)
+    mean_rate = (40 * 20.0 + 60 * 45.0) / 100  # what one mean rate reads: the busier level's median
+    at_mean = slo.predict_quantile_ms(slo.Affine(f.a * 1.2, f.c * 1.2), mean_rate, slo.CORRECTION_QUANTILE)
+    assert slo.predict_quantile_ms(slo.Affine(f.a * 1.2, f.c * 1.2), 45.0, slo.CORRECTION_QUANTILE) > at_mean
+
+
 def test_the_time_outside_the_budget_model_is_added_once_not_scaled():
     """Answers that spend what the bare model predicts in the budget model plus 12 ms elsewhere: the
     scale stays 1 (a scale fitted to the whole latency would read 12 ms at a light load as a slower

@@ -33,11 +33,12 @@ Everything here is plain Python with an injected clock (the Triton router only c
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 Pair = Tuple[float, str]
 DEFAULT_QUANTILE = 0.99
@@ -195,9 +196,9 @@ def predict_quantile_ms(service: Affine, rate: float, quantile: float = DEFAULT_
 
 class ServiceScale:
     """How much slower than the service model the server serves a pair: the factor ``s`` on its
-    ``S(n)`` (``a`` and ``c`` alike) under which :func:`predict_quantile_ms` at ``quantile`` and the
-    answers' mean arrival rate equals the measured quantile of the last ``size`` answers within
-    ``horizon_s``; ``s`` within ``bounds``, 1 until ``min_samples`` answers are in.
+    ``S(n)`` (``a`` and ``c`` alike) under which :func:`predict_quantile_ms` at ``quantile``, each answer at
+    the rate it arrived at, leaves a share ``1 - quantile`` of the last ``size`` answers within ``horizon_s``
+    above it; ``s`` within ``bounds``, 1 until ``min_samples`` answers are in.
 
     A scale on the service time, not a factor on the predicted latency: what the model leaves out (the
     server's, the router's and the clients' costs per request on the same cores) slows every batch, so
@@ -232,20 +233,31 @@ class ServiceScale:
             self.factor = self._fit(service)
 
     def _fit(self, service: Affine) -> float:
-        target = quantile_of([m for _, m, _ in self._answers], self.quantile)
-        rate = sum(r for _, _, r in self._answers) / len(self._answers)
+        """The scale under which a share ``1 - quantile`` of the answers took longer than the predicted
+        ``quantile`` at the rate each arrived at (rates binned to 1 row/s): answers from before and after a
+        step in the load each meet the queue of their own rate, where one mean rate would put the convex
+        queueing curve's cost of the busier ones on the scale."""
+        by_rate: Dict[int, List[float]] = {}
+        for _, m, r in self._answers:
+            by_rate.setdefault(round(r), []).append(m)
+        for ms in by_rate.values():
+            ms.sort()
+        allowed = (1 - self.quantile) * len(self._answers)
 
-        def predicted(scale: float) -> float:
-            return predict_quantile_ms(Affine(service.a * scale, service.c * scale), rate, self.quantile)
+        def too_slow(scale: float) -> bool:  # more answers above their prediction than the quantile allows
+            f = Affine(service.a * scale, service.c * scale)
+            over = sum(len(ms) - bisect.bisect_right(ms, predict_quantile_ms(f, r, self.quantile))
+                       for r, ms in by_rate.items())
+            return over > allowed
 
         lo, hi = self.bounds
-        if predicted(lo) >= target:
+        if not too_slow(lo):
             return lo
-        if predicted(hi) <= target:
+        if too_slow(hi):
             return hi
-        for _ in range(30):  # the prediction grows with the scale: bisection
+        for _ in range(16):  # fewer answers above as the scale grows: bisection (to 1e-4 of the bounds)
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+            lo, hi = (mid, hi) if too_slow(mid) else (lo, mid)
         return (lo + hi) / 2
 
     def ready(self, now: Optional[float] = None) -> bool:
