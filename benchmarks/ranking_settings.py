@@ -47,11 +47,11 @@ def measure(name: str, overrides: dict, work: Path, encoder, inventory, pairs: l
     """Rank with ``overrides`` on the default ElasticConfig / Options, export, evaluate; one result row."""
     d = work / name
     d.mkdir(parents=True, exist_ok=True)
-    main = {f.name for f in fields(Options)}  # the main job's (seed: calibration, projections, batch order)
+    job = {f.name for f in fields(Options)}  # the main job's (seed: calibration, projections, batch order)
     opts = Options(model=model, budgets=BUDGETS, out=str(d / "art"), overwrite=True, verify=False, elastic_graph=False,
                    quick_eval=False, report=False,
-                   elastic=ElasticConfig(**{k: v for k, v in overrides.items() if k not in main}),
-                   **{k: v for k, v in overrides.items() if k in main})
+                   elastic=ElasticConfig(**{k: v for k, v in overrides.items() if k not in job}),
+                   **{k: v for k, v in overrides.items() if k in job})
     t0 = time.perf_counter()
     ranking = rank_encoder(encoder, inventory, opts, echo=lambda s: print(s, file=sys.stderr))
     seconds = time.perf_counter() - t0
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(n not in have for n, _ in todo):
         encoder = load_encoder(a.model)
         inventory, pairs = build_inventory(encoder), heldout_pairs(a.pairs or 10**9)
-        done.update(model=encoder.source, pairs=len(pairs))
+        done.update(model=Path(str(encoder.source)).name, pairs=len(pairs))  # a local model: its folder's name
         for name, overrides in todo:
             if name not in have:
                 done["rows"].append(measure(name, overrides, Path(a.work) / (a.name or "minilm"), encoder,

@@ -288,7 +288,7 @@ def slice_model(dense: onnx.ModelProto, heads: list[int], neurons: list[int], na
     del out.graph.value_info[:]
     set_units(out, _sliced_units(ctx))
     if full_check:
-        onnx_io.infer_shapes(onnx_io.weightless(out), strict_mode=True)  # raises on inconsistent shapes
+        onnx.shape_inference.infer_shapes(onnx_io.weightless(out), strict_mode=True)  # raises on inconsistent shapes
     return out
 
 

@@ -339,7 +339,7 @@ def _drop_empty_inputs(model: onnx.ModelProto) -> None:
     g = model.graph
     if not any(0 in t.dims for t in g.initializer):
         return
-    dims = _static_dims(onnx_io.infer_shapes(onnx_io.weightless(model)))
+    dims = _static_dims(onnx.shape_inference.infer_shapes(onnx_io.weightless(model)))
     for n in g.node:
         if n.op_type != "Concat":
             continue
