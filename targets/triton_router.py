@@ -366,8 +366,9 @@ class SloRouting:
         pair = (budget, self.precision)
         others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
         ok, ms, raw = self.policy.admit(pair, rows, ahead, others)
-        if (ahead > 0 or others) and (not ok or waited_ms + self.policy.request_ms(pair, rows, 0) > self.policy.slo_ms):
-            raise Overload(f"overloaded: predicted {max(ms, waited_ms):.0f} ms at sparsity {budget:g} exceeds the SLO "
+        behind = waited_ms + self.policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
+        if (ahead > 0 or others) and (not ok or behind > self.policy.slo_ms):
+            raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
                            f"of {self.policy.slo_ms:g} ms; retry later", "overload")
         return raw
 
@@ -751,6 +752,8 @@ class TritonPythonModel:
                                "queue_full")
             if self.routing is not None and job.budget is not None:
                 self._admit(job)
+            elif self.routing is not None:  # rows at several budgets: not admitted by prediction, still load
+                self.routing.policy.entered(job.batch)
             job.inline = (self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
                           and (self.routing is None or self.routing.light(job.budget)))
             self.monitor.arrive(job.budget, job.batch)
@@ -771,7 +774,7 @@ class TritonPythonModel:
                     raise
                 continue
             job.served, job.budget = [budget] * job.batch, budget
-            job.rate = self.routing.rate()
+            job.rate = self.routing.policy.entered(job.batch)
             return
 
     def _accept(self, request: Any) -> _Job:

@@ -179,6 +179,35 @@ def test_answers_from_two_load_levels_fit_the_scale_each_served_at():
     assert slo.predict_quantile_ms(slo.Affine(f.a * 1.2, f.c * 1.2), 45.0, slo.CORRECTION_QUANTILE) > at_mean
 
 
+def test_answers_in_an_overload_are_held_against_the_rate_admitted_not_offered():
+    """Offered at 3x the pair's capacity, the admission lets 70 % of its capacity in: the answers' queue
+    formed at the admitted rate, which :meth:`SloPolicy.entered` measures, and the scale fits the true
+    1.2. Held against the offered rate, where every prediction is infinite, no answer is above its
+    prediction and the scale falls to its lower bound (a 3x burst then served 0.4 where only 0.6 could
+    carry the admitted load)."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    pair = (0.6, "fp32")
+    f = policy.service.affine(pair)
+    scaled = slo.Affine(f.a * 1.2, f.c * 1.2)
+    capacity = 1e3 / scaled.c
+    offered, admitted = 3 * capacity, 0.7 * capacity
+    ms = slo.predict_quantile_ms(scaled, admitted, slo.CORRECTION_QUANTILE)
+    naive = slo.ServiceScale(clock=lambda: now[0])
+    credit = 0.0
+    for _ in range(int(4 * offered)):  # 4 s, evenly spaced
+        now[0] += 1 / offered
+        policy.rate.arrive(now[0])
+        credit += admitted / offered
+        if credit >= 1:  # this one admitted
+            credit -= 1
+            policy.answered(ms, policy.entered(1, now[0]), pair)
+            naive.add(ms, policy.rate.rate(now[0]), f)
+    assert policy.admitted_rate.rate(now[0]) == pytest.approx(admitted, rel=0.02)
+    assert policy.factor(pair) == pytest.approx(1.2, rel=0.03)
+    assert naive.factor == naive.bounds[0]
+
+
 def test_the_time_outside_the_budget_model_is_added_once_not_scaled():
     """Answers that spend what the bare model predicts in the budget model plus 12 ms elsewhere: the
     scale stays 1 (a scale fitted to the whole latency would read 12 ms at a light load as a slower

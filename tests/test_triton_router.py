@@ -405,8 +405,9 @@ def test_slo_routing_refuses_a_request_predicted_to_miss_the_slo_behind_the_rows
     assert routing.admit(0.0, 1, ahead=0) == pytest.approx(10.0)  # nothing ahead: it runs, whatever its size
     assert routing.admit(0.0, 100, ahead=0) > 250
     routing.admit(0.0, 1, ahead=10)  # 2 x a + 10 x c + its own: 110 ms
-    with pytest.raises(triton_router.Overload):  # the oldest of those 10 has waited 245 ms already: measured
+    with pytest.raises(triton_router.Overload) as err:  # the oldest of those 10 has waited 245 ms already: measured
         routing.admit(0.0, 1, ahead=10, waited_ms=245.0)
+    assert "predicted 255 ms" in str(err.value)  # its wait so far and its own run, not the wait alone
     with pytest.raises(triton_router.Overload, match="exceeds the SLO of 250 ms") as err:
         routing.admit(0.0, 1, ahead=30)
     assert err.value.reason == "overload"

@@ -14,13 +14,13 @@ Everything here is plain Python with an injected clock (the Triton router only c
   probability ``min(1, λT)``, then waits for a residual uniform on ``[0, T]``, and its own batch holds
   ``Poisson(λT)`` other rows at that quantile.
 * :class:`ServiceScale`: what the server observes refreshes the model: per budget, the factor on its
-  service times under which the model's median at the observed rate equals the measured median of its
-  recent answers (clamped; the median rather than the SLO's own quantile, which a few hundred answers
-  estimate too noisily and a burst of late answers would swing for seconds): what the model leaves out
-  (the server's and the clients' own costs on shared cores, a slower machine) is measured, not
-  guessed, and it moves the load at which a budget saturates too. Answers older than 10 s are
-  forgotten, and a budget not served for 2 s takes the scale of the one served now (not its own, from
-  a spike).
+  service times under which the model's median at the admitted rate (the queue forms from the requests
+  admitted, not from those refused) equals the measured median of its recent answers (clamped; the
+  median rather than the SLO's own quantile, which a few hundred answers estimate too noisily and a
+  burst of late answers would swing for seconds): what the model leaves out (the server's and the
+  clients' own costs on shared cores, a slower machine) is measured, not guessed, and it moves the load
+  at which a budget saturates too. Answers older than 10 s are forgotten, and a budget not served for
+  2 s takes the scale of the one served now (not its own, from a spike).
 * :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
@@ -367,6 +367,7 @@ class SloPolicy:
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
         clock = clock or self.rate.clock
+        self.admitted_rate = RateEstimator(self.rate.window_s, self.rate.short_s, self.rate.sigmas, clock=clock)
         self.scales: Dict[Pair, ServiceScale] = {p: ServiceScale(clock=clock) for p in self.pairs}
         self.fallback_scale = 1.0  # the latest scale fitted to any pair
         self.recent: Deque[float] = deque(maxlen=200)  # the latest answers' latencies (ms), every pair
@@ -457,15 +458,24 @@ class SloPolicy:
         ms = self.admission.ms(raw, self.factor(pair))
         return ms <= self.slo_ms, ms, raw
 
+    def entered(self, rows: int, now: Optional[float] = None) -> float:
+        """An admitted request of ``rows``; the rate of admitted rows (rows/s), which is what to give
+        :meth:`answered` for it. Its queue forms from the requests admitted, not from those offered: past
+        capacity the admission refuses the excess, and held against the offered rate, where every pair's
+        prediction is infinite, no answer is above its prediction and the service scale falls to its
+        lower bound (measured: a 3x burst then served 0.4 where only 0.6 could carry the admitted load)."""
+        self.admitted_rate.arrive(now, rows)
+        return self.admitted_rate.rate(now)
+
     def admitted(self, measured_ms: float, raw_ms: float) -> None:
         """An admitted request's measured latency against its uncorrected admission prediction."""
         self.admission.add(measured_ms, raw_ms)
 
     def answered(self, measured_ms: float, rate: float, pair: Optional[Pair] = None,
                  model_ms: Optional[float] = None) -> None:
-        """An answered request's latency (ms) at ``pair``, the arrival rate it arrived at, and (when
-        known) the part of it spent in the budget model (queue and run, ``model_ms``): the scale is
-        fitted to that part, the rest is :meth:`overhead_ms`."""
+        """An answered request's latency (ms) at ``pair``, the admitted rate it arrived at
+        (:meth:`entered`), and (when known) the part of it spent in the budget model (queue and run,
+        ``model_ms``): the scale is fitted to that part, the rest is :meth:`overhead_ms`."""
         self.recent.append(measured_ms)
         if model_ms is not None:
             self.overheads.append(max(0.0, measured_ms - model_ms))
