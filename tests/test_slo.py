@@ -80,8 +80,19 @@ def test_rate_estimator_window_and_steps():
         now[0] = 2 + i / 160
         est.arrive()
     assert est.rate() == pytest.approx(160, rel=0.05)
+    for i in range(80, 320):  # 160/s for 2 s in all
+        now[0] = 2 + i / 160
+        est.arrive()
+    for i in range(1, 21):  # a step down to 40/s: within half a second the estimate follows
+        now[0] = 4 + i / 40
+        est.arrive()
+    assert est.rate() < 60
+    for i in range(21, 60):
+        now[0] = 4 + i / 40
+        est.arrive()
+    assert est.rate() == pytest.approx(40, rel=0.05)
     now[0] += 1.0  # silence: the estimate falls at once
-    assert est.rate() < 40
+    assert est.rate() < 20
     est.arrive(rows=8)  # a request of 8 rows counts as 8
     assert est.rate() >= 8 / 2.0
 
@@ -105,6 +116,19 @@ def test_a_step_up_goes_sparse_within_a_second_and_a_step_down_returns_to_dense_
     assert min(during) > 0.0 and np.mean([s >= 0.3 for s in during]) > 0.9  # 1.4x: only the sparse half keeps up
     dense_again = next(t for t, s in decisions if t >= 20.0 and all(x == 0.0 for u, x in decisions if u >= t))
     assert dense_again - 20.0 < 3.0
+
+
+def test_a_step_down_in_the_load_lifts_the_dwell():
+    """From 1.4x to 0.6x: the first move denser comes with the detected step, not a dwell after the last
+    switch (a detected step is not noise), so the walk back to dense is one dwell shorter."""
+    walks = []
+    for seed in range(4):
+        now = [0.0]
+        policy = _policy(lambda: now[0])
+        decisions = _run(policy, now, [(0.3 * 71, 10.0), (1.4 * 71, 10.0), (0.6 * 71, 10.0)], seed=seed)
+        walks.append(next(t for t, s in decisions if t >= 20.0 and all(x == 0.0 for u, x in decisions if u >= t)) - 20)
+        assert policy.rate.fell_at > 20.0
+    assert np.mean(walks) < 1.7, walks  # with the dwell after each switch: 2.2 s on these seeds
 
 
 def test_served_budget_is_the_densest_that_meets_the_slo():

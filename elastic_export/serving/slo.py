@@ -6,8 +6,8 @@ Everything here is plain Python with an injected clock (the Triton router only c
 * :class:`ServiceModel`: service time of a batch of ``n`` rows at a pair, ``S(n) = a + c·n`` ms, fitted
   from measurements at two or more batch sizes (the router measures its budgets at start-up on the
   serving machine, or reads the directory's latency profile).
-* :class:`RateEstimator`: the arrival rate over a sliding window (2 s), where a short window (0.5 s)
-  takes over once it differs from the long one by more than Poisson noise (a step in the load).
+* :class:`RateEstimator`: the arrival rate since the load last changed (a two-sample Poisson test on the
+  last 0.5 s and its first half against what came before), over at most a sliding window (2 s).
 * :func:`predict_quantile_ms`: the latency quantile of a dynamic-batching server with Poisson arrivals
   (a bulk-service queue): in steady state each batch holds the arrivals of the previous cycle, so a
   cycle lasts ``T = a / (1 - λc)`` (stable only while ``λc < 1``); an arrival finds the server busy with
@@ -135,12 +135,21 @@ class ServiceModel:
 
 
 class RateEstimator:
-    """Rows arriving per second over a sliding window, with a fast path for steps.
+    """Rows arriving per second since the load last changed, over at most a sliding window.
+
+    The estimate counts the rows since the *origin*: the window's start, or the latest detected step
+    in the load, whichever is later. A step is detected when the last ``short_s`` (or its first half,
+    for a sudden step) holds a rate that differs from the one before it, since the origin, by more than
+    ``sigmas`` standard deviations of the two Poisson counts; the origin then moves to that window's
+    start. So a step, up or down, moves the estimate within about half a second, and the estimate then
+    grows more stable as the new load lasts, where a window that straddles the step would mix both
+    loads for its whole length (measured: a step from 1.4x down to 0.6x took the two-second window
+    1.8 s to follow).
 
     Args:
-        window_s: the long window (stable at a constant load).
-        short_s: the short window, used when its count is outside the long rate's Poisson band.
-        sigmas: the band's width in standard deviations.
+        window_s: the longest window (stable at a constant load).
+        short_s: the test window (and its first half).
+        sigmas: the test's threshold in standard deviations.
         clock: seconds (monotonic).
     """
 
@@ -148,38 +157,60 @@ class RateEstimator:
                  clock: Optional[Callable[[], float]] = None) -> None:
         self.window_s, self.short_s, self.sigmas = window_s, short_s, sigmas
         self.clock = clock or time.monotonic
-        self._arrivals: Deque[Tuple[float, int]] = deque()
-        self._rows = 0
-        self._start: Optional[float] = None
+        self._times: List[float] = []  # arrival times, oldest first, from self._head on
+        self._cum: List[int] = []  # rows up to and including each arrival
+        self._head = 0
+        self._origin: Optional[float] = None
+        self.fell_at = -math.inf  # when a step down in the load was last detected
 
     def arrive(self, now: Optional[float] = None, rows: int = 1) -> None:
         now = self.clock() if now is None else now
-        if self._start is None:
-            self._start = now
-        self._arrivals.append((now, rows))
-        self._rows += rows
+        if self._origin is None:
+            self._origin = now
+        self._times.append(now)
+        self._cum.append((self._cum[-1] if self._cum else 0) + rows)
         self._trim(now)
 
     def _trim(self, now: float) -> None:
-        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
-            self._rows -= self._arrivals.popleft()[1]
+        self._head = bisect.bisect_left(self._times, now - self.window_s, self._head)
+        if self._head > 4096:  # drop what the window left behind
+            del self._times[:self._head], self._cum[:self._head]
+            self._head = 0
+
+    def _rows_since(self, t: float) -> int:
+        """Rows that arrived at or after ``t`` (within the window)."""
+        if not self._cum:
+            return 0
+        i = bisect.bisect_left(self._times, t, self._head)
+        return self._cum[-1] - (self._cum[i - 1] if i > 0 else 0)
+
+    def _stepped(self, now: float, origin: float, width: float) -> bool:
+        """Whether the rows of the last ``width`` s arrived at a rate other than those between ``origin``
+        and it (a two-sample test on Poisson counts; the earlier part at least ``short_s`` long)."""
+        before_s = now - width - origin
+        if before_s < self.short_s:
+            return False
+        recent = self._rows_since(now - width)
+        before = self._rows_since(origin) - recent
+        var = max(recent, 1) / width ** 2 + max(before, 1) / before_s ** 2
+        if abs(recent / width - before / before_s) <= self.sigmas * math.sqrt(var):
+            return False
+        if recent / width < before / before_s:
+            self.fell_at = now
+        return True
 
     def rate(self, now: Optional[float] = None) -> float:
-        """The estimate (rows/s): the long window's, or the short one's after a step."""
+        """The estimate (rows/s) since the latest step or over the window (class docstring)."""
         now = self.clock() if now is None else now
-        self._trim(now)
-        if self._start is None:
+        if self._origin is None:
             return 0.0
-        long_rate = self._rows / min(self.window_s, max(now - self._start, self.short_s))
-        short = 0
-        for t, rows in reversed(self._arrivals):
-            if t < now - self.short_s:
+        self._trim(now)
+        origin = max(self._origin, now - self.window_s)
+        for width in (self.short_s / 2, self.short_s):
+            if self._stepped(now, origin, width):
+                self._origin = origin = now - width
                 break
-            short += rows
-        expected = long_rate * self.short_s
-        if abs(short - expected) > self.sigmas * math.sqrt(max(expected, 1.0)) + 1:
-            return short / self.short_s
-        return long_rate
+        return self._rows_since(origin) / max(now - origin, self.short_s / 2)
 
 
 def predict_quantile_ms(service: Affine, rate: float, quantile: float = DEFAULT_QUANTILE) -> float:
@@ -338,8 +369,10 @@ class SloPolicy:
         quantile: which quantile (0.99: p99).
         margin: fraction of the SLO a prediction must leave free.
         hysteresis: extra fraction a pair better than the current one must leave free.
-        dwell_s: a better pair only once the current one has served this long (seconds; going to a
-            faster pair is never delayed).
+        dwell_s: a better pair only once the current one has served this long, or the load has
+            stepped down since it was chosen (:attr:`RateEstimator.fell_at`: a detected step is not the
+            noise the dwell keeps from flapping the choice) (seconds; going to a faster pair is never
+            delayed).
         max_step: a move to a better pair goes at most this many pairs up the list, except to a pair
             whose own scale is current (:meth:`ServiceScale.ready`): the others are predicted with the
             served pair's scale, which understates a denser pair's per-request costs, so it steps up and
@@ -413,7 +446,8 @@ class SloPolicy:
         usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
         rank = {p: i for i, p in enumerate(usable)}
         here = rank.get(self.current, len(usable))
-        if now - self.switched_at < self.dwell_s and self.current in rank:
+        fell = getattr(self.rate, "fell_at", -math.inf) > self.switched_at
+        if now - self.switched_at < self.dwell_s and not fell and self.current in rank:
             usable, here = usable[here:], 0  # too soon to go denser
         chosen, predicted = None, math.inf
         for i, p in enumerate(usable):
