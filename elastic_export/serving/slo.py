@@ -7,7 +7,7 @@ Everything here is plain Python with an injected clock (the Triton router only c
   from measurements at two or more batch sizes (the router measures its budgets at start-up on the
   serving machine, or reads the directory's latency profile).
 * :class:`RateEstimator`: the arrival rate since the load last changed (a two-sample Poisson test on the
-  last 0.5 s and its first half against what came before), over at most a sliding window (2 s).
+  last 0.5 s and its latest half against what came before), over at most a sliding window (2 s).
 * :func:`predict_quantile_ms`: the latency quantile of a dynamic-batching server with Poisson arrivals
   (a bulk-service queue): in steady state each batch holds the arrivals of the previous cycle, so a
   cycle lasts ``T = a / (1 - λc)`` (stable only while ``λc < 1``); an arrival finds the server busy with
@@ -138,7 +138,7 @@ class RateEstimator:
     """Rows arriving per second since the load last changed, over at most a sliding window.
 
     The estimate counts the rows since the *origin*: the window's start, or the latest detected step
-    in the load, whichever is later. A step is detected when the last ``short_s`` (or its first half,
+    in the load, whichever is later. A step is detected when the last ``short_s`` (or its latest half,
     for a sudden step) holds a rate that differs from the one before it, since the origin, by more than
     ``sigmas`` standard deviations of the two Poisson counts; the origin then moves to that window's
     start. So a step, up or down, moves the estimate within about half a second, and the estimate then
@@ -148,7 +148,7 @@ class RateEstimator:
 
     Args:
         window_s: the longest window (stable at a constant load).
-        short_s: the test window (and its first half).
+        short_s: the test window (and its latest half).
         sigmas: the test's threshold in standard deviations.
         clock: seconds (monotonic).
     """
@@ -186,7 +186,8 @@ class RateEstimator:
 
     def _stepped(self, now: float, origin: float, width: float) -> bool:
         """Whether the rows of the last ``width`` s arrived at a rate other than those between ``origin``
-        and it (a two-sample test on Poisson counts; the earlier part at least ``short_s`` long)."""
+        and it (a two-sample test on Poisson counts; the earlier part at least ``short_s`` long); a step
+        down also sets :attr:`fell_at`."""
         before_s = now - width - origin
         if before_s < self.short_s:
             return False
@@ -446,7 +447,7 @@ class SloPolicy:
         usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
         rank = {p: i for i, p in enumerate(usable)}
         here = rank.get(self.current, len(usable))
-        fell = getattr(self.rate, "fell_at", -math.inf) > self.switched_at
+        fell = self.rate.fell_at > self.switched_at
         if now - self.switched_at < self.dwell_s and not fell and self.current in rank:
             usable, here = usable[here:], 0  # too soon to go denser
         chosen, predicted = None, math.inf
