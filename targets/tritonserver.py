@@ -200,14 +200,17 @@ class TritonServer:
         args: extra ``tritonserver`` arguments.
         open_control: leave the model-repository API (load / unload / index) open to every client;
             by default it answers only requests with :meth:`control_headers` (HTTP 403 otherwise).
+
+    ``scratch``: a temporary folder for the backends copy (and the default log), removed by
+    :meth:`stop`, or by the watchdog when this process dies without stopping the server.
     """
 
     def __init__(self, repository: str | Path, host: str = "127.0.0.1", port: int = 8000, log: str | Path | None = None,
                  args: Sequence[str] = (), open_control: bool = False):
         self.repository, self.host, self.port = Path(repository), host, int(port)
         self.install = find_server()
-        self._work = Path(tempfile.mkdtemp(prefix="elastic-export-triton."))
-        self.log_path = Path(log) if log else self._work / "server.log"
+        self.scratch = Path(tempfile.mkdtemp(prefix="elastic-export-triton."))
+        self.log_path = Path(log) if log else self.scratch / "server.log"
         self.args, self.process = list(args), None
         self._watchdog: subprocess.Popen | None = None
         self.secret = None if open_control else secrets.token_urlsafe(24)
@@ -256,7 +259,7 @@ class TritonServer:
         check_ports(self.host, self.port)
         env = server_env(self.install)
         check_stub_python(env)
-        backends = backend_dir(self.install, self._work / "backends")
+        backends = backend_dir(self.install, self.scratch / "backends")
         log = open(self.log_path, "ab")
         # Ctrl-C / SIGTERM held back until the process is recorded: one that lands inside Popen would
         # leave a server nobody knows the pid of (seen in a test); the child gets them unblocked.
@@ -265,7 +268,7 @@ class TritonServer:
             self.process = subprocess.Popen(self.command(backends, load), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=_child_setup(threading.current_thread() is threading.main_thread()))
-            self._watchdog = _start_watchdog(self.process.pid)
+            self._watchdog = _start_watchdog(self.process.pid, self.scratch)
         finally:
             log.close()
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
@@ -400,10 +403,7 @@ class TritonServer:
                     code = p.wait(10)
             _signal_group(p.pid, signal.SIGKILL)  # stubs left in the group, if any
         self._stop_watchdog()
-        if self.log_path.parent == self._work:
-            shutil.rmtree(self._work, ignore_errors=True)
-        else:
-            shutil.rmtree(self._work / "backends", ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)  # the backends copy, and the log unless it was given
         return code
 
     def _stop_watchdog(self) -> None:
@@ -449,18 +449,21 @@ def _child_setup(die_with_parent: bool) -> Callable[[], None]:
 
 
 # The watchdog: blocks on its stdin, a pipe only this process writes to; at EOF (this process ended,
-# however: even SIGKILL) it kills the server's process group (the server and its Python backend stubs).
-_WATCHDOG = ("import os, signal, sys\n"
+# however: even SIGKILL) it kills the server's process group (the server and its Python backend stubs)
+# and removes the server's scratch folder (the backends copy, the default log).
+_WATCHDOG = ("import os, shutil, signal, sys\n"
              "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
              "sys.stdin.buffer.read()\n"
-             "try:\n    os.killpg(int(sys.argv[1]), signal.SIGKILL)\nexcept OSError:\n    pass\n")
+             "try:\n    os.killpg(int(sys.argv[1]), signal.SIGKILL)\nexcept OSError:\n    pass\n"
+             "shutil.rmtree(sys.argv[2], ignore_errors=True)\n")
 
 
-def _start_watchdog(server_pid: int) -> subprocess.Popen:
-    """A process of its own session that kills ``server_pid``'s group once this process is gone: the
-    stubs outlive a killed server otherwise (most exit about 2 s after it, the router's stub was seen
-    to stay), and PR_SET_PDEATHSIG reaches only the server, and only from the main thread."""
-    return subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(server_pid)], stdin=subprocess.PIPE,
+def _start_watchdog(server_pid: int, scratch: Path) -> subprocess.Popen:
+    """A process of its own session that kills ``server_pid``'s group and removes ``scratch`` once this
+    process is gone: the stubs outlive a killed server otherwise (most exit about 2 s after it, the
+    router's stub was seen to stay), and PR_SET_PDEATHSIG reaches only the server, and only from the
+    main thread."""
+    return subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(server_pid), str(scratch)], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

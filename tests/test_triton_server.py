@@ -697,7 +697,7 @@ def test_the_router_does_not_load_in_front_of_a_missing_budget_model(minilm_smal
     build_repository(d, platform="python", kind="cpu")
     cfg = d / "triton" / "elastic" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace('"300.0"', '"2.0"'))  # the router's wait for its budget models
-    server = TS.TritonServer(d / "triton", port=TS.free_port_block())
+    server = TS.TritonServer(d / "triton", port=TS.free_port_block(), log=tmp_path / "server.log")
     try:
         server.start(load=["elastic_s000", "elastic_s010"])
         server.wait_ready(READY_S, models=["elastic_s000", "elastic_s010"])
@@ -708,6 +708,7 @@ def test_the_router_does_not_load_in_front_of_a_missing_budget_model(minilm_smal
         pid = server.process.pid if server.process else None
         server.stop()
     assert pid is None or not _group_alive(pid)
+    assert not server.scratch.exists() and (tmp_path / "server.log").is_file(), "stop() leaves its scratch folder only"
 
 
 # --- the stub's environment ------------------------------------------------------------------------
@@ -950,6 +951,7 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
     server = p.server_pid
     stubs = [pid for pids in TS.stubs_of(server).values() for pid in pids]
     watchdog = [c for c in TS.children(p.pid) if c != server]
+    scratch = Path(next(a for a in TS.cmdline(server) if a.startswith("--backend-directory=")).split("=", 1)[1]).parent
     try:
         t = load_manifest(served["dir"])["triton"]
         assert server is not None and sorted(TS.stubs_of(server)) == sorted([t["router"], t["search"]["name"],
@@ -960,6 +962,7 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
         assert not _gone([server], 10), "tritonserver outlived a serve killed by SIGKILL"
         assert not _gone(stubs, 10), "a stub outlived serve"
         assert not _gone(watchdog, 10), "the watchdog outlived what it guards"
+        assert scratch.name.startswith("elastic-export-triton.") and not scratch.exists(), "the server's scratch was left"
     finally:
         stop_process(p)
         if server is not None and _group_alive(server):
