@@ -357,6 +357,32 @@ def _drop_empty_inputs(model: onnx.ModelProto) -> None:
         g.initializer.remove(t)
 
 
+def _state_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters and buffers (shared tensors once)."""
+    seen = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _torch_export(args: tuple, kw: dict, scratch_parent: Path, nbytes: int) -> onnx.ModelProto:
+    """``torch.onnx.export`` of ``args`` (module, inputs) with ``kw``, read back as a ``ModelProto``: in
+    memory while the weights' ``nbytes`` are below half of :data:`onnx_io.INLINE_LIMIT` (a 436 MB model
+    written to disk and parsed back from it cost 2-3 s more; the half leaves room for constants folded
+    from the weights), else through a folder of its own (torch writes a model over 2 GiB as one file per
+    weight)."""
+    import io
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            if 2 * nbytes < onnx_io.INLINE_LIMIT:
+                buffer = io.BytesIO()
+                torch.onnx.export(*args, buffer, **kw)
+                return onnx.load_from_string(buffer.getvalue())
+            with tempfile.TemporaryDirectory(prefix=".export.", dir=scratch_parent) as tmp:
+                torch.onnx.export(*args, str(Path(tmp) / "model.onnx"), **kw)
+                return onnx.load(str(Path(tmp) / "model.onnx"))
+
+
 def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path, external: bool | None = None) -> onnx.ModelProto:
     """Export the rank-permuted dense model to ``path`` (opset 17, dynamic batch / sequence).
 
@@ -376,17 +402,10 @@ def export_dense(encoder: Encoder, ranking: Ranking, path: str | Path, external:
     for o in outputs:
         dynamic[o] = {0: "batch", 1: "sequence"} if (encoder.modality == "text" and o == "last_hidden_state") else {0: "batch"}
     path = Path(path)
-    # torch writes a model over 2 GiB as one file per weight beside the .onnx: a folder of its own
-    with tempfile.TemporaryDirectory(prefix=".export.", dir=path.parent) as tmp:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.no_grad():
-                torch.onnx.export(
-                    wrapper, tuple(feeds[s.name] for s in specs), str(Path(tmp) / "model.onnx"),
-                    input_names=[s.name for s in specs], output_names=outputs, dynamic_axes=dynamic,
-                    opset_version=OPSET, do_constant_folding=True, dynamo=False,
-                )
-        model = onnx.load(str(Path(tmp) / "model.onnx"))
+    args = (wrapper, tuple(feeds[s.name] for s in specs))
+    kw = dict(input_names=[s.name for s in specs], output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
+              do_constant_folding=True, dynamo=False)
+    model = _torch_export(args, kw, path.parent, _state_bytes(module))
     _drop_empty_inputs(model)
     layers = _unit_map(model, module)
     del model.graph.value_info[:]
