@@ -19,8 +19,9 @@ Imports neither torch nor anything that does: the runtime must work on a box wit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -261,7 +262,6 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
         tensor; only tensors that at least two files hold identically (name, type, shape, bytes).
     """
     import onnxruntime as ort
-    from onnx import numpy_helper
 
     count: dict[tuple, int] = {}
     values: dict[tuple, Any] = {}
@@ -273,11 +273,11 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
         candidates = _share_candidates(path, min_bytes)
         if candidates is None:  # not ONNX: shares nothing; make_session reports it
             continue
-        for key, tensor, size in candidates:
+        for key, load, size in candidates:
             keys[key[0]] = key
             count[key] = count.get(key, 0) + 1
             if count[key] == 2:  # a second file has it: keep one copy, from this file
-                values[key] = ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(tensor))
+                values[key] = ort.OrtValue.ortvalue_from_numpy(load())
             if len(per_file) == 1:
                 first_total += size
         del candidates
@@ -286,33 +286,48 @@ def shared_initializers(paths: Sequence[str | Path], min_bytes: int = SHARE_MIN_
     return [{name: values[key] for name, key in keys.items() if key in values} for keys in per_file]
 
 
-def _share_candidates(path: str | Path, min_bytes: int) -> list[tuple[tuple, Any, int]] | None:
+def _share_candidates(path: str | Path, min_bytes: int) -> list[tuple[tuple, Callable[[], Any], int]] | None:
     """The initializers of one ONNX file that :func:`shared_initializers` may share: (key: name, type,
-    shape, digest of the bytes; the tensor; its size in bytes) each; None when the file is not ONNX."""
+    shape, digest of the bytes; a loader of the tensor; its size in bytes) each; None when the file is not
+    ONNX. The file is mapped, not parsed (:mod:`elastic_export.core.onnx_scan`): only the bytes of these
+    tensors are read (hashed in place), and read again only for the tensors another file holds too."""
     import hashlib
 
     import onnx
 
+    from elastic_export.core.onnx_scan import MappedModel, ScanError
+
     try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # not ONNX
-        return None
-    packed = {i for n in model.graph.node if n.op_type in PREPACKED_OPS for i in n.input}
+        mapped = MappedModel(path)
+    except (OSError, ScanError, UnicodeDecodeError):
+        return None  # not ONNX (or unreadable: make_session reports it)
     out = []
-    for t in model.graph.initializer:
-        if t.name in packed or t.data_location == onnx.TensorProto.EXTERNAL:
-            continue
-        try:
-            size = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        except Exception:  # a type numpy has no dtype for: leave it
-            continue
-        if size < max(min_bytes, 1):
-            continue
-        raw = t.raw_data  # a copy per access: read once
-        if not raw:
-            continue
-        out.append(((t.name, t.data_type, tuple(t.dims), hashlib.sha1(raw, usedforsecurity=False).digest()), t, size))
+    with mapped:
+        packed = {i for n in mapped.scan.nodes if n.op_type in PREPACKED_OPS for i in n.input}
+        for t in mapped.scan.initializers:
+            if t.name in packed or t.raw is None or t.raw[1] == 0:
+                continue
+            try:
+                size = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+            except Exception:  # a type numpy has no dtype for: leave it
+                continue
+            if size < max(min_bytes, 1):
+                continue
+            view = mapped.raw(t)
+            digest = hashlib.sha1(view, usedforsecurity=False).digest()
+            view.release()
+            out.append(((t.name, t.data_type, tuple(t.dims), digest), partial(_load_initializer, mapped.path, t), size))
     return out
+
+
+def _load_initializer(path: Path, t) -> np.ndarray:
+    """The array of the scanned initializer ``t`` of ``path`` (its raw bytes read again)."""
+    from onnx import TensorProto, numpy_helper
+
+    with open(path, "rb") as f:
+        f.seek(t.raw[0])
+        raw = f.read(t.raw[1])
+    return numpy_helper.to_array(TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=raw))
 
 
 class Runner:
