@@ -77,7 +77,8 @@ def _wrap(body: bytes) -> bytes:
     return bytes([0x3A]) + _len(inner) + inner  # ModelProto.graph (7)
 
 
-@pytest.mark.parametrize("data", [b"not onnx", b"\x3a\xff\xff\xff\x0f", b"\x08"])
+@pytest.mark.parametrize("data", [b"not onnx", b"\x3a\xff\xff\xff\x0f", b"\x08",
+                                  b"\x3a\x04\x0a\x02\x0a\x7f"])  # the last: a node whose input overruns it
 def test_bytes_that_are_not_protobuf_are_refused(tmp_path, data):
     path = tmp_path / "bad.onnx"
     path.write_bytes(data)

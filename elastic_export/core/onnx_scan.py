@@ -110,7 +110,10 @@ def scan_buffer(buf) -> Scan:
             continue
         for n, w, (start, end) in ((n, w, v) for n, w, v in _fields(buf, *value) if w == _LENGTH):
             if n == GRAPH_NODE:
-                nodes.append(onnx.NodeProto.FromString(bytes(buf[start:end])))
+                try:
+                    nodes.append(onnx.NodeProto.FromString(bytes(buf[start:end])))
+                except Exception as e:  # protobuf's DecodeError
+                    raise ScanError(f"a node does not parse: {e}") from None
             elif n == GRAPH_INITIALIZER:
                 inits.append(_initializer(buf, start, end))
     return Scan(nodes, inits)
