@@ -8,7 +8,12 @@ One ``tritonserver`` (the ``serve`` extra's, loopback only) serves the default M
    bare BLS forwarder (``bls_floor``) and straight to the 0.6 budget model, order shuffled; the median of
    each one's differences to the direct request is what it adds.
 2. **Head-of-line** (``head-of-line``): a batch-1 request at 0.6 sent while a dense 64-row request runs.
-3. **Acceptance** (``acceptance``): the closed-loop capacity of every budget model; then seeded
+3. **Under load** (``under-load``): the router's own cost at 0.6x of dense capacity, where it should serve
+   dense: the same seeded arrivals straight to the dense model and through the router naming sparsity 0,
+   alternately, twice each; per arm p50 / p90 / p99, refusals and SLO attainment, and per arrival what
+   the router adds (its latency minus the direct one of the same round), and how many it refused that
+   direct answered within the SLO.
+4. **Acceptance** (``acceptance``): the closed-loop capacity of every budget model; then seeded
    Poisson phases of ``--phase-s`` seconds at 0.3x, 0.6x, 1.4x, 0.6x, 0.3x of dense capacity, sent
    open loop (each request at its arrival time) once to the
    router naming no sparsity (the policy decides) and once to the dense model (dense-only); then a 3x
@@ -24,7 +29,7 @@ The client shares the machine's cores with the server, alike for both runs.
 
 Usage:
     python benchmarks/serve_triton.py [--artifacts DIR] [--phase-s 20] [--slo-ms 250] [--seed 0]
-        [--parts overhead,head-of-line,acceptance]
+        [--parts overhead,head-of-line,under-load,acceptance]
 
 ``--artifacts`` defaults to ``~/.cache/elastic-export/serve_triton-minilm`` (what ``elastic-export --budgets
 0.1..0.6`` writes, built on first use). Writes benchmarks/results/serve_triton.{json,md,png} when the
@@ -60,7 +65,8 @@ RESULTS = Path(__file__).parent / "results"
 DEFAULT_ARTIFACTS = Path.home() / ".cache" / "elastic-export" / "serve_triton-minilm"
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 SMALL = 0.6  # the sparsity of the added-latency and head-of-line requests
-PARTS = ("overhead", "head-of-line", "acceptance")
+PARTS = ("overhead", "head-of-line", "under-load", "acceptance")
+UNDER_LOAD = 0.6  # x dense capacity: the under-load part's arrivals (the load at which the router should serve dense)
 FLOOR = "bls_floor"  # the least a Python-backend model that forwards a request adds, measured beside the router
 FLOOR_MODEL = '''"""Forwards each request to one model (BLS) and returns its answer: no checks, no policy, no threads."""
 import json
@@ -191,6 +197,43 @@ async def router_overhead(client, router: str, budget_model: str, feeds, n: int)
     return out
 
 
+def _arm_summary(rec: dict, slo_ms: float) -> dict:
+    ok = np.array([o == "ok" for o in rec["outcome"]])
+    ms = np.array(rec["latency_ms"])
+    q = {f"p{p}_ms": float(np.percentile(ms[ok], p)) for p in (50, 90, 99)} if ok.any() else {}
+    return {"offered": len(ms), "refused": int((~ok).sum()), **q, "slo_met": float(np.mean(ok & (ms <= slo_ms)))}
+
+
+async def under_load(client, router: str, dense: str, feeds, args) -> dict:
+    """The router's own cost under load: the same seeded Poisson arrivals at :data:`UNDER_LOAD` x dense's
+    measured capacity sent straight to the dense budget model and through the router naming sparsity 0,
+    alternately, twice each; per arm the latency quantiles, refusals and SLO attainment, and per arrival
+    the router's latency minus the direct one of the same round (the machine's minutes fall on both)."""
+    cap = await capacity(client, dense, feeds, args.concurrency, args.capacity_seconds)
+    times, _ = phase_times([UNDER_LOAD * cap], [args.phase_s], args.seed)
+    rounds = []
+    for _ in range(2):
+        pair = {}
+        for arm, model, sparsity in (("direct", dense, None), ("router", router, 0.0)):
+            await asyncio.sleep(2.0)  # the previous arm's queue drains
+            pair[arm] = await open_loop(client, model, times, feeds, arm == "router", args.request_timeout, sparsity)
+        rounds.append(pair)
+    out = {"dense_capacity_rps": cap, "rate_rps": UNDER_LOAD * cap, "seconds": args.phase_s, "arrivals": len(times),
+           "rounds": [{arm: _arm_summary(rec, args.slo_ms) for arm, rec in pair.items()} for pair in rounds]}
+    diffs, refused_not_late = [], 0
+    for pair in rounds:
+        d, r = pair["direct"], pair["router"]
+        for i in range(len(times)):
+            if d["outcome"][i] == r["outcome"][i] == "ok":
+                diffs.append(r["latency_ms"][i] - d["latency_ms"][i])
+            elif r["outcome"][i] != "ok" and d["outcome"][i] == "ok" and d["latency_ms"][i] <= args.slo_ms:
+                refused_not_late += 1
+    diffs = np.array(diffs)
+    out.update(added_p50_ms=float(np.median(diffs)), added_p90_ms=float(np.percentile(diffs, 90)),
+               added_p99_ms=float(np.percentile(diffs, 99)), refused_where_direct_met_the_slo=refused_not_late)
+    return out
+
+
 async def head_of_line(client, router: str, manifest: Manifest, tokens: int, trials: int = 5) -> dict:
     small = grpc_inputs(feeds_for(manifest, 1, tokens), SMALL)
     big = grpc_inputs(feeds_for(manifest, 64, tokens, seed=1), 0.0)
@@ -275,10 +318,12 @@ async def capacities(client, by_s: dict, feeds, concurrency: int, seconds: float
     return out
 
 
-async def open_loop(client, model: str, times: np.ndarray, feeds, sparsity_output: bool, timeout_s: float) -> dict:
+async def open_loop(client, model: str, times: np.ndarray, feeds, sparsity_output: bool, timeout_s: float,
+                    sparsity: float | None = None) -> dict:
     """One request per arrival time, each sent at its time (never waiting for earlier answers): latency,
-    served sparsity, and the outcome (``ok``, ``refused``: UNAVAILABLE, retryable; ``lost``: any other error)."""
-    inputs = grpc_inputs(feeds)
+    served sparsity, and the outcome (``ok``, ``refused``: UNAVAILABLE, retryable; ``lost``: any other error);
+    ``sparsity``: the one every request names (None: none)."""
+    inputs = grpc_inputs(feeds, sparsity)
     outputs = ["sentence_embedding"] + (["served_sparsity"] if sparsity_output else [])
     t0 = time.perf_counter()
     tasks = []
@@ -560,6 +605,9 @@ async def measure(server: TritonServer, directory: Path, manifest: Manifest, t: 
         if "head-of-line" in args.parts:
             out["head_of_line"] = await head_of_line(client, router, manifest, tokens)
             print("head of line", {k: v for k, v in out["head_of_line"].items() if k != "trials"})
+        if "under-load" in args.parts:
+            out["under_load"] = await under_load(client, router, by_s[0.0], one, args)
+            print("under load", json.dumps(out["under_load"]))
         if "acceptance" in args.parts:
             metric, quality = quality_per_budget(directory, sorted(by_s))
             acc = await acceptance(client, router, by_s, one, args, quality, server.metrics_url)
