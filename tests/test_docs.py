@@ -53,6 +53,8 @@ QUICK_START = ['pip install -e . && elastic-export --budgets 0.1..0.6',
 # block is ```text (output, layouts, usage synopses) or ```json (an excerpt of a file).
 RUN_BY = {
     ("README.md", QUICK_START[0]): [".ci/run", "test_pipeline.py::test_default_run_manifest"],
+    ("README.md", 'pip install -e ".[serve]"'): [".ci/run", "test_pipeline.py::test_readme_serve_on_the_default_run"],
+    ("README.md", "import httpx"): ["test_pipeline.py::test_readme_serve_on_the_default_run"],
     ("README.md", "from elastic_export.serving.runtime import ElasticRuntime"):
         ["test_pipeline.py::test_docs_runtime_snippet_on_the_default_run"],
     ("docs/evaluation.md", "$ elastic-export --method initial --budgets 0.1..0.6 --out out-initial"):

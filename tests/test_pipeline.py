@@ -182,15 +182,25 @@ def test_timm_name_at_custom_resolution(tmp_path):
 
 
 
-def test_readme_serve_on_the_default_run(default_run, tmp_path):
-    """docs/serving.md's commands: ``elastic-export serve elastic-out`` on the default main job's artifacts
-    (a port the OS reports free instead of 8000), then its client example against it."""
+def test_readme_serve_on_the_default_run(default_run, tmp_path, capsys):
+    """The README's serving commands on the default main job's artifacts, as a user runs them:
+    ``elastic-export index elastic-out corpus.jsonl``, ``elastic-export serve elastic-out`` (a port block the
+    OS reports free instead of 8000), examples/06_triton_client.py and the README's OpenAI-client and
+    search snippet (its URL swapped) against it."""
+    import re
+
     from _helpers import link_copy, serve_process, stop_process
 
     from elastic_export.core.manifest import load_manifest
 
     out, _ = default_run
     link_copy(out, tmp_path / "elastic-out")
+    docs = {"files": "Use open() in a with statement to read a file.", "loops": "A for loop runs over a sequence.",
+            "dicts": "A dictionary maps keys to values.", "errors": "try and except handle an exception."}
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
+    r = subprocess.run([sys.executable, "-m", "elastic_export", "index", "elastic-out", "corpus.jsonl"], cwd=tmp_path,
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
     p, port, lines = serve_process("elastic-out", cwd=tmp_path)
     try:
         assert lines[-1].startswith("ready: router 'elastic' + 7 budget models")
@@ -199,11 +209,20 @@ def test_readme_serve_on_the_default_run(default_run, tmp_path):
                            capture_output=True, text=True, env=ENV, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "served sparsity [0.3, 0.3] (fp32)" in r.stdout
+        readme = (Path(__file__).parents[1] / "README.md").read_text().split("## Serving and search\n")[1]
+        code = re.findall(r"```python\n(.*?)```", readme, re.S)[0].replace("127.0.0.1:8003", f"127.0.0.1:{port + 3}")
+        capsys.readouterr()
+        exec(compile(code, "README.md", "exec"), {})
+        dims, served, ids = capsys.readouterr().out.strip().split(" ", 2)
+        assert dims == "384" and float(served) in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+        assert json.loads(ids.replace("'", '"'))[0] == "files"  # the document about opening files, found first
     finally:
         code, rest = stop_process(p)
     assert code == 0 and "stopped" in rest
-    t = load_manifest(tmp_path / "elastic-out")["triton"]
+    manifest = load_manifest(tmp_path / "elastic-out")
+    t = manifest["triton"]
     assert {m["platform"] for m in t["models"]} == {"python"} and len(t["models"]) == 7
+    assert manifest["index"]["count"] == 4 and manifest["index"]["corpus"]["path"] == "corpus.jsonl"
 
 
 def test_docs_runtime_snippet_on_the_default_run(default_run, tmp_path, monkeypatch):
