@@ -163,6 +163,11 @@ class RateEstimator:
         self._origin: Optional[float] = None
         self.fell_at = -math.inf  # when a step down in the load was last detected
 
+    @property
+    def origin(self) -> Optional[float]:
+        """Where the estimate's count starts: the first arrival or the latest detected step (None before any)."""
+        return self._origin
+
     def arrive(self, now: Optional[float] = None, rows: int = 1) -> None:
         now = self.clock() if now is None else now
         if self._origin is None:
