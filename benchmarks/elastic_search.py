@@ -51,6 +51,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import serve_triton as ST  # noqa: E402  (the artifacts, the spike schedule, the phase summary, the machine line)
+from index_build import timed_index  # noqa: E402
 
 from elastic_export.serving.slo import oracle_pair  # noqa: E402
 from elastic_export.targets.tritonserver import free_port_block  # noqa: E402
@@ -97,15 +98,10 @@ def build_index(directory: Path, pairs: list[dict]) -> dict:
     """``elastic-export index DIR corpus.jsonl`` over the pairs' documents (id = the pair's number), timed."""
     corpus = directory.parent / f"{directory.name}-corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": str(i), "text": p["doc"]}) + "\n" for i, p in enumerate(pairs)))
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "elastic_export", "index", str(directory), str(corpus), "--overwrite"],
-                       capture_output=True, text=True, timeout=1800)
-    seconds = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise RuntimeError(f"elastic-export index failed: {r.stderr.strip()[-500:]}")
-    print(r.stdout.strip(), f"({seconds:.1f} s)")
+    seconds, output = timed_index(directory, corpus)
+    print(output, f"({seconds:.1f} s)")
     return {"documents": len(pairs), "seconds": seconds, "docs_per_s": len(pairs) / seconds,
-            "command": f"elastic-export index {directory} {corpus.name} --overwrite", "output": r.stdout.strip()}
+            "command": f"elastic-export index {directory} {corpus.name} --overwrite", "output": output}
 
 
 def eval_recall(directory: Path, pairs: list[dict], cache_dir: Path) -> dict[float, float]:

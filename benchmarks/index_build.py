@@ -58,12 +58,13 @@ def token_counts(directory: Path, texts: list[str]) -> np.ndarray:
 
 
 def timed_index(directory: Path, corpus: Path) -> tuple[float, str]:
+    """``elastic-export index DIR CORPUS --overwrite`` in a fresh process: its wall time (s) and its output."""
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "elastic_export", "index", str(directory), str(corpus), "--overwrite"],
                        capture_output=True, text=True, timeout=1800)
     seconds = time.perf_counter() - t0
     if r.returncode != 0:
-        raise SystemExit(f"elastic-export index failed: {r.stderr.strip()[-500:]}")
+        raise RuntimeError(f"elastic-export index failed: {r.stderr.strip()[-500:]}")
     return seconds, r.stdout.strip()
 
 
