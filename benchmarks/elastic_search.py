@@ -51,7 +51,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import serve_triton as ST  # noqa: E402  (the artifacts, the spike schedule, the phase summary, the machine line)
-from index_build import timed_index  # noqa: E402
 
 from elastic_export.serving.slo import oracle_pair  # noqa: E402
 from elastic_export.targets.tritonserver import free_port_block  # noqa: E402
@@ -92,6 +91,17 @@ def retrieval_pairs(directory: Path, pairs_file: Path | None, n: int) -> tuple[l
                    (heldout_pairs(n), f"heldout_pairs(n={n}, seed=0)"))
     pairs = fit_pairs(raw, tokenizer, int(manifest.tokens))
     return pairs, f"{source}, cut to {manifest.tokens} tokens: {len(pairs)} pairs"
+
+
+def timed_index(directory: Path, corpus: Path) -> tuple[float, str]:
+    """``elastic-export index DIR CORPUS --overwrite`` in a fresh process: its wall time (s) and its output."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "elastic_export", "index", str(directory), str(corpus), "--overwrite"],
+                       capture_output=True, text=True, timeout=1800)
+    seconds = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"elastic-export index failed: {r.stderr.strip()[-500:]}")
+    return seconds, r.stdout.strip()
 
 
 def build_index(directory: Path, pairs: list[dict]) -> dict:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 import serve_triton as ST  # noqa: E402  (the default artifacts, the machine line)
+from elastic_search import prepare, timed_index  # noqa: E402  (a fresh copy of the artifacts, the timed command)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -57,28 +56,15 @@ def token_counts(directory: Path, texts: list[str]) -> np.ndarray:
     return np.array([int(enc.encode([t])["attention_mask"].sum()) for t in texts])
 
 
-def timed_index(directory: Path, corpus: Path) -> tuple[float, str]:
-    """``elastic-export index DIR CORPUS --overwrite`` in a fresh process: its wall time (s) and its output."""
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "elastic_export", "index", str(directory), str(corpus), "--overwrite"],
-                       capture_output=True, text=True, timeout=1800)
-    seconds = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise RuntimeError(f"elastic-export index failed: {r.stderr.strip()[-500:]}")
-    return seconds, r.stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifacts", type=Path, default=ST.DEFAULT_ARTIFACTS)
     ap.add_argument("--docs", type=int, default=2800)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
-    ST.ensure_artifacts(args.artifacts)
     texts = corpus_texts(args.docs)
     with tempfile.TemporaryDirectory(prefix="index-build-") as tmp:
-        work = Path(tmp) / "elastic-out"
-        shutil.copytree(args.artifacts, work, copy_function=shutil.os.link, ignore=shutil.ignore_patterns("triton", "index"))
+        work = prepare(args.artifacts, Path(tmp) / "elastic-out")
         corpus = Path(tmp) / "corpus.jsonl"
         corpus.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
         runs = [timed_index(work, corpus) for _ in range(args.repeats)]

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from elastic_export.serving.slo import RateEstimator  # noqa: E402
+from elastic_export.serving.slo import RateEstimator
 
 RESULTS = Path(__file__).parent / "results"
 
