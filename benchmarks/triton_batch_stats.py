@@ -1,0 +1,139 @@
+"""What a budget model's batches cost under load, from Triton's own per-batch statistics.
+
+One ``tritonserver`` (the ``serve`` extra's, loopback only) serves the default MiniLM artifacts' repository
+(``build triton --budget-backend python``, the router with its SLO policy). Dense's ``S(n)`` is first timed
+here in onnxruntime at batch 1, 2, 4 and 8 (as the router times its budgets when it loads). Then seeded
+Poisson arrivals at ``--loads`` x dense's closed-loop capacity (8 clients) for ``--seconds`` each, one
+128-token request at a time, sent straight to the dense budget model and through the router naming
+sparsity 0, in turn; around each, Triton's statistics extension (``/v2/models/M/stats``) gives the dense
+model's compute time per batch size and its queue time: the service times the router's latency model
+would need, measured under the real contention (the server, the router and the clients on the same cores).
+
+Usage:
+    python benchmarks/triton_batch_stats.py [--artifacts DIR] [--loads 0.6,0.8] [--seconds 20] [--seed 0]
+
+Writes benchmarks/results/triton_batch_stats.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import serve_triton as st  # noqa: E402
+
+from elastic_export.core.manifest import Manifest  # noqa: E402
+from elastic_export.targets import triton_onnx_model as om  # noqa: E402
+from elastic_export.targets.triton import build_repository  # noqa: E402
+from elastic_export.targets.tritonserver import TritonServer, free_port_block  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def model_stats(http: str, model: str) -> dict:
+    """Cumulative (count, ns) per batch size of compute, and of the queue over all requests."""
+    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as r:
+        d = json.load(r)["model_stats"][0]
+    batches = {int(b["batch_size"]): (int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"]))
+               for b in d["batch_stats"]}
+    queue = d["inference_stats"]["queue"]
+    return {"batches": batches, "queue": (int(queue["count"]), int(queue["ns"]))}
+
+
+def difference(before: dict, after: dict) -> dict:
+    """Per batch size the batches run and their mean compute (ms) between two snapshots; the mean queue time."""
+    out = {}
+    for b, (n, ns) in sorted(after["batches"].items()):
+        n0, ns0 = before["batches"].get(b, (0, 0))
+        if n > n0:
+            out[b] = {"batches": n - n0, "mean_ms": (ns - ns0) / (n - n0) / 1e6}
+    (q, qns), (q0, qns0) = after["queue"], before["queue"]
+    return {"compute": out, "queue_ms": (qns - qns0) / max(1, q - q0) / 1e6}
+
+
+async def measure(server: TritonServer, t: dict, manifest: Manifest, args) -> list[dict]:
+    import tritonclient.grpc.aio as aio
+
+    client = aio.InferenceServerClient(server.grpc_url)
+    dense, one = st.budget_models(t)[0.0], st.feeds_for(manifest, 1, manifest.tokens)
+    rows = []
+    try:
+        cap = await st.capacity(client, dense, one, 8, 6.0)
+        print(f"dense capacity {cap:.1f} requests/s")
+        for load in args.loads:
+            times, _ = st.phase_times([load * cap], [args.seconds], args.seed)
+            for arm, model, sparsity in (("direct", dense, None), ("router", t["router"], 0.0)):
+                await asyncio.sleep(2.0)  # the previous arm's queue drains
+                before = model_stats(server.http_url, dense)
+                rec = await st.open_loop(client, model, times, one, arm == "router", 30.0, sparsity)
+                stats = difference(before, model_stats(server.http_url, dense))
+                lat = np.asarray(rec["latency_ms"])
+                rows.append({"load": load, "rate": load * cap, "arm": arm, "requests": len(lat),
+                             "latency_ms": {q: float(np.percentile(lat, p)) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))},
+                             **stats})
+                print(json.dumps(rows[-1]))
+    finally:
+        await client.close()
+    return rows
+
+
+def report(out: dict) -> str:
+    idle = out["idle_ms"]
+    lines = ["# Dense's batches under load, from Triton's statistics", "",
+             f"Machine: {out['machine']}, {out['date']}. Dense capacity (8 closed-loop clients): "
+             f"{out['capacity_note']}.", "",
+             "Timed in onnxruntime with nothing else running: "
+             + ", ".join(f"batch {b} {v:.1f} ms" for b, v in idle.items()) + ".", "",
+             "| load | arm | requests | latency p50 / p90 / p99 ms | mean queue ms "
+             "| batches of n: count, mean compute ms (x idle) |", "|---|---|---|---|---|---|"]
+    for r in out["runs"]:
+        cells = "; ".join(f"{b}: {c['batches']}, {c['mean_ms']:.1f}"
+                          + (f" ({c['mean_ms'] / idle[str(b)]:.2f}x)" if str(b) in idle else "")
+                          for b, c in r["compute"].items() if c["batches"] >= 2)
+        lat = r["latency_ms"]
+        lines.append(f"| {r['load']:g}x | {r['arm']} | {r['requests']} | {lat['p50']:.0f} / {lat['p90']:.0f} / "
+                     f"{lat['p99']:.0f} | {r['queue_ms']:.1f} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--artifacts", type=Path, default=st.DEFAULT_ARTIFACTS)
+    ap.add_argument("--loads", default="0.6,0.8", help="x dense's closed-loop capacity, comma-separated")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.loads = [float(x) for x in args.loads.split(",")]
+    d = st.ensure_artifacts(args.artifacts)
+    t = build_repository(d, platform="python", kind="cpu", policy="adaptive", slo_ms=250.0, echo=print).triton
+    manifest = Manifest.load(d)
+    session = om.open_session(str(d / "triton" / st.budget_models(t)[0.0] / "1" / om.MODEL_FILE), {})
+    idle = om.service_times(session, manifest.tokens, (1, 2, 4, 8), repeats=9)
+    del session
+    server = TritonServer(d / "triton", port=free_port_block(), log=Path("/tmp/triton_batch_stats.server.log"))
+    try:
+        server.start_routed([m["name"] for m in t["models"]], t["router"])
+        runs = asyncio.run(measure(server, t, manifest, args))
+    finally:
+        server.stop()
+    out = {"machine": st.machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "idle_ms": {str(k): v for k, v in idle.items()},
+           "capacity_note": ", ".join(f"{r['rate'] / r['load']:.1f} requests/s" for r in runs[:1]), "runs": runs}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "triton_batch_stats.json").write_text(json.dumps(out, indent=1) + "\n")
+    text = report(out)
+    (RESULTS / "triton_batch_stats.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
