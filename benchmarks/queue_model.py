@@ -257,7 +257,7 @@ def report(out: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve_triton import DEFAULT_ARTIFACTS, machine
+    from serve_triton import DEFAULT_ARTIFACTS, machine, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
@@ -269,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
            "points": {str(k): v for k, v in points.items()}, "service": {"a": f.a, "c": f.c},
            "model_against_queue": model_against_queue(f),
            "corrections": [row for run in args.runs for row in corrections(f, run)]}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "queue_model.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
-    text = report(out)
-    (RESULTS / "queue_model.md").write_text(text)
-    print(text)
+    write_results("queue_model", out, report(out))
     return 0
 
 

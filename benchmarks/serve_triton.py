@@ -678,6 +678,14 @@ def report_lines(out: dict, args) -> list[str]:
     return lines + ["![load test](serve_triton.png)", ""]
 
 
+def write_results(name: str, out: dict, text: str) -> None:
+    """``results/NAME.json`` (``out``) and ``results/NAME.md`` (``text``), and the text printed."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
+
+
 def write(out: dict, args) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serve_triton.json").write_text(json.dumps(out, indent=1) + "\n")

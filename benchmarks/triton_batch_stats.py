@@ -36,8 +36,6 @@ from elastic_export.targets import triton_onnx_model as om  # noqa: E402
 from elastic_export.targets.triton import build_repository  # noqa: E402
 from elastic_export.targets.tritonserver import TritonServer, free_port_block  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
-
 
 def model_stats(http: str, model: str) -> dict:
     """Cumulative (count, ns) per batch size of compute, and of the queue over all requests."""
@@ -127,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     out = {"machine": st.machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "idle_ms": {str(k): v for k, v in idle.items()},
            "capacity_note": ", ".join(f"{r['rate'] / r['load']:.1f} requests/s" for r in runs[:1]), "runs": runs}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "triton_batch_stats.json").write_text(json.dumps(out, indent=1) + "\n")
-    text = report(out)
-    (RESULTS / "triton_batch_stats.md").write_text(text)
-    print(text)
+    st.write_results("triton_batch_stats", out, report(out))
     return 0
 
 
