@@ -26,10 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import serve_triton as ST  # noqa: E402  (the default artifacts, the machine line)
+import serve_triton as ST  # noqa: E402  (the default artifacts, the machine line, the results' writer)
 from elastic_search import prepare, timed_index  # noqa: E402  (a fresh copy of the artifacts, the timed command)
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def corpus_texts(n: int) -> list[str]:
@@ -76,8 +74,6 @@ def main(argv: list[str] | None = None) -> int:
            "seconds": seconds, "docs_per_s": [len(texts) / s for s in seconds],
            "tokens_per_s": [float(tokens.sum()) / s for s in seconds], "output": runs[-1][1],
            "command": "elastic-export index elastic-out corpus.jsonl --overwrite"}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "index_build.json").write_text(json.dumps(out, indent=1) + "\n")
     md = [f"# `elastic-export index` over {len(texts)} documents ({out['date']})", "", f"Machine: {out['machine']}", "",
           "Corpus: the retrieval set's candidate documents (standard-library docstrings), then the Python reference's "
           f"paragraphs; {out['tokens']['total']} tokens in all (mean {out['tokens']['mean']:.0f}, median "
@@ -87,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
           "| run | seconds | documents/s | tokens/s |", "|---|---|---|---|"]
     md += [f"| {i + 1} | {s:.1f} | {d:.0f} | {t:.0f} |" for i, (s, d, t) in
            enumerate(zip(seconds, out["docs_per_s"], out["tokens_per_s"]))]
-    (RESULTS / "index_build.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    ST.write_results("index_build", out, "\n".join(md) + "\n")
     return 0
 
 

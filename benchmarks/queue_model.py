@@ -73,7 +73,7 @@ def queue_latencies(a: float, c: float, rate: float, n: int = ARRIVALS, seed: in
 
 
 def queue_quantiles(f: slo.Affine, rate: float, quantiles=QUANTILES, seeds=SEEDS, n: int = ARRIVALS) -> list[float]:
-    if rate * f.c / 1e3 >= 0.97:
+    if rate * f.c / 1e3 >= LOAD_MAX:
         return [float("inf")] * len(quantiles)
     lat = np.concatenate([queue_latencies(f.a, f.c, rate, n, s) for s in seeds])
     return [float(np.quantile(lat, q)) for q in quantiles]

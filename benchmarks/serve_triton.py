@@ -687,12 +687,8 @@ def write_results(name: str, out: dict, text: str) -> None:
 
 
 def write(out: dict, args) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve_triton.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_results("serve_triton", out, "\n".join(report_lines(out, args)))
     plot(RESULTS / "serve_triton.png", out["acceptance"], args.slo_ms, args.phase_s)
-    lines = report_lines(out, args)
-    (RESULTS / "serve_triton.md").write_text("\n".join(lines))
-    print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
