@@ -1,9 +1,10 @@
 """The router's queueing estimate against the queue it models, and three ways to correct it from answers.
 
-The load-adaptive router (``elastic_export.serving.slo``) predicts the latency quantile of a budget model
-under Poisson arrivals with a mean-value estimate of a bulk-service queue (each batch holds the previous
-cycle's arrivals; ``predict_quantile_ms``), then fits a scale on ``S(n) = a + c·n`` to the answers' median.
-This script measures how far that estimate is from the queue itself, and what each correction would predict:
+Until 2026-12-05 the load-adaptive router (``elastic_export.serving.slo``) predicted the latency quantile of a
+budget model under Poisson arrivals with a mean-value estimate of a bulk-service queue (each batch holds the
+previous cycle's arrivals; :func:`mean_value_quantile_ms` here), then fitted a scale on ``S(n) = a + c·n`` to
+the answers' median; it now reads the queue's simulated table (``slo.predict_quantile_ms``, "table" below).
+This script measures how far each estimate is from the queue itself, and what each correction would predict:
 
 1. **Model against queue**: dense's ``S(1)`` and ``S(8)`` measured here in onnxruntime (as the router
    measures them when it loads), ``S(n) = a + c·n`` fitted; at loads ``λc`` of 0.3 to 0.9 the router's
@@ -27,15 +28,12 @@ error, not as its size.
 from __future__ import annotations
 
 import argparse
-import bisect
-import functools
 import json
 import math
 import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence, Tuple
 
 import numpy as np
 
@@ -48,34 +46,10 @@ MODEL_LOADS = (0.3, 0.45, 0.6, 0.7, 0.8, 0.9)
 QUANTILES = (0.5, 0.9, 0.99)
 SEEDS, ARRIVALS = (1, 2, 3), 40000
 D0_MS = 3.0  # the fixed cost per batch of the third correction
-#: the queue's table (:func:`bulk_queue_table`): shapes ``c / S(1)`` from SHAPES[0] to 1, loads ``λc`` from 0 to
-#: LOAD_MAX (denser towards both ends), QUEUE_ARRIVALS seeded arrivals at each, the latency at every
-#: 1 / QUANTILE_STEPS quantile
-SHAPES = (0.01, 0.025) + tuple(round(0.05 * i, 2) for i in range(1, 21))
-LOADS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035) + tuple(round(0.05 + 0.92 * (1 - (1 - k / 27) ** 2), 4)
-                                                     for k in range(28))
-LOAD_MAX = LOADS[-1]
-QUEUE_ARRIVALS, QUANTILE_STEPS = 10000, 1000
-
-
-def queue_latencies(a: float, c: float, rate: float, n: int = ARRIVALS, seed: int = 1) -> np.ndarray:
-    """Latencies (ms) of ``n`` Poisson arrivals (``rate`` per s) at a server that, when it frees, takes every
-    row waiting and serves them in ``a + c·n`` ms (a batch of one at once when idle)."""
-    t = np.cumsum(np.random.default_rng(seed).exponential(1e3 / rate, n))
-    lat, i, end = np.empty(n), 0, 0.0
-    while i < n:
-        start = max(end, t[i])
-        j = max(i + 1, int(np.searchsorted(t, start, side="right")))
-        end = start + a + c * (j - i)
-        lat[i:j] = end - t[i:j]
-        i = j
-    return lat
-
-
 def queue_quantiles(f: slo.Affine, rate: float, quantiles=QUANTILES, seeds=SEEDS, n: int = ARRIVALS) -> list[float]:
-    if rate * f.c / 1e3 >= LOAD_MAX:
+    if rate * f.c / 1e3 >= slo.LOAD_MAX:
         return [float("inf")] * len(quantiles)
-    lat = np.concatenate([queue_latencies(f.a, f.c, rate, n, s) for s in seeds])
+    lat = np.concatenate([slo.queue_latencies(f.a, f.c, rate, n, s) for s in seeds])
     return [float(np.quantile(lat, q)) for q in quantiles]
 
 
@@ -84,7 +58,7 @@ def model_against_queue(f: slo.Affine) -> list[dict]:
     for load in MODEL_LOADS:
         rate = load * 1e3 / f.c
         rows.append({"load": load, "rate": rate,
-                     "router": [slo.predict_quantile_ms(f, rate, q) for q in QUANTILES],
+                     "router": [mean_value_quantile_ms(f, rate, q) for q in QUANTILES],
                      "table": [table_quantile_ms(f, rate, q) for q in QUANTILES],
                      "queue": queue_quantiles(f, rate)})
     return rows
@@ -116,78 +90,38 @@ def fit_median(make, rates: np.ndarray, lat: np.ndarray, predict, lo: float, hi:
     return (lo + hi) / 2
 
 
-def _bulk_latencies(t: Any, shape: Any) -> Any:
-    """Latencies (units of ``S(1)``) of arrivals at times ``t`` (one row per cell) at a server whose batch of
-    ``n`` takes ``(1 - shape) + shape·n`` (``shape``: one per cell), arrival by arrival for all cells at once:
-    an arrival that finds the server idle starts a batch of one; one that finds it busy joins the batch
-    waiting for it, which starts when the server frees, with every row that arrived by then."""
-    import numpy as np
+def poisson_quantile(mean: float, q: float) -> int:
+    """The smallest ``k`` with ``P(Poisson(mean) <= k) >= q`` (normal approximation past a mean of 200)."""
+    if mean <= 0:
+        return 0
+    if mean > 200:
+        from statistics import NormalDist
 
-    cells, n = t.shape
-    ends = np.zeros((cells, n + 1))  # per batch id (from 1), its end
-    batch = np.zeros((cells, n), dtype=np.int64)  # per arrival, its batch id
-    busy_end, waiting, ids, rows = np.zeros(cells), np.zeros(cells), np.zeros(cells, dtype=np.int64), np.arange(cells)
-    for j in range(n):
-        now = t[:, j]
-        start = (waiting > 0) & (now >= busy_end)  # the waiting batch started when the server freed
-        busy_end = np.where(start, busy_end + (1 - shape) + shape * waiting, busy_end)
-        ends[rows[start], ids[start]] = busy_end[start]
-        waiting[start] = 0
-        idle = now >= busy_end
-        ids = ids + (idle | (waiting == 0))  # a batch of its own, or the first row of the next waiting one
-        busy_end = np.where(idle, now + 1.0, busy_end)
-        ends[rows[idle], ids[idle]] = busy_end[idle]
-        waiting = np.where(idle, waiting, waiting + 1)
-        batch[:, j] = ids
-    last = waiting > 0
-    ends[rows[last], ids[last]] = busy_end[last] + (1 - shape[last]) + shape[last] * waiting[last]
-    return np.take_along_axis(ends, batch, axis=1) - t
+        return int(math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean)))
+    term = cdf = math.exp(-mean)
+    k = 0
+    while cdf < q:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
 
 
-@functools.lru_cache(maxsize=1)
-def bulk_queue_table() -> Any:
-    """The simulated bulk-service queue (:func:`_bulk_latencies`): latency quantiles (units of ``S(1)``)
-    indexed ``[shape, load, quantile]`` over :data:`SHAPES` x :data:`LOADS` x ``0, 1/QUANTILE_STEPS, ..., 1``,
-    non-decreasing in the load. Every cell serves the same seeded Poisson stream of
-    :data:`QUEUE_ARRIVALS` (common random numbers: the cells differ by their parameters, not by their
-    noise); batches are as large as the queue (the budget models' ``max_batch_size`` of 128 is past any
-    batch at a load the SLO allows). About 1.4 s once per process on this project's 2-CPU machine."""
-    import numpy as np
-
-    shape = np.repeat(np.asarray(SHAPES), len(LOADS) - 1)  # one cell per (shape, load > 0)
-    load = np.tile(np.asarray(LOADS[1:]), len(SHAPES))
-    stream = np.cumsum(np.random.default_rng(0).exponential(1.0, QUEUE_ARRIVALS))
-    lat = np.sort(_bulk_latencies(stream[None, :] * (shape / load)[:, None], shape), axis=1)
-    at = np.clip(np.ceil(np.linspace(0, 1, QUANTILE_STEPS + 1) * QUEUE_ARRIVALS).astype(int) - 1, 0, None)
-    table = lat[:, at].reshape(len(SHAPES), len(LOADS) - 1, QUANTILE_STEPS + 1)
-    table = np.concatenate([np.ones((len(SHAPES), 1, QUANTILE_STEPS + 1)), table], axis=1)
-    return np.maximum.accumulate(table, axis=1)
-
-
-def _bracket(grid: Sequence[float], x: float) -> Tuple[int, float]:
-    """The index ``i`` with ``grid[i] <= x <= grid[i + 1]`` (clamped to the grid) and ``x``'s weight on ``i + 1``."""
-    x = min(max(x, grid[0]), grid[-1])
-    i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
-    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
-
-
-def table_quantile_ms(service: slo.Affine, rate: float, quantile: float = 0.99) -> float:
-    """The ``quantile`` of the latency (ms) at ``rate`` arrivals/s of one row each (module docstring): the
-    table :func:`bulk_queue_table`, interpolated in the shape and the load (a shape below
-    ``SHAPES[0]`` is read as it); ``inf`` at or past :data:`LOAD_MAX` of the saturation rate."""
-    one = service.ms(1)
-    load = rate * service.c / 1e3  # λc: the share of the saturation rate 1 / c
-    if load >= LOAD_MAX:
+def mean_value_quantile_ms(service: slo.Affine, rate: float, quantile: float = 0.99) -> float:
+    """The router's estimate before 2026-12-05: in steady state each batch holds the arrivals of the previous
+    cycle, so a cycle lasts ``T = a / (1 - λc)``; an arrival finds the server busy with probability
+    ``min(1, λT)``, waits a residual uniform on ``[0, T]``, and its batch holds ``Poisson(λT)`` other rows at
+    that quantile. Kept here as what the table replaced."""
+    lam = rate / 1e3
+    if lam * service.c >= 1.0:
         return math.inf
-    if load <= 0:
-        return one
-    table = bulk_queue_table()
-    i, u = _bracket(SHAPES, service.c / max(one, 1e-12))
-    k, w = _bracket(LOADS, load)
-    q = min(QUANTILE_STEPS, max(0, math.ceil(quantile * QUANTILE_STEPS - 1e-9)))
-    lo = table[i, k, q] ** (1 - w) * table[i, k + 1, q] ** w  # geometric in the load: the queue's convex
-    hi = table[i + 1, k, q] ** (1 - w) * table[i + 1, k + 1, q] ** w  # growth, not a chord above it
-    return one * float(lo + u * (hi - lo))
+    cycle = service.a / (1.0 - lam * service.c) if service.a > 0 else service.c
+    busy = min(1.0, lam * cycle)
+    wait = cycle * max(0.0, 1.0 - (1.0 - quantile) / busy) if busy > 0 else 0.0
+    return wait + service.ms(1 + poisson_quantile(lam * cycle, quantile))
+
+
+table_quantile_ms = slo.predict_quantile_ms  # the router's estimate now: the tabulated queue
 
 
 def corrections(f: slo.Affine, run: Path) -> list[dict]:
@@ -196,7 +130,7 @@ def corrections(f: slo.Affine, run: Path) -> list[dict]:
     arrival, latency = np.asarray(dense["records"]["arrival"]), np.asarray(dense["records"]["latency_ms"])
     phase_of, seconds = np.asarray(dense["phase_of"]), json.loads(run.read_text()).get("phase_s", 20.0)
     forms = {
-        "scale a, c (router's estimate)": (lambda k: slo.Affine(f.a * k, f.c * k), slo.predict_quantile_ms, 0.5, 4.0),
+        "scale a, c (router's estimate)": (lambda k: slo.Affine(f.a * k, f.c * k), mean_value_quantile_ms, 0.5, 4.0),
         "scale a, c (queue)": (lambda k: slo.Affine(f.a * k, f.c * k), table_quantile_ms, 0.5, 4.0),
         "cost per batch (queue)": (lambda d: slo.Affine(f.a + d, f.c), table_quantile_ms, 0.0, 200.0),
         f"d0 {D0_MS:g} ms + scale c (queue)": (lambda k: slo.Affine(f.a + D0_MS, f.c * k), table_quantile_ms, 0.5, 4.0),

@@ -355,22 +355,37 @@ class SloRouting:
         self.last = self.policy.decide(now)
         return self.last
 
-    def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
-              elsewhere: Optional[Dict[float, int]] = None) -> float:
-        """The request's uncorrected predicted latency (ms) at ``budget`` (what
-        :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes back), or :class:`Overload` when it
-        misses the SLO behind ``ahead`` rows in flight there and ``elsewhere`` (rows in flight per other
-        budget: they share the cores), by the model or by what they already waited (``waited_ms``: the oldest
-        of them, measured; its own service comes on top). A request with nothing in flight ahead of it always
-        runs."""
+    def predict(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
+                elsewhere: Optional[Dict[float, int]] = None) -> Tuple[float, float, bool]:
+        """A request's predicted latency (ms) at ``budget`` behind ``ahead`` rows in flight there and
+        ``elsewhere`` (rows in flight per other budget: they share the cores), by the model or by what they
+        already waited (``waited_ms``: the oldest of them, measured; its own service comes on top); the
+        model's uncorrected prediction (what :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes
+        back); and whether nothing is in flight ahead of it (then it always runs)."""
         pair = (budget, self.precision)
         others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
-        ok, ms, raw = self.policy.admit(pair, rows, ahead, others)
+        _, ms, raw = self.policy.admit(pair, rows, ahead, others)
         behind = waited_ms + self.policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
-        if (ahead > 0 or others) and (not ok or behind > self.policy.slo_ms):
-            raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
-                           f"of {self.policy.slo_ms:g} ms; retry later", "overload")
+        return max(ms, behind), raw, not (ahead > 0 or others)
+
+    def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
+              elsewhere: Optional[Dict[float, int]] = None) -> float:
+        """The request's uncorrected predicted latency (ms) at ``budget`` (:meth:`predict`), or
+        :class:`Overload` when, with rows in flight ahead of it, its prediction is past :meth:`limit_ms`."""
+        ms, raw, free = self.predict(budget, rows, ahead, waited_ms, elsewhere)
+        if not free and ms > self.limit_ms():
+            raise self.overload(ms, budget)
         return raw
+
+    def limit_ms(self) -> float:
+        """The latest predicted latency (ms) a request with work ahead of it is admitted at: the SLO less the
+        policy's margin, the slack every choice keeps (admitted at the SLO itself, a 3x burst's answers
+        reached a p99 of 250-254 ms)."""
+        return self.policy.slo_ms * (1 - self.policy.margin)
+
+    def overload(self, ms: float, budget: float) -> Overload:
+        return Overload(f"overloaded: predicted {ms:.0f} ms at sparsity {budget:g} exceeds the SLO of "
+                        f"{self.policy.slo_ms:g} ms less its {self.policy.margin:.0%} margin; retry later", "overload")
 
     def light(self, budget: float) -> bool:
         """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
@@ -634,17 +649,16 @@ class _Job:
     """A request ``execute`` accepted: its model-input tensors (None for text), its texts, batch size, the
     served sparsity of every row (named by the request, else picked by the policy: ``routed``), the outputs
     it asks for, when it arrived, the one budget that serves it (``budget``; None: several), whether the
-    router runs it itself (``inline``), the arrival rate the policy estimated when it was admitted (``rate``)
-    and its admission's uncorrected predicted latency (``admit_raw``)."""
+    router runs it itself (``inline``) and its admission's uncorrected predicted latency (``admit_raw``)."""
 
     __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "arrived", "routed", "budget",
-                 "inline", "rate", "admit_raw", "model_ms", "counted", "ticket")
+                 "inline", "admit_raw", "model_ms", "counted", "ticket")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Optional[List[str]], batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
         self.request, self.tensors, self.text, self.batch = request, tensors, text, batch
         self.served, self.wanted = served, wanted
-        self.arrived, self.routed, self.budget, self.inline, self.rate = 0.0, False, None, False, None
+        self.arrived, self.routed, self.budget, self.inline = 0.0, False, None, False
         self.admit_raw: Optional[float] = None  # the admission's uncorrected prediction (ms)
         self.model_ms: Optional[float] = None  # of its latency, the time in the budget model (or inline run)
         self.counted, self.ticket = None, 0  # the budget the monitor counted it at (None: several or not yet)
@@ -693,6 +707,7 @@ class TritonPythonModel:
         self.metrics = (RouterMetrics(args.get("model_name", "router"), config.sparsities, self.snapshot)
                         if hasattr(pb_utils, "MetricFamily") else None)
         self._closed = threading.Event()
+        self._batches_before = None  # the server's per-batch statistics at the last read
         self._prober = threading.Thread(target=self._probe_loop, name="router-probe", daemon=True)
         self._prober.start()
 
@@ -752,16 +767,15 @@ class TritonPythonModel:
                                "queue_full")
             if self.routing is not None and job.budget is not None:
                 self._admit(job)
-            elif self.routing is not None:  # rows at several budgets: not admitted by prediction, still load
-                self.routing.policy.entered(job.batch)
             job.inline = (self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
                           and (self.routing is None or self.routing.light(job.budget)))
             self.monitor.arrive(job.budget, job.batch)
             job.arrived, job.counted, job.ticket = self.monitor.last_arrival, job.budget, self.monitor.last_ticket
 
     def _admit(self, job: _Job) -> None:
-        """Admit the job at its budget, or (the policy's pick) at the best faster budget that meets the SLO
-        behind the rows in flight there; :class:`Overload` when none does (or it named its budget)."""
+        """Admit the job at its budget, or (the policy's pick) at the best faster budget that meets
+        :meth:`SloRouting.limit_ms` behind the rows in flight there; :class:`Overload` when none does (or it
+        named its budget)."""
         now = time.monotonic()
         faster = [s for s in self.config.sparsities if s > job.budget and s not in self.health.down
                   and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
@@ -774,7 +788,6 @@ class TritonPythonModel:
                     raise
                 continue
             job.served, job.budget = [budget] * job.batch, budget
-            job.rate = self.routing.policy.entered(job.batch)
             return
 
     def _accept(self, request: Any) -> _Job:
@@ -837,8 +850,7 @@ class TritonPythonModel:
         with self._lock:
             self.monitor.leave(job.counted, job.batch, job.ticket)
             if outcome == "served" and self.routing is not None:
-                if job.rate is not None:
-                    self.routing.policy.answered(ms, job.rate, (job.budget, self.config.precision), job.model_ms)
+                self.routing.policy.answered(ms, job.model_ms)
                 if job.admit_raw is not None:
                     self.routing.policy.admitted(ms, job.admit_raw)
         job.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -957,6 +969,29 @@ class TritonPythonModel:
                 self._probe(feeds)
             except Exception:  # the server is stopping: the next round tries again
                 pass
+            try:
+                self._read_batches()
+            except Exception:  # no answer this round (busy, stopping): the next round reads what ran since
+                pass
+
+    def _read_batches(self) -> None:
+        """The batches each budget model ran since the last round, from the server's statistics (where
+        ``serve`` said the server is: :data:`~elastic_export.serving.triton_stats.STATS_URL_ENV`), to the
+        policy's service scales."""
+        from elastic_export.serving import triton_stats
+
+        url = os.environ.get(triton_stats.STATS_URL_ENV)
+        if self.routing is None or not url:
+            return
+        totals = triton_stats.batch_totals(triton_stats.fetch(url))
+        before, self._batches_before = self._batches_before, totals
+        if before is None:
+            return
+        ran, now = triton_stats.batch_deltas(before, totals), time.monotonic()
+        with self._lock:
+            for s, name in self.config.models.items():
+                if name in ran:
+                    self.routing.policy.served_batches((s, self.config.precision), ran[name], now)
 
     def _probe(self, feeds: Dict[str, np.ndarray]) -> None:
         ready = getattr(pb_utils, "is_model_ready", None)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from elastic_export.core.errors import UserError
+from elastic_export.serving.triton_stats import STATS_URL_ENV
 
 STUB = "triton_python_backend_stub"
 READY_TIMEOUT_S = 300.0
@@ -258,6 +259,7 @@ class TritonServer:
         """
         check_ports(self.host, self.port)
         env = server_env(self.install)
+        env[STATS_URL_ENV] = f"http://{self.http_url}"  # the router reads its budget models' batch times there
         check_stub_python(env)
         backends = backend_dir(self.install, self.scratch / "backends")
         log = open(self.log_path, "ab")

@@ -14,9 +14,9 @@ BUDGETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 
 
 def _points() -> dict:
-    """Service times shaped like MiniLM's at 128 tokens on 2 cores: dense ``S(n) = 12 + 14 n`` ms (71 rows/s at
-    large batches), every budget cheaper in proportion to its sparsity."""
-    return {(s, "fp32"): {1: (12 + 14) * (1 - 0.8 * s), 8: (12 + 14 * 8) * (1 - 0.8 * s)} for s in BUDGETS}
+    """Service times shaped like MiniLM's at 128 tokens on 2 cores: dense ``S(n) = 2 + 14 n`` ms (batching saves
+    little on a CPU; 71 rows/s), every budget cheaper in proportion to its sparsity."""
+    return {(s, "fp32"): {1: (2 + 14) * (1 - 0.8 * s), 8: (2 + 14 * 8) * (1 - 0.8 * s)} for s in BUDGETS}
 
 
 def _policy(clock, **kw) -> slo.SloPolicy:
@@ -40,14 +40,19 @@ def _run(policy: slo.SloPolicy, now: list, rates_and_seconds, seed: int = 0) -> 
     return out
 
 
-def test_poisson_quantile_matches_the_distribution():
-    for mean in (0.0, 0.3, 2.0, 7.5, 40.0):
-        for q in (0.5, 0.9, 0.99):
-            k = slo.poisson_quantile(mean, q)
-            cdf = sum(math.exp(-mean) * mean ** i / math.factorial(i) for i in range(k + 1))
-            below = cdf - (math.exp(-mean) * mean ** k / math.factorial(k))
-            assert cdf >= q - 1e-12 and (k == 0 or below < q)
-    assert abs(slo.poisson_quantile(1000.0, 0.99) - (1000 + 2.326 * math.sqrt(1000))) <= 2
+@pytest.mark.parametrize("a, c", [(1.3, 15.0), (12.0, 14.0), (4.0, 6.0)])
+@pytest.mark.parametrize("load", [0.3, 0.6, 0.8])
+def test_the_prediction_is_the_queue_it_models(a, c, load):
+    """The tabulated queue against the same queue simulated batch by batch on other random numbers
+    (MiniLM's dense budget is ``a`` 1.3, ``c`` 15 ms on the 2-core machine: where a mean-value estimate
+    gave a p99 of 34 ms at 0.6 of capacity, the queue has about 120 ms)."""
+    f = slo.Affine(a, c)
+    rate = load * 1e3 / c
+    lat = slo.queue_latencies(a, c, rate, seed=7)  # batch by batch, other random numbers than the table
+    for q in (0.5, 0.9, 0.99):
+        predicted, simulated = slo.predict_quantile_ms(f, rate, q), float(np.quantile(lat, q))
+        # at 0.8 the p99 of 10,000 arrivals (the table's) runs 5-20 % above that of 40,000: on the safe side
+        assert simulated * 0.95 <= predicted <= simulated * (1.25 if q == 0.99 and load > 0.7 else 1.1), q
 
 
 def test_fit_affine():
@@ -152,126 +157,113 @@ def test_hysteresis_in_slack_keeps_a_load_at_the_boundary_from_flapping():
     for name, kw in (("with", {}), ("without", {"hysteresis": 0.0, "dwell_s": 0.0})):
         now = [0.0]
         policy = _policy(lambda: now[0], **kw)
-        boundary = next(r for r in np.arange(30, 80, 0.5) if policy.predict((0.0, "fp32"), r) > 200)
+        boundary = next(r for r in np.arange(30, 80, 0.5) if policy.predict((0.0, "fp32"), r) > 250 * (1 - policy.margin))
         _run(policy, now, [(boundary, 60.0)], seed=3)
         switches[name] = policy.switches
     assert switches["with"] <= 0.35 * switches["without"], switches
 
 
-def _answers_at_scale(policy: slo.SloPolicy, now: list, pair, scale: float, rate: float, n: int, dt: float = 0.02):
-    """``n`` answers at ``pair`` measuring what the model predicts with every service time ``scale`` x."""
-    f = policy.service.affine(pair)
-    ms = slo.predict_quantile_ms(slo.Affine(f.a * scale, f.c * scale), rate, slo.CORRECTION_QUANTILE)
+def _batches_at_scale(policy: slo.SloPolicy, now: list, pair, scale: float, n: int, dt: float = 0.1) -> None:
+    """``n`` reads of the server's statistics, 0.1 s apart, each two batches at ``pair`` (one and three
+    rows) that took ``scale`` x their modelled time."""
     for _ in range(n):
         now[0] += dt
-        policy.answered(ms, rate, pair)
+        policy.served_batches(pair, [(1, 1, scale * policy.service.ms(pair, 1)),
+                                     (3, 1, scale * policy.service.ms(pair, 3))], now[0])
 
 
-def test_the_measured_latency_scales_the_service_times_and_moves_the_saturation_point():
+def test_the_measured_batch_times_scale_the_service_times_and_move_the_saturation_point():
     now = [0.0]
     policy = _policy(lambda: now[0])
     dense, sparse = (0.0, "fp32"), (0.3, "fp32")
     bare = policy.predict(dense, 20.0)
-    _answers_at_scale(policy, now, dense, 2.0, 20.0, 50)  # the server serves dense at half the model's speed
-    assert policy.factor(dense) == pytest.approx(2.0, rel=1e-3)
+    _batches_at_scale(policy, now, dense, 2.0, 5)  # 10 batches: not yet min_batches
+    assert policy.factor(dense) == pytest.approx(1.0)
+    _batches_at_scale(policy, now, dense, 2.0, 10)  # the server runs dense's batches at half the model's speed
+    assert policy.factor(dense) == pytest.approx(2.0, rel=1e-6)
     f = policy.service.affine(dense)
     assert policy.predict(dense, 20.0) == pytest.approx(
-        slo.predict_quantile_ms(slo.Affine(2 * f.a, 2 * f.c), 20.0, policy.quantile), rel=1e-3)
+        slo.predict_quantile_ms(slo.Affine(2 * f.a, 2 * f.c), 20.0, policy.quantile), rel=1e-6)
     assert policy.predict(dense, 20.0) > 2 * bare  # more than twice: the queue grows faster than the service
-    assert policy.factor(sparse) == pytest.approx(2.0, rel=1e-3)  # no answers of its own: the served pair's
+    assert policy.factor(sparse) == pytest.approx(2.0, rel=1e-6)  # no batches of its own: the served pair's
     # 40 rows/s: the bare model has dense at 56 % of its capacity (71 rows/s), the scaled one past it
     assert math.isfinite(slo.predict_quantile_ms(f, 40.0)) and policy.predict(dense, 40.0) == math.inf
     policy.rate.rate = lambda now=None: 40.0
     assert policy.decide(now[0]).pair[0] > 0.0  # dense cannot carry 40 rows/s at 2x
-    _answers_at_scale(policy, now, dense, 1.0, 20.0, 200)  # as modelled again
-    assert policy.factor(dense) == pytest.approx(1.0, rel=1e-3)
+    _batches_at_scale(policy, now, dense, 1.0, 101)  # as modelled for 10 s: the 2x batches are forgotten
+    assert policy.factor(dense) == pytest.approx(1.0, rel=1e-6)
 
 
-def test_answers_from_two_load_levels_fit_the_scale_each_served_at():
-    """After a step in the load the window holds answers of both levels. Each is held against the
-    prediction at its own rate: one mean rate would put the busier level's queue on the scale
-    (the load test's first 0.6x served 0.1 for 8 s on a scale fitted that way)."""
+def test_the_service_scale_weighs_every_batch_by_its_modelled_time():
+    """Batches of several sizes: the scale is their measured time over their modelled time in all, so one
+    large batch counts as the work it is, and the clamp bounds a read that makes no sense."""
     now = [0.0]
-    policy = _policy(lambda: now[0])
-    dense = (0.0, "fp32")
-    _answers_at_scale(policy, now, dense, 1.2, 20.0, 40)  # 0.3x of the model's capacity
-    _answers_at_scale(policy, now, dense, 1.2, 45.0, 60)  # then 0.6x, as served at the same 1.2
-    assert policy.factor(dense) == pytest.approx(1.2, rel=1e-3)
-    f = policy.service.affine(dense)
-    mean_rate = (40 * 20.0 + 60 * 45.0) / 100  # what one mean rate reads: the busier level's median
-    at_mean = slo.predict_quantile_ms(slo.Affine(f.a * 1.2, f.c * 1.2), mean_rate, slo.CORRECTION_QUANTILE)
-    assert slo.predict_quantile_ms(slo.Affine(f.a * 1.2, f.c * 1.2), 45.0, slo.CORRECTION_QUANTILE) > at_mean
-
-
-def test_answers_in_an_overload_are_held_against_the_rate_admitted_not_offered():
-    """Offered at 3x the pair's capacity, the admission lets 70 % of its capacity in: the answers' queue
-    formed at the admitted rate, which :meth:`SloPolicy.entered` measures, and the scale fits the true
-    1.2. Held against the offered rate, where every prediction is infinite, no answer is above its
-    prediction and the scale falls to its lower bound (a 3x burst then served 0.4 where only 0.6 could
-    carry the admitted load)."""
-    now = [0.0]
-    policy = _policy(lambda: now[0])
-    pair = (0.6, "fp32")
-    f = policy.service.affine(pair)
-    scaled = slo.Affine(f.a * 1.2, f.c * 1.2)
-    capacity = 1e3 / scaled.c
-    offered, admitted = 3 * capacity, 0.7 * capacity
-    ms = slo.predict_quantile_ms(scaled, admitted, slo.CORRECTION_QUANTILE)
-    naive = slo.ServiceScale(clock=lambda: now[0])
-    credit = 0.0
-    for _ in range(int(4 * offered)):  # 4 s, evenly spaced
-        now[0] += 1 / offered
-        policy.rate.arrive(now[0])
-        credit += admitted / offered
-        if credit >= 1:  # this one admitted
-            credit -= 1
-            policy.answered(ms, policy.entered(1, now[0]), pair)
-            naive.add(ms, policy.rate.rate(now[0]), f)
-    assert policy.admitted_rate.rate(now[0]) == pytest.approx(admitted, rel=0.02)
-    assert policy.factor(pair) == pytest.approx(1.2, rel=0.03)
-    assert naive.factor == naive.bounds[0]
+    scale = slo.ServiceScale(min_batches=3, clock=lambda: now[0])
+    f = slo.Affine(2.0, 10.0)
+    scale.add(1, 2, 2 * 12.0 * 1.5, f)  # two batches of 1 at 1.5x
+    scale.add(8, 1, 82.0 * 1.1, f)  # one of 8 at 1.1x
+    assert scale.ready() and scale.factor == pytest.approx((36.0 + 90.2) / (24.0 + 82.0))
+    scale.add(1, 0, 10.0, f)  # nothing ran: ignored
+    scale.add(2, 1, float("nan"), f)
+    assert scale.factor == pytest.approx((36.0 + 90.2) / (24.0 + 82.0))
+    now[0] = 2.5
+    assert not scale.ready()  # nothing for 2 s: stale
+    scale.add(1, 5, 5 * 12.0 * 100, f)
+    assert scale.factor == scale.bounds[1]
 
 
 def test_the_time_outside_the_budget_model_is_added_once_not_scaled():
-    """Answers that spend what the bare model predicts in the budget model plus 12 ms elsewhere: the
-    scale stays 1 (a scale fitted to the whole latency would read 12 ms at a light load as a slower
-    model and overstate every queue) and each prediction carries the 12 ms once."""
+    """Answers that spend 12 ms outside the budget model: each prediction carries the 12 ms once, and the
+    service scale (measured on the batches) is untouched by them (a scale fitted to whole latencies read
+    12 ms at a light load as a slower model and overstated every queue)."""
     now = [0.0]
     policy = _policy(lambda: now[0])
     dense = (0.0, "fp32")
     f = policy.service.affine(dense)
-    model = slo.predict_quantile_ms(f, 10.0, slo.CORRECTION_QUANTILE)
-    for _ in range(50):
+    for i in range(50):
         now[0] += 0.02
-        policy.answered(model + 12.0, 10.0, dense, model_ms=model)
-    assert policy.factor(dense) == pytest.approx(1.0, rel=1e-3) and policy.overhead_ms() == pytest.approx(12.0)
-    assert policy.predict(dense, 40.0) == pytest.approx(12.0 + slo.predict_quantile_ms(f, 40.0, policy.quantile), rel=1e-3)
-    scaled = _policy(lambda: now[0])
-    for _ in range(50):  # the same answers without the split: the scale takes the 12 ms as slowness
-        now[0] += 0.02
-        scaled.answered(model + 12.0, 10.0, dense)
-    assert scaled.factor(dense) > 1.3 and scaled.predict(dense, 40.0) > policy.predict(dense, 40.0)
+        model = 16.0 + 14.0 * (i % 4)
+        policy.answered(model + 12.0, model_ms=model)
+    assert policy.factor(dense) == pytest.approx(1.0) and policy.overhead_ms() == pytest.approx(12.0)
+    assert policy.predict(dense, 40.0) == pytest.approx(12.0 + slo.predict_quantile_ms(f, 40.0, policy.quantile), rel=1e-6)
+    assert policy.measured() == pytest.approx(12.0 + 16.0 + 14.0 * 3)
 
 
 def test_a_budget_not_served_since_a_spike_forgets_its_spike_scale():
-    """Dense's answers during a spike measured what the model gives at 3x its service times; afterwards
-    only 0.3 is served, as modelled. Once dense has no answer for 2 s its own scale no longer counts (the
-    served pair's does): the low load goes back to dense (a stale window would keep it away)."""
+    """Dense's batches during a spike ran 3x their modelled time; afterwards only 0.3 is served, as
+    modelled. Once dense has no batch for 2 s its own scale no longer counts (the served pair's does): the
+    low load goes back to dense (a stale window would keep it away)."""
     now = [0.0]
     policy = _policy(lambda: now[0], dwell_s=0.0)
     dense, sparse = (0.0, "fp32"), (0.3, "fp32")
-    _answers_at_scale(policy, now, dense, 3.0, 20.0, 50)
-    assert policy.factor(dense) == pytest.approx(3.0, rel=1e-3)
+    _batches_at_scale(policy, now, dense, 3.0, 15)
+    assert policy.factor(dense) == pytest.approx(3.0, rel=1e-6)
     policy.rate.rate = lambda now=None: 20.0
     assert policy.decide(now[0]).pair != dense  # 3x: dense misses it at 20 rows/s
     assert policy.current != dense
-    _answers_at_scale(policy, now, sparse, 1.0, 20.0, 60)  # 1.2 s at 0.3, as modelled: dense's own still fresh
-    assert policy.factor(dense) == pytest.approx(3.0, rel=1e-3)
-    _answers_at_scale(policy, now, sparse, 1.0, 20.0, 50)  # 1 s more: dense's own is stale
-    assert not policy.scales[dense].ready() and policy.factor(dense) == pytest.approx(1.0, rel=1e-3)
-    assert policy.current == (0.5, "fp32")  # where the spike sent it
-    path = [policy.decide(now[0]).pair[0] for _ in range(2)]
-    assert path == [0.2, 0.0]  # back to dense 2 s after its last answer, three budgets at a time (max_step)
+    _batches_at_scale(policy, now, sparse, 1.0, 12)  # 1.2 s at 0.3, as modelled: dense's own still fresh
+    assert policy.factor(dense) == pytest.approx(3.0, rel=1e-6)
+    _batches_at_scale(policy, now, sparse, 1.0, 10)  # 1 s more: dense's own is stale
+    assert not policy.scales[dense].ready() and policy.factor(dense) == pytest.approx(1.0, rel=1e-6)
+    spiked = policy.pairs.index(policy.current)  # where the spike sent it
+    assert spiked >= 4
+    path = [policy.decide(now[0]).pair for _ in range(2)]
+    assert path == [policy.pairs[spiked - 3], dense]  # back to dense 2 s after its last batch, 3 budgets a move
+
+
+def test_a_budget_not_served_just_now_keeps_its_own_lower_scale_from_the_horizon():
+    """Dense measured 1.15 while served; then 0.2, whose batches read 1.3 (a sparser budget's batches carry
+    more fixed costs). Two seconds on, dense is predicted with its own 1.15, not 0.2's 1.3; once its own
+    leaves the 10 s horizon, with 0.2's."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense, sparse = (0.0, "fp32"), (0.2, "fp32")
+    _batches_at_scale(policy, now, dense, 1.15, 15)
+    policy.current = sparse
+    _batches_at_scale(policy, now, sparse, 1.3, 25)
+    assert not policy.scales[dense].ready() and policy.factor(dense) == pytest.approx(1.15, rel=1e-6)
+    _batches_at_scale(policy, now, sparse, 1.3, 80)
+    assert policy.factor(dense) == pytest.approx(1.3, rel=1e-6)
 
 
 def test_a_move_denser_steps_at_most_max_step_budgets_past_the_ones_measured_just_now():
@@ -288,7 +280,7 @@ def test_a_move_denser_steps_at_most_max_step_budgets_past_the_ones_measured_jus
         path.append(policy.decide(t).pair[0])
     assert path == [0.3, 0.3, 0.0, 0.0, 0.0, 0.0]
     policy.current, policy.switched_at = (0.6, "fp32"), -10.0
-    _answers_at_scale(policy, now, (0.0, "fp32"), 1.0, 10.0, 40)  # dense measured just now
+    _batches_at_scale(policy, now, (0.0, "fp32"), 1.0, 12)  # dense measured just now
     assert policy.decide(now[0]).pair == (0.0, "fp32")
     policy.rate.rate = lambda now=None: 1e4
     assert policy.decide(now[0]).pair == (0.6, "fp32")  # nothing keeps up: the fastest at once
@@ -312,9 +304,9 @@ def test_admission_bounds_the_wait_behind_rows_in_flight():
     now = [0.0]
     policy = _policy(lambda: now[0])
     ok, ms, _ = policy.admit((0.0, "fp32"), 1, 0)
-    assert ok and ms == pytest.approx(26.0)
-    ok, ms, _ = policy.admit((0.0, "fp32"), 1, 20)  # 2 x 12 + 20 x 14 + 26
-    assert not ok and ms == pytest.approx(330.0)
+    assert ok and ms == pytest.approx(16.0)
+    ok, ms, _ = policy.admit((0.0, "fp32"), 1, 20)  # 2 x 2 + 20 x 14 + 16
+    assert not ok and ms == pytest.approx(300.0)
 
 
 def test_admission_counts_the_rows_in_flight_at_other_pairs_which_share_the_cores():
@@ -323,9 +315,9 @@ def test_admission_counts_the_rows_in_flight_at_other_pairs_which_share_the_core
     dense = (0.0, "fp32")
     elsewhere = {(0.6, "fp32"): 8, (0.3, "fp32"): 8, dense: 50}  # its own pair's entry is rows_ahead's, not counted twice
     ok, ms, _ = policy.admit(dense, 1, 0, elsewhere)
-    assert ok and ms == pytest.approx(26.0 + 124 * 0.52 + 124 * 0.76)
-    ok, ms, _ = policy.admit(dense, 1, 8, elsewhere)  # + 2 x 12 + 8 x 14 ahead at its own pair
-    assert not ok and ms == pytest.approx(136.0 + 26.0 + 124 * 0.52 + 124 * 0.76)
+    assert ok and ms == pytest.approx(16.0 + 114 * 0.52 + 114 * 0.76)
+    ok, ms, _ = policy.admit(dense, 1, 8, elsewhere)  # + 2 x 2 + 8 x 14 ahead at its own pair
+    assert not ok and ms == pytest.approx(116.0 + 16.0 + 114 * 0.52 + 114 * 0.76)
     assert policy.admit(dense, 1, 8)[0]  # the same wait without the other pairs' work fits
 
 
@@ -352,22 +344,22 @@ def test_admission_runs_queued_work_no_faster_than_the_pair_serves():
     now = [0.0]
     policy = _policy(lambda: now[0])
     dense = (0.0, "fp32")
-    _answers_at_scale(policy, now, dense, 3.0, 10.0, 40)  # dense serves at a third of the model's speed
+    _batches_at_scale(policy, now, dense, 3.0, 12)  # dense serves at a third of the model's speed
     ok, ms, raw = policy.admit(dense, 1, 8)
-    assert raw == pytest.approx(162.0) and ms == pytest.approx(3.0 * 162.0, rel=1e-3) and not ok
+    assert raw == pytest.approx(132.0) and ms == pytest.approx(3.0 * 132.0, rel=1e-3) and not ok
 
 
 def test_admission_uses_what_admitted_requests_measured():
     now = [0.0]
     policy = _policy(lambda: now[0])
     dense = (0.0, "fp32")
-    assert policy.admit(dense, 1, 8)[0]  # 2 x 12 + 8 x 14 + 26 = 162 ms modelled
+    assert policy.admit(dense, 1, 8)[0]  # 2 x 2 + 8 x 14 + 16 = 132 ms modelled
     for i in range(60):  # every admitted request took twice its modelled latency, plus 20 ms
         now[0] += 0.05
         raw = 26.0 + 14.0 * (i % 10)
         policy.admitted(20.0 + 2.0 * raw, raw)
     ok, ms, raw = policy.admit(dense, 1, 8)
-    assert raw == pytest.approx(162.0) and ms == pytest.approx(20.0 + 2 * 162.0, abs=1.0) and not ok
+    assert raw == pytest.approx(132.0) and ms == pytest.approx(20.0 + 2 * 132.0, abs=1.0) and not ok
 
 
 def test_oracle_is_the_densest_pair_whose_capacity_covers_the_rate_with_headroom():

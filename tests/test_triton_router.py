@@ -468,3 +468,45 @@ def test_a_routed_request_that_would_miss_the_slo_goes_to_a_faster_budget_before
     with pytest.raises(Exception, match="exceeds the SLO") as err:
         model._admit(named)
     assert type(err.value).__name__ == "Overload" and err.value.reason == "overload"  # the model file's own class
+
+
+# --- the server's per-batch statistics, as the router reads them ------------------------------------
+def _stats(name: str, batches: dict) -> dict:
+    """``GET /v2/models/stats`` as Triton 2.51 answers it (the fields the router reads, counts as numbers)."""
+    return {"model_stats": [{"name": name, "version": "1", "batch_stats": [
+        {"batch_size": n, "compute_input": {"count": c, "ns": int(ms * 0.1e6)},
+         "compute_infer": {"count": c, "ns": int(ms * 0.8e6)}, "compute_output": {"count": c, "ns": int(ms * 0.1e6)}}
+        for n, (c, ms) in batches.items()]}]}
+
+
+def test_batch_totals_and_what_ran_between_two_reads():
+    from elastic_export.serving import triton_stats as ts
+
+    first = ts.batch_totals(_stats("elastic_dense", {1: (10, 200.0), 4: (2, 150.0)}))
+    assert first == {"elastic_dense": {1: (10, pytest.approx(200.0)), 4: (2, pytest.approx(150.0))}}
+    second = ts.batch_totals(_stats("elastic_dense", {1: (13, 262.0), 4: (2, 150.0), 2: (1, 41.0)}))
+    assert ts.batch_deltas(first, second) == {"elastic_dense": [(1, 3, pytest.approx(62.0)), (2, 1, pytest.approx(41.0))]}
+    assert ts.batch_deltas(second, second) == {}  # nothing ran
+    reloaded = ts.batch_totals(_stats("elastic_dense", {1: (2, 40.0)}))  # counts reset: from zero
+    assert ts.batch_deltas(second, reloaded) == {"elastic_dense": [(1, 2, pytest.approx(40.0))]}
+    assert ts.batch_totals({"model_stats": [{"name": "m", "version": "1"}]}) == {"m": {}}
+
+
+def test_the_router_gives_the_batches_it_reads_to_the_policy(monkeypatch):
+    """Two reads of the server's statistics: what ran between them goes to the policy's service scale of
+    the budget that ran it, at the router's precision; the first read only sets the baseline."""
+    from elastic_export.serving import triton_stats as ts
+
+    got = []
+    reads = iter([_stats("m0", {1: (5, 100.0)}), _stats("m0", {1: (9, 180.0), 2: (1, 35.0)})])
+    monkeypatch.setenv(ts.STATS_URL_ENV, "http://127.0.0.1:1")
+    monkeypatch.setattr(ts, "fetch", lambda url, timeout_s=1.0: next(reads))
+    model = types.SimpleNamespace(
+        routing=types.SimpleNamespace(policy=types.SimpleNamespace(served_batches=lambda pair, b, now: got.append((pair, b)))),
+        config=types.SimpleNamespace(models={0.0: "m0", 0.5: "m5"}, precision="fp32"),
+        _batches_before=None, _lock=threading.Lock())
+    triton_router.TritonPythonModel._read_batches(model)
+    assert got == []
+    triton_router.TritonPythonModel._read_batches(model)
+    assert got == [((0.0, "fp32"), [(1, 4, pytest.approx(80.0)), (2, 1, pytest.approx(35.0))])]
+

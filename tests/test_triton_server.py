@@ -423,6 +423,28 @@ def test_the_operators_gauges(served):
         client.close()
 
 
+def test_the_service_scale_is_read_from_the_servers_batch_statistics(served):
+    """The router reads its budget models' batch times from the server's statistics (where ``serve`` told
+    it through the environment) and scales its service model by them: under forwarded load (4 requests
+    at a time, so never run inline) the scale gauge leaves exactly 1, which nothing else moves."""
+    import concurrent.futures as cf
+
+    port = served["port"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
+    feeds, deadline, scale = _feeds(), time.monotonic() + 60, 1.0
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            for _ in range(2000):  # rounds of 8 requests until the gauge moves, at most 60 s
+                list(pool.map(lambda i: client.infer("elastic", _inputs(grpcclient, feeds), client_timeout=TIMEOUT_S),
+                              range(8)))
+                scale = _metric(port, "elastic_router_latency_correction")
+                if scale != 1.0 or time.monotonic() > deadline:
+                    break
+        assert scale != 1.0 and 0.5 <= scale <= 4.0, scale
+    finally:
+        client.close()
+
+
 def test_overload_is_refused_fast_with_503_and_nothing_is_lost(served):
     """16 dense requests of 128 rows at once (minutes of work for an SLO of 250 ms): each is answered or
     refused with 503 / UNAVAILABLE (retryable), at least one refused as an overload; none fails otherwise,
