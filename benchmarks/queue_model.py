@@ -1,6 +1,6 @@
 """The router's queueing estimate against the queue it models, and three ways to correct it from answers.
 
-Until 2026-12-05 the load-adaptive router (``elastic_export.serving.slo``) predicted the latency quantile of a
+Until the evening of 2026-12-04 the load-adaptive router (``elastic_export.serving.slo``) predicted the latency quantile of a
 budget model under Poisson arrivals with a mean-value estimate of a bulk-service queue (each batch holds the
 previous cycle's arrivals; :func:`mean_value_quantile_ms` here), then fitted a scale on ``S(n) = a + c·n`` to
 the answers' median; it now reads the queue's simulated table (``slo.predict_quantile_ms``, "table" below).
@@ -108,7 +108,7 @@ def poisson_quantile(mean: float, q: float) -> int:
 
 
 def mean_value_quantile_ms(service: slo.Affine, rate: float, quantile: float = 0.99) -> float:
-    """The router's estimate before 2026-12-05: in steady state each batch holds the arrivals of the previous
+    """The router's estimate until 2026-12-04: in steady state each batch holds the arrivals of the previous
     cycle, so a cycle lasts ``T = a / (1 - λc)``; an arrival finds the server busy with probability
     ``min(1, λT)``, waits a residual uniform on ``[0, T]``, and its batch holds ``Poisson(λT)`` other rows at
     that quantile. Kept here as what the table replaced."""
