@@ -102,6 +102,26 @@ def test_rate_estimator_window_and_steps():
     assert est.rate() >= 8 / 2.0
 
 
+def test_a_step_up_is_seen_at_a_lower_threshold_than_a_step_down():
+    """The step test's threshold is lower for a step up (3.5 standard deviations) than down (4): evenly
+    spaced arrivals stepping from 30 to 90 rows/s (the load test's 0.6x to 1.4x is 36 to 84) are seen
+    0.39 s after the step, 0.46 s at 4; a step down is tested as before."""
+    def seen_after(before: float, after: float, up_sigmas: float) -> float:
+        now = [0.0]
+        est = slo.RateEstimator(sigmas_up=up_sigmas, clock=lambda: now[0])
+        times = [i / before for i in range(int(3 * before))] + [3 + i / after for i in range(1, int(2 * after))]
+        for t in times:
+            now[0] = t
+            est.arrive()
+            est.rate()
+            if est.origin > 2.5:
+                return t - 3
+        return math.inf
+
+    assert seen_after(30, 90, 3.5) < seen_after(30, 90, 4.0) < 1.0
+    assert seen_after(70, 30, 3.5) == seen_after(70, 30, 4.0)  # a step down: the same test as before
+
+
 def test_constant_moderate_load_stays_dense():
     """0.6x of dense capacity (the issue's phase where the old rule served 0.4-0.6): dense throughout."""
     now = [0.0]
