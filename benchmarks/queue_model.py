@@ -59,7 +59,7 @@ def model_against_queue(f: slo.Affine) -> list[dict]:
         rate = load * 1e3 / f.c
         rows.append({"load": load, "rate": rate,
                      "router": [mean_value_quantile_ms(f, rate, q) for q in QUANTILES],
-                     "table": [table_quantile_ms(f, rate, q) for q in QUANTILES],
+                     "table": [slo.predict_quantile_ms(f, rate, q) for q in QUANTILES],
                      "queue": queue_quantiles(f, rate)})
     return rows
 
@@ -121,9 +121,6 @@ def mean_value_quantile_ms(service: slo.Affine, rate: float, quantile: float = 0
     return wait + service.ms(1 + poisson_quantile(lam * cycle, quantile))
 
 
-table_quantile_ms = slo.predict_quantile_ms  # the router's estimate now: the tabulated queue
-
-
 def corrections(f: slo.Affine, run: Path) -> list[dict]:
     data = json.loads(run.read_text())["acceptance"]
     dense = data["runs"]["dense-only"]
@@ -131,9 +128,9 @@ def corrections(f: slo.Affine, run: Path) -> list[dict]:
     phase_of, seconds = np.asarray(dense["phase_of"]), json.loads(run.read_text()).get("phase_s", 20.0)
     forms = {
         "scale a, c (router's estimate)": (lambda k: slo.Affine(f.a * k, f.c * k), mean_value_quantile_ms, 0.5, 4.0),
-        "scale a, c (queue)": (lambda k: slo.Affine(f.a * k, f.c * k), table_quantile_ms, 0.5, 4.0),
-        "cost per batch (queue)": (lambda d: slo.Affine(f.a + d, f.c), table_quantile_ms, 0.0, 200.0),
-        f"d0 {D0_MS:g} ms + scale c (queue)": (lambda k: slo.Affine(f.a + D0_MS, f.c * k), table_quantile_ms, 0.5, 4.0),
+        "scale a, c (queue)": (lambda k: slo.Affine(f.a * k, f.c * k), slo.predict_quantile_ms, 0.5, 4.0),
+        "cost per batch (queue)": (lambda d: slo.Affine(f.a + d, f.c), slo.predict_quantile_ms, 0.0, 200.0),
+        f"d0 {D0_MS:g} ms + scale c (queue)": (lambda k: slo.Affine(f.a + D0_MS, f.c * k), slo.predict_quantile_ms, 0.5, 4.0),
     }
     out = []
     for phase, name in ((0, "0.3x"), (1, "0.6x")):

@@ -22,7 +22,6 @@ import asyncio
 import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -32,28 +31,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 import serve_triton as st  # noqa: E402
 
 from elastic_export.core.manifest import Manifest  # noqa: E402
+from elastic_export.serving import triton_stats  # noqa: E402
 from elastic_export.targets import triton_onnx_model as om  # noqa: E402
 from elastic_export.targets.triton import build_repository  # noqa: E402
 from elastic_export.targets.tritonserver import TritonServer, free_port_block  # noqa: E402
 
 
 def model_stats(http: str, model: str) -> dict:
-    """Cumulative (count, ns) per batch size of compute, and of the queue over all requests."""
-    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as r:
-        d = json.load(r)["model_stats"][0]
-    batches = {int(b["batch_size"]): (int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"]))
-               for b in d["batch_stats"]}
-    queue = d["inference_stats"]["queue"]
-    return {"batches": batches, "queue": (int(queue["count"]), int(queue["ns"]))}
+    """``model``'s cumulative batches and compute time (ms) per batch size (:mod:`triton_stats`, the router's
+    reader, on ``compute_infer`` alone), and (count, ns) of the queue over all its requests."""
+    stats = triton_stats.fetch(f"http://{http}", timeout_s=10)
+    queue = next(m for m in stats["model_stats"] if m["name"] == model)["inference_stats"]["queue"]
+    return {"batches": triton_stats.batch_totals(stats, ("compute_infer",)).get(model, {}),
+            "queue": (int(queue["count"]), int(queue["ns"]))}
 
 
-def difference(before: dict, after: dict) -> dict:
+def difference(before: dict, after: dict, model: str) -> dict:
     """Per batch size the batches run and their mean compute (ms) between two snapshots; the mean queue time."""
-    out = {}
-    for b, (n, ns) in sorted(after["batches"].items()):
-        n0, ns0 = before["batches"].get(b, (0, 0))
-        if n > n0:
-            out[b] = {"batches": n - n0, "mean_ms": (ns - ns0) / (n - n0) / 1e6}
+    ran = triton_stats.batch_deltas({model: before["batches"]}, {model: after["batches"]}).get(model, [])
+    out = {n: {"batches": count, "mean_ms": ms / count} for n, count, ms in ran}
     (q, qns), (q0, qns0) = after["queue"], before["queue"]
     return {"compute": out, "queue_ms": (qns - qns0) / max(1, q - q0) / 1e6}
 
@@ -74,7 +70,7 @@ async def measure(server: TritonServer, t: dict, manifest: Manifest, args) -> tu
                 await asyncio.sleep(2.0)  # the previous arm's queue drains
                 before = model_stats(server.http_url, dense)
                 rec = await st.open_loop(client, model, times, one, arm == "router", 30.0, sparsity)
-                stats = difference(before, model_stats(server.http_url, dense))
+                stats = difference(before, model_stats(server.http_url, dense), dense)
                 lat = np.asarray(rec["latency_ms"])
                 rows.append({"load": load, "rate": load * cap, "arm": arm, "requests": len(lat),
                              "latency_ms": {q: float(np.percentile(lat, p)) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))},

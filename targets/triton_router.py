@@ -355,37 +355,22 @@ class SloRouting:
         self.last = self.policy.decide(now)
         return self.last
 
-    def predict(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
-                elsewhere: Optional[Dict[float, int]] = None) -> Tuple[float, float, bool]:
-        """A request's predicted latency (ms) at ``budget`` behind ``ahead`` rows in flight there and
-        ``elsewhere`` (rows in flight per other budget: they share the cores), by the model or by what they
-        already waited (``waited_ms``: the oldest of them, measured; its own service comes on top); the
-        model's uncorrected prediction (what :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes
-        back); and whether nothing is in flight ahead of it (then it always runs)."""
-        pair = (budget, self.precision)
-        others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
-        _, ms, raw = self.policy.admit(pair, rows, ahead, others)
-        behind = waited_ms + self.policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
-        return max(ms, behind), raw, not (ahead > 0 or others)
-
     def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
               elsewhere: Optional[Dict[float, int]] = None) -> float:
-        """The request's uncorrected predicted latency (ms) at ``budget`` (:meth:`predict`), or
-        :class:`Overload` when, with rows in flight ahead of it, its prediction is past :meth:`limit_ms`."""
-        ms, raw, free = self.predict(budget, rows, ahead, waited_ms, elsewhere)
-        if not free and ms > self.limit_ms():
-            raise self.overload(ms, budget)
+        """The request's uncorrected predicted latency (ms) at ``budget`` (what
+        :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes back), or :class:`Overload` when it is
+        predicted past the policy's admission limit (the SLO less its margin) behind ``ahead`` rows in flight
+        there and ``elsewhere`` (rows in flight per other budget: they share the cores), by the model or by
+        what they already waited (``waited_ms``: the oldest of them, measured; its own service comes on top).
+        A request with nothing in flight ahead of it always runs."""
+        pair, policy = (budget, self.precision), self.policy
+        others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
+        ok, ms, raw = policy.admit(pair, rows, ahead, others)
+        behind = waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
+        if (ahead > 0 or others) and (not ok or behind > policy.admission_limit_ms):
+            raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
+                           f"of {policy.slo_ms:g} ms less its {policy.margin:.0%} margin; retry later", "overload")
         return raw
-
-    def limit_ms(self) -> float:
-        """The latest predicted latency (ms) a request with work ahead of it is admitted at: the SLO less the
-        policy's margin, the slack every choice keeps (admitted at the SLO itself, a 3x burst's answers
-        reached a p99 of 250-254 ms)."""
-        return self.policy.slo_ms * (1 - self.policy.margin)
-
-    def overload(self, ms: float, budget: float) -> Overload:
-        return Overload(f"overloaded: predicted {ms:.0f} ms at sparsity {budget:g} exceeds the SLO of "
-                        f"{self.policy.slo_ms:g} ms less its {self.policy.margin:.0%} margin; retry later", "overload")
 
     def light(self, budget: float) -> bool:
         """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
@@ -774,7 +759,7 @@ class TritonPythonModel:
 
     def _admit(self, job: _Job) -> None:
         """Admit the job at its budget, or (the policy's pick) at the best faster budget that meets
-        :meth:`SloRouting.limit_ms` behind the rows in flight there; :class:`Overload` when none does (or it
+        the policy's admission limit behind the rows in flight there; :class:`Overload` when none does (or it
         named its budget)."""
         now = time.monotonic()
         faster = [s for s in self.config.sparsities if s > job.budget and s not in self.health.down

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 STATS_URL_ENV = "ELASTIC_EXPORT_TRITON_HTTP"  # e.g. http://127.0.0.1:8000
 PHASES = ("compute_input", "compute_infer", "compute_output")
@@ -24,15 +24,16 @@ def fetch(url: str, timeout_s: float = 1.0) -> Dict[str, Any]:
         return json.loads(response.read())
 
 
-def batch_totals(stats: Mapping[str, Any]) -> Totals:
-    """Per model (every version summed) and batch size: batches run and their total time (ms)."""
+def batch_totals(stats: Mapping[str, Any], phases: Sequence[str] = PHASES) -> Totals:
+    """Per model (every version summed) and batch size: batches run and their total time (ms) in
+    ``phases``."""
     out: Totals = {}
     for model in stats.get("model_stats", []):
         per = out.setdefault(str(model.get("name")), {})
         for b in model.get("batch_stats", []) or []:
             n = int(b.get("batch_size", 0))
             count = int((b.get("compute_infer") or {}).get("count", 0))
-            ms = sum(int((b.get(k) or {}).get("ns", 0)) for k in PHASES) / 1e6
+            ms = sum(int((b.get(k) or {}).get("ns", 0)) for k in phases) / 1e6
             c0, m0 = per.get(n, (0, 0.0))
             per[n] = (c0 + count, m0 + ms)
     return out
