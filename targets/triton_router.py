@@ -471,13 +471,13 @@ class RouterMetrics:
     Counters: ``elastic_router_requests_total{outcome}`` (served, refused, failed),
     ``elastic_router_refused_total{reason}`` (bad_request, overload, queue_full, unavailable),
     ``elastic_router_served_total{sparsity,path}`` (requests per served budget, ``path`` inline: run by the
-    router itself, or forwarded), ``elastic_router_rows_total{sparsity}``, ``elastic_router_failovers_total``
-    and ``elastic_router_switches_total``. Gauges, from :meth:`TritonPythonModel.snapshot`:
+    router itself, or forwarded), ``elastic_router_rows_total{sparsity}``, ``elastic_router_events_total{event}``
+    (switch, failover). Gauges, from :meth:`TritonPythonModel.snapshot`:
     ``elastic_router_served_sparsity``, ``elastic_router_arrival_rate``, ``elastic_router_in_flight``,
-    ``elastic_router_predicted_latency_ms`` and ``elastic_router_measured_latency_ms`` (the SLO quantile),
-    ``elastic_router_slo_ms``, ``elastic_router_latency_correction`` (the scale on the modelled service times
-    of the served budget that matches the measured latency: what the latency model leaves out),
-    ``elastic_router_budget_up{sparsity}``.
+    ``elastic_router_predicted_latency_ms`` (the SLO quantile predicted for the budget served; +Inf when
+    the estimated rate is past its capacity) and ``elastic_router_measured_latency_ms`` (over the recent
+    answers), ``elastic_router_slo_ms``, ``elastic_router_latency_correction`` (the served budget's service
+    time scale: its batches' measured times over the modelled ones), ``elastic_router_budget_up{sparsity}``.
 
     Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them every
     :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread of the server that
@@ -559,7 +559,7 @@ class RouterMetrics:
     def _set_gauges(self, snap: Dict[str, Any]) -> None:
         for name, metric in self.gauges.items():
             value = snap.get(name)
-            if value is not None and math.isfinite(value):
+            if value is not None and not math.isnan(value):  # +Inf is a value (the prediction when overloaded)
                 metric.set(float(value))
         for s, metric in self.up.items():
             metric.set(0.0 if s in snap.get("down", ()) else 1.0)

@@ -9,6 +9,7 @@ from the JSON of the ``config.pbtxt`` the build wrote, and forwards to the repos
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -278,8 +279,8 @@ class _Family:
 def test_router_metrics_gather_counts_and_update_from_one_thread(monkeypatch):
     monkeypatch.setattr(triton_router, "pb_utils", types.SimpleNamespace(MetricFamily=_Family))
     monkeypatch.setattr(_Family, "updates", [])
-    snap = {"served_sparsity": 0.5, "in_flight": 3, "arrival_rate": 41.0, "predicted_latency_ms": 120.0,
-            "down": (0.0,)}
+    snap = {"served_sparsity": 0.5, "in_flight": 3, "arrival_rate": 41.0, "predicted_latency_ms": math.inf,
+            "measured_latency_ms": math.nan, "down": (0.0,)}
     metrics = triton_router.RouterMetrics("elastic", [0.0, 0.5], snapshot=lambda: snap)
     threads = [threading.Thread(target=lambda: [metrics.count("served", ([0.5, 0.5], "forwarded")) for _ in range(50)])
                for _ in range(4)]
@@ -310,6 +311,7 @@ def test_router_metrics_gather_counts_and_update_from_one_thread(monkeypatch):
                       ("elastic_router_events_total", ("switch",)): 1}
     assert gauges[("elastic_router_served_sparsity", ())] == 0.5 and gauges[("elastic_router_in_flight", ())] == 3
     assert gauges[("elastic_router_budget_up", ("0",))] == 0.0 and gauges[("elastic_router_budget_up", ("0.5",))] == 1
+    assert gauges[("elastic_router_predicted_latency_ms", ())] == math.inf  # overloaded: Triton shows +Inf
     assert ("elastic_router_measured_latency_ms", ()) not in gauges  # not measured yet: not set
     assert len(_Family.updates) < 4 * 50  # gathered, not one update per request
     assert {thread for *_, thread in _Family.updates} <= {"router-metrics", threading.current_thread().name}
