@@ -179,6 +179,30 @@ def test_timing_interleaves_rounds_with_a_rotating_start():
     assert all(len(v) == 2 for v in times.values())
 
 
+class _SlowRuntime(_CountingRuntime):
+    """Each run advances a fake clock by ``ms``."""
+
+    def __init__(self, pairs, ms, clock):
+        super().__init__(pairs)
+        self.ms, self.clock = ms, clock
+
+    def run(self, feeds, sparsity, precision):
+        super().run(feeds, sparsity, precision)
+        self.clock[0] += self.ms / 1e3
+
+
+@pytest.mark.parametrize("ms,rounds", [(100.0, 3), (1500.0, 2)])
+def test_a_round_of_seconds_is_timed_twice_not_three_times(ms, rounds, monkeypatch):
+    """A round far past the batch size's time (a large model at batch 8) ends the timing after
+    LEAST_ROUNDS; a round within it keeps MIN_ROUNDS."""
+    clock = [0.0]
+    monkeypatch.setattr(quick_eval.time, "perf_counter", lambda: clock[0])
+    pairs = [(0.0, "fp32"), (0.3, "fp32")]
+    times = quick_eval.time_interleaved(_SlowRuntime(pairs, ms, clock), {}, seconds=1.0)
+    assert all(len(v) == rounds for v in times.values())
+    assert all(t == pytest.approx(ms) for v in times.values() for t in v)
+
+
 def test_median_spread():
     assert quick_eval.median_spread([5.0]) == float("inf")
     assert quick_eval.median_spread([4.0] * 10) == 0.0

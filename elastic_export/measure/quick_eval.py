@@ -24,7 +24,7 @@ server would load them) and
   :data:`BATCHES`, in interleaved rounds (:func:`time_interleaved`: every pair once per round, so
   a burst of load on a shared machine falls on all pairs alike; :data:`MIN_ROUNDS` to
   :data:`MAX_ROUNDS` rounds within :data:`SPEED_SECONDS` per batch size, fewer once every p50 is
-  pinned to :data:`SPEED_PRECISION`), on the inputs ``elastic-export bench`` uses (the manifest's
+  pinned to :data:`SPEED_PRECISION`, :data:`LEAST_ROUNDS` where one round takes seconds), on the inputs ``elastic-export bench`` uses (the manifest's
   token count N); onnxruntime's default threads without spin-waiting (``SessionConfig(spin=False)``:
   with every pair loaded, idle sessions' spinning threads would otherwise take the CPU from the one
   that runs). A first look: ``elastic-export bench`` measures longer.
@@ -76,10 +76,14 @@ ENTRY = "quick_eval"  # the manifest key
 LABEL = "quick eval"  # the records' label (the report's curve name)
 HELDOUT = 64  # held-out samples at most
 BATCHES = (1, 8)
-#: timing: interleaved rounds (every pair once per round, the start rotating), at least MIN_ROUNDS,
-#: at most MAX_ROUNDS, ending once a batch size has had its SPEED_SECONDS or every pair's p50 is
-#: pinned to SPEED_PRECISION (half-width of its 95 % distribution-free interval, relative)
+#: timing: interleaved rounds (every pair once per round, the start rotating), at least MIN_ROUNDS
+#: (LEAST_ROUNDS where the first round alone took LONG_ROUND times the batch size's SPEED_SECONDS: a
+#: large model at batch 8, seconds a round), at most MAX_ROUNDS, ending once a batch size has had its
+#: SPEED_SECONDS or every pair's p50 is pinned to SPEED_PRECISION (half-width of its 95 %
+#: distribution-free interval, relative)
 MIN_ROUNDS = 3
+LEAST_ROUNDS = 2
+LONG_ROUND = 3.0
 MAX_ROUNDS = 15  # tiny test models (ms per run) rarely pin their p50: this bounds their cost
 SPEED_SECONDS = {1: 1.0, 8: 1.0}  # per batch size; another size gets the largest (`bench` times precisely)
 SPEED_PRECISION = 0.03
@@ -266,7 +270,8 @@ def time_interleaved(rt, feeds: Feeds, seconds: float, min_rounds: int = MIN_ROU
     """Timed runs (ms) of every pair of ``rt`` on ``feeds``, in interleaved rounds: each round runs
     every pair once, the first pair rotating, so a burst of load on the machine falls on all pairs
     alike instead of on the ones timed during it. Ends after ``max_rounds``, or from
-    ``min_rounds`` on once ``seconds`` have passed or every pair's :func:`median_spread` is at most
+    ``min_rounds`` on (:data:`LEAST_ROUNDS`, at most, when the first round took :data:`LONG_ROUND`
+    times ``seconds``) once ``seconds`` have passed or every pair's :func:`median_spread` is at most
     :data:`SPEED_PRECISION`."""
     pairs = list(rt.pairs)
     times: dict[Pair, list[float]] = {pair: [] for pair in pairs}
@@ -276,6 +281,8 @@ def time_interleaved(rt, feeds: Feeds, seconds: float, min_rounds: int = MIN_ROU
             t0 = time.perf_counter()
             rt.run(feeds, sparsity=pair[0], precision=pair[1])
             times[pair].append((time.perf_counter() - t0) * 1e3)
+        if r == 0 and time.perf_counter() - start >= LONG_ROUND * seconds:
+            min_rounds = min(min_rounds, LEAST_ROUNDS)
         if r + 1 >= min_rounds and (time.perf_counter() - start >= seconds
                                     or max(map(median_spread, times.values())) <= SPEED_PRECISION):
             break
