@@ -222,15 +222,16 @@ def test_folders_that_name_no_class_give_no_labels(tmp_path):
                            config=ElasticConfig(steps=1, loss="ce"))
 
 
-@pytest.mark.parametrize("name,loss", [("hf-bert", "auto"), ("timm-vit", "kl")])
-def test_the_elastic_ranking_takes_its_dense_targets_from_the_fisher_pass(name, loss, monkeypatch):
-    """The fisher scores' forward passes (every mask 1) are the dense model's outputs: the elastic
-    ranking reuses them as its dense targets, runs the model once less over the calibration data,
-    and ends with the ranking a separate dense pass gives, bit for bit."""
+@pytest.mark.parametrize("name,loss,init", [("hf-bert", "auto", "fisher"), ("timm-vit", "kl", "fisher"),
+                                            ("hf-bert", "auto", "initial"), ("timm-vit", "kl", "initial")])
+def test_the_elastic_ranking_takes_its_dense_targets_from_the_initial_scores_pass(name, loss, init, monkeypatch):
+    """The initial scores' forward passes (fisher: every mask 1; initial: no mask) are the dense model's
+    outputs: the elastic ranking reuses them as its dense targets, runs the model once less over the
+    calibration data, and ends with the ranking a separate dense pass gives, bit for bit."""
     enc, inv, cal = _setup(name)
-    cfg = ElasticConfig(steps=4, targets_per_step=2, checkpoint_every=0, targets=(0.2, 0.5), loss=loss)
-    fisher = METHODS["fisher"](enc, inv, cal, seed=cfg.seed)
-    separate, _ = optimise_ranking(enc, inv, cal, fisher, cfg)
+    cfg = ElasticConfig(steps=4, targets_per_step=2, checkpoint_every=0, targets=(0.2, 0.5), loss=loss, init=init)
+    initial = METHODS[init](enc, inv, cal, seed=cfg.seed)
+    separate, _ = optimise_ranking(enc, inv, cal, initial, cfg)
     forward = enc.export_module().forward
     calls = []
     monkeypatch.setattr(type(enc.export_module()), "forward",
@@ -238,4 +239,17 @@ def test_the_elastic_ranking_takes_its_dense_targets_from_the_fisher_pass(name, 
     reused = soft_ranking.elastic_ranking(enc, inv, cal, config=cfg)
     for a, b in zip(separate[0] + separate[1], reused[0] + reused[1]):
         np.testing.assert_array_equal(a, b)
-    assert len(calls) == len(cal.batches) + cfg.steps  # fisher's passes and the steps', no dense pass
+    assert len(calls) == len(cal.batches) + cfg.steps  # the initial scores' passes and the steps', no dense pass
+
+
+@pytest.mark.parametrize("projections", [1, 3])
+def test_fisher_takes_one_backward_pass_per_projection(projections, monkeypatch):
+    """``init_projections`` random projections of each batch's embedding, one backward pass each:
+    other projections, other scores."""
+    enc, inv, cal = _setup("hf-bert")
+    grad, calls = torch.autograd.grad, []
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or grad(*a, **k))
+    scores = METHODS["fisher"](enc, inv, cal, seed=0, projections=projections)
+    assert len(calls) == projections * len(cal.batches)
+    two = METHODS["fisher"](enc, inv, cal, seed=0)
+    assert not all(np.array_equal(a, b) for a, b in zip(scores[1], two[1]))

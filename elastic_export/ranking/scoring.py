@@ -124,8 +124,10 @@ def _per_flop(inventory: Inventory, values: dict[tuple[int, str], torch.Tensor])
     return normalise(heads, neurons)
 
 
-def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable, desc: str):
-    """Run the calibration batches and sum ``stat(x, group, weights) -> (U,)`` per unit group.
+def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable, desc: str,
+                      observe: Callable[[int, Any, dict], None] | None = None):
+    """Run the calibration batches and sum ``stat(x, group, weights) -> (U,)`` per unit group;
+    ``observe(batch_index, outputs, feeds)``, when given, sees every batch's (dense) outputs.
 
     Under torch.distributed each process runs its share of every batch and the sums are added up.
     Returns the sums, the per-block residual energy and the token count."""
@@ -152,11 +154,14 @@ def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable
     dtype = ddp.model_dtype(encoder.module)
     try:
         with torch.no_grad(), capture_inputs(blocks, sink):
-            for feeds in tqdm(calibration.batches, desc=desc, unit="batch", leave=False, disable=not ddp.is_main()):
+            batches = tqdm(calibration.batches, desc=desc, unit="batch", leave=False, disable=not ddp.is_main())
+            for bi, feeds in enumerate(batches):
                 feeds = ddp.place(ddp.shard(feeds), dev, dtype)
                 state["feeds"] = feeds
                 state["tokens"] += float(token_weights(feeds, next(iter(feeds.values())).shape[:2]).sum())
-                fn(*feeds.values())
+                outputs = fn(*feeds.values())
+                if observe is not None:
+                    observe(bi, ddp.as_fp32(outputs), feeds)
     finally:
         for h in handles:
             h.remove()
@@ -168,11 +173,14 @@ def _token_statistics(encoder: Encoder, calibration: Calibration, stat: Callable
     return sums, stream, state["tokens"]
 
 
-def removal_damage(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
+def removal_damage(encoder: Encoder, inventory: Inventory, calibration: Calibration,
+                   observe: Callable[[int, Any, dict], None] | None = None, **_) -> Scores:
+    """Each unit's output energy relative to its block's residual stream, per FLOP (one forward pass;
+    ``observe`` as for :func:`fisher_information`)."""
     def stat(x, group, w):
         return (contribution_energy(x, group) * w[..., None]).sum((0, 1))
 
-    sums, stream, _ = _token_statistics(encoder, calibration, stat, "scoring (initial)")
+    sums, stream, _ = _token_statistics(encoder, calibration, stat, "scoring (initial)", observe)
     for (layer, kind), v in sums.items():
         v /= max(float(stream[layer]), 1e-30)
     return _per_flop(inventory, sums)
@@ -206,8 +214,10 @@ def _zero_vectors(encoder: Encoder):
 
 
 def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0,
-                       observe: Callable[[int, Any, dict], None] | None = None, **_) -> Scores:
-    """Squared mask gradients, summed over the calibration data.
+                       observe: Callable[[int, Any, dict], None] | None = None, projections: int = 2,
+                       **_) -> Scores:
+    """Squared mask gradients, summed over the calibration data (an embedding model's: of
+    ``projections`` random projections of each batch's embeddings, one backward pass each).
 
     ``observe(batch_index, outputs, feeds)``, when given, sees every batch's outputs (fp32, masks all
     1: the dense model's own outputs, bit for bit) before the backward passes; the elastic ranking
@@ -246,7 +256,7 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
                         fisher[key] += grad.detach().double().cpu().pow(2)
                 continue
             emb = encoder.embedding(outputs, feeds)
-            for _ in range(2):  # two random projections per batch
+            for _ in range(projections):
                 r = torch.randn((n, *emb.shape[1:]), generator=g)[part].to(dev)  # the global batch's draw
                 grads = torch.autograd.grad((emb * r).sum(), list(masks.values()), retain_graph=True)
                 if ddp.active():  # the whole batch's gradient, then its square
