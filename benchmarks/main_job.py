@@ -7,9 +7,11 @@ report, the rest). The ranking's quality is :mod:`benchmarks.ranking_quality`'s 
 only times.
 
 Usage:
-    python benchmarks/main_job.py [--model DIR --name NAME] [--runs 1] [--out DIR] [-- EXTRA CLI ARGS]
+    python benchmarks/main_job.py [--model DIR --name NAME] [--runs 1] [--out DIR] [--profile] [-- EXTRA CLI ARGS]
 
-Writes benchmarks/results/main_job_NAME.{json,md} (default NAME: minilm) and prints the table. All-mpnet-base-v2:
+Writes benchmarks/results/main_job_NAME.{json,md} (default NAME: minilm) and prints the table.
+``--profile``: one more run under cProfile (not timed: the profiler's own cost), whose functions by
+cumulative time go to main_job_NAME_profile.md (where inside the stages the time goes). All-mpnet-base-v2:
 ``python benchmarks/mpnet.py fetch`` prints its directory; ``--model`` that directory ``--name mpnet``.
 Quote it with the machine line, measured on a quiet machine (nothing else running).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -26,6 +29,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+PROFILE_ENV = "ELASTIC_EXPORT_MAIN_JOB_PROFILE"  # the child's cProfile dump, when set
+PROFILE_ROWS = 40
 BUDGETS = "0.1..0.6"
 # (label, module, attribute): the pipeline's stage entry points, as the pipeline module names them
 STAGES = [
@@ -64,24 +69,35 @@ def _child(args: list[str], record: Path) -> int:
 
     for label, module, attr in STAGES:
         setattr(modules[module], attr, timed(label, getattr(modules[module], attr)))
+    profiler = None
+    if os.environ.get(PROFILE_ENV):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         cli_main(args)
         rc = 0
     except SystemExit as e:
         rc = int(e.code or 0)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.environ[PROFILE_ENV])
     times["total in process"] = time.perf_counter() - t0
     record.write_text(json.dumps({"stages": times, "rc": rc}))
     return rc
 
 
-def _run_once(model: str | None, out: Path, extra: list[str]) -> dict:
-    """One main job in a fresh process: its wall time from start to exit, and its stage timings."""
+def _run_once(model: str | None, out: Path, extra: list[str], profile: Path | None = None) -> dict:
+    """One main job in a fresh process: its wall time from start to exit, and its stage timings
+    (``profile``: the process runs under cProfile and writes its statistics there)."""
     args = ["--budgets", BUDGETS, "--out", str(out), "--overwrite", *(["--model", model] if model else []), *extra]
+    env = dict(os.environ, **({PROFILE_ENV: str(profile)} if profile else {}))
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "stages.json"
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, __file__, "--child", str(record), "--", *args],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         wall = time.perf_counter() - t0
         if p.returncode != 0 or not record.is_file():
             sys.stderr.write(p.stdout[-3000:])
@@ -108,6 +124,29 @@ def _table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def profile_table(stats_path: Path, top: int = PROFILE_ROWS) -> list[str]:
+    """The functions of a cProfile dump that took the most cumulative time (at least 1 % of the run's),
+    as a markdown table: where inside the stages the time goes. A chain of wrappers (each with the
+    same cumulative time as the one listed before it, within 0.5 % of the run, and no time of its own)
+    shows as its first link."""
+    import pstats
+
+    st = pstats.Stats(str(stats_path))
+    total = max(v[3] for v in st.stats.values())  # the outermost call's cumulative time
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])
+    lines = ["| function | calls | cumulative s | share | own s |", "|---|---|---|---|---|"]
+    last = None
+    for (path, line, name), (_, calls, own, cum, _) in rows:
+        if len(lines) - 2 >= top or cum < 0.01 * total:
+            break
+        if last is not None and last - cum < 0.005 * total and own < 0.005 * total:
+            continue
+        last = cum
+        where = path.split("site-packages/")[-1].split("/main/")[-1] if path != "~" else "(builtin)"
+        lines.append(f"| `{name}` ({where}:{line}) | {calls} | {cum:.1f} | {cum / total:.0%} | {own:.1f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -119,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--out", default=None, help="artifact directory (default: a temporary one)")
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--profile", action="store_true", help="one more run under cProfile: main_job_NAME_profile.md")
     a = ap.parse_args(argv)
     if a.child:
         return _child(extra, Path(a.child))
@@ -139,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
           f"onnxruntime {m['onnxruntime']}, {res['date']}.", "", *_table(runs), ""]
     (results / f"main_job_{a.name}.md").write_text("\n".join(md))
     print("\n".join(md))
+    if a.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = _run_once(a.model, Path(tmp) / "elastic-out", extra, Path(tmp) / "main.prof")
+            md = [f"# Main job under cProfile: {res['model']}", "", f"`{res['command']}`; {m['cpu']}, "
+                  f"{m['logical_cpus']} logical CPUs, {res['date']}; {run['wall_s']:.1f} s under the profiler "
+                  "(its own cost included). Functions by cumulative time, at least 1 % of the run:", "",
+                  *profile_table(Path(tmp) / "main.prof"), ""]
+        (results / f"main_job_{a.name}_profile.md").write_text("\n".join(md))
+        print("\n".join(md))
     return 0
 
 
