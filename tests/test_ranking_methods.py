@@ -244,7 +244,7 @@ def test_the_elastic_ranking_takes_its_dense_targets_from_the_initial_scores_pas
 
 @pytest.mark.parametrize("projections", [1, 3])
 def test_fisher_takes_one_backward_pass_per_projection(projections, monkeypatch):
-    """``init_projections`` random projections of each batch's embedding, one backward pass each:
+    """``fisher_projections`` random projections of each batch's embedding, one backward pass each:
     other projections, other scores."""
     enc, inv, cal = _setup("hf-bert")
     grad, calls = torch.autograd.grad, []
@@ -253,3 +253,7 @@ def test_fisher_takes_one_backward_pass_per_projection(projections, monkeypatch)
     assert len(calls) == projections * len(cal.batches)
     two = METHODS["fisher"](enc, inv, cal, seed=0)
     assert not all(np.array_equal(a, b) for a, b in zip(scores[1], two[1]))
+    calls.clear()  # the elastic ranking passes its config's count on: then one backward per step
+    cfg = ElasticConfig(steps=2, checkpoint_every=0, targets=(0.2, 0.5), fisher_projections=projections)
+    soft_ranking.elastic_ranking(enc, inv, cal, config=cfg)
+    assert len(calls) == projections * len(cal.batches) + cfg.steps

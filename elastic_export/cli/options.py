@@ -85,6 +85,10 @@ RANKING_OPTIONS = (
                  help="elastic: weight of the similarity-structure term (retrieval against a dense index)."),
     click.option("--token-weight", type=float, default=_ELASTIC.token_weight, show_default=True,
                  help="elastic: weight of a token-level feature term (0: off)."),
+    click.option("--fisher-projections", type=int, default=_ELASTIC.fisher_projections, show_default=True,
+                 help="elastic: random projections of each calibration batch's embedding for the fisher "
+                      "starting scores, one backward pass each (1: the ranking about a fifth faster on "
+                      "all-mpnet-base-v2, recall@10 up to 0.007 lower on average)."),
     click.option("--resume", is_flag=True, default=False,
                  help="elastic: continue an interrupted ranking from its last checkpoint (says from which "
                       "step, or that there is none)."),
@@ -149,7 +153,7 @@ def export_options(fn):
 
 def elastic_config(kw: dict) -> ElasticConfig:
     """Pop the elastic-ranking options out of ``kw`` into an :class:`ElasticConfig`."""
-    for name in ("steps", "targets_per_step", "calib_size", "batch_size"):
+    for name in ("steps", "targets_per_step", "calib_size", "batch_size", "fisher_projections"):
         if kw.get(name) is not None and kw[name] < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {kw[name]}")
     for name in ("lr", "temperature"):
@@ -164,4 +168,5 @@ def elastic_config(kw: dict) -> ElasticConfig:
     return ElasticConfig(targets=targets, steps=kw.pop("steps"), lr=kw.pop("lr"),
                          temperature=kw.pop("temperature"), targets_per_step=kw.pop("targets_per_step"),
                          loss=kw.pop("loss"), token_weight=kw.pop("token_weight"),
-                         relational_weight=kw.pop("relational_weight"))
+                         relational_weight=kw.pop("relational_weight"),
+                         fisher_projections=kw.pop("fisher_projections"))

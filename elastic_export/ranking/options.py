@@ -65,7 +65,7 @@ class ElasticConfig:
         init: the ranking method whose scores start the optimisation (``fisher``: squared mask
             gradients, a second-order estimate of the loss increase when a unit is removed;
             ``initial``: removal damage).
-        init_projections: random projections of each batch's embedding whose squared gradients
+        fisher_projections: random projections of each batch's embedding whose squared gradients
             make the ``fisher`` initial scores (one backward pass each).
     """
 
@@ -81,4 +81,4 @@ class ElasticConfig:
     relational_weight: float = 4.0
     relational_temperature: float = 0.05
     init: str = "fisher"
-    init_projections: int = 2
+    fisher_projections: int = 2

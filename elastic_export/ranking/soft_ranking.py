@@ -410,7 +410,7 @@ def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibra
 
     # the fisher / initial scores' forward passes are the dense model's (every mask 1): their targets
     # spare the optimisation its own pass over the calibration data
-    extra = ({"observe": observe, "projections": config.init_projections} if config.init == "fisher"
+    extra = ({"observe": observe, "projections": config.fisher_projections} if config.init == "fisher"
              else {"observe": observe} if config.init == "initial" else {})
     initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed, **extra)
     scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume, echo,
