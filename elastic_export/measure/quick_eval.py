@@ -27,7 +27,8 @@ server would load them) and
   pinned to :data:`SPEED_PRECISION`, :data:`LEAST_ROUNDS` where one round takes seconds), on the
   inputs ``elastic-export bench`` uses (the manifest's token count N); onnxruntime's default
   threads without spin-waiting (``SessionConfig(spin=False)``: with every pair loaded, idle
-  sessions' spinning threads would otherwise take the CPU from the one that runs). A first look: ``elastic-export bench`` measures longer.
+  sessions' spinning threads would otherwise take the CPU from the one that runs). A first look:
+  ``elastic-export bench`` measures longer.
 
 The results go to the manifest's ``quick_eval`` entry (field names below, defined once here)::
 
