@@ -92,7 +92,9 @@ def _run_once(model: str | None, out: Path, extra: list[str], profile: Path | No
     """One main job in a fresh process: its wall time from start to exit, and its stage timings
     (``profile``: the process runs under cProfile and writes its statistics there)."""
     args = ["--budgets", BUDGETS, "--out", str(out), "--overwrite", *(["--model", model] if model else []), *extra]
-    env = dict(os.environ, **({PROFILE_ENV: str(profile)} if profile else {}))
+    env = {k: v for k, v in os.environ.items() if k != PROFILE_ENV}  # a timed run never runs under the profiler
+    if profile:
+        env[PROFILE_ENV] = str(profile)
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "stages.json"
         t0 = time.perf_counter()

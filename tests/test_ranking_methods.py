@@ -223,9 +223,10 @@ def test_folders_that_name_no_class_give_no_labels(tmp_path):
 
 
 @pytest.mark.parametrize("name,loss,init", [("hf-bert", "auto", "fisher"), ("timm-vit", "kl", "fisher"),
-                                            ("hf-bert", "auto", "initial"), ("timm-vit", "kl", "initial")])
+                                            ("hf-bert", "auto", "initial"), ("timm-vit", "kl", "initial"),
+                                            ("hf-bert", "auto", "activation"), ("hf-bert", "auto", "variance")])
 def test_the_elastic_ranking_takes_its_dense_targets_from_the_initial_scores_pass(name, loss, init, monkeypatch):
-    """The initial scores' forward passes (fisher: every mask 1; initial: no mask) are the dense model's
+    """The starting scores' forward passes (fisher: every mask 1; the others: no mask) are the dense model's
     outputs: the elastic ranking reuses them as its dense targets, runs the model once less over the
     calibration data, and ends with the ranking a separate dense pass gives, bit for bit."""
     enc, inv, cal = _setup(name)

@@ -6,6 +6,9 @@ so the command line lists and checks method names (``elastic-export --help``) wi
 
 A scoring function takes ``(encoder, inventory, calibration, **options)`` and returns per-layer head
 and neuron scores (higher = keep longer), divided by each unit's FLOP cost (:mod:`elastic_export.ranking.scoring`).
+Options it does not use it ignores; the elastic ranking passes every starting method ``seed``, ``observe``
+(``(batch_index, outputs, feeds)``: a method that runs the dense model over the calibration batches hands
+it each batch's outputs, sparing the ranking its own dense pass) and ``projections`` (fisher's).
 Adding one: a line here (or :func:`register` / ``@scoring.register_method`` from other code).
 """
 

@@ -186,21 +186,23 @@ def removal_damage(encoder: Encoder, inventory: Inventory, calibration: Calibrat
     return _per_flop(inventory, sums)
 
 
-def activation_magnitude(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
+def activation_magnitude(encoder: Encoder, inventory: Inventory, calibration: Calibration,
+                         observe: Callable[[int, Any, dict], None] | None = None, **_) -> Scores:
     def stat(x, group, w):
         return (unit_view(x, group).norm(dim=-1) * w[..., None]).sum((0, 1))
 
-    sums, _, tokens = _token_statistics(encoder, calibration, stat, "scoring (activation)")
+    sums, _, tokens = _token_statistics(encoder, calibration, stat, "scoring (activation)", observe)
     return _per_flop(inventory, {k: v / max(tokens, 1.0) for k, v in sums.items()})
 
 
-def activation_variance(encoder: Encoder, inventory: Inventory, calibration: Calibration, **_) -> Scores:
+def activation_variance(encoder: Encoder, inventory: Inventory, calibration: Calibration,
+                        observe: Callable[[int, Any, dict], None] | None = None, **_) -> Scores:
     def moments(x, group, w):
         """Token-weighted sums of each feature and of its square, in one pass: (2, U, w)."""
         v, ww = unit_view(x, group), w[..., None, None]
         return torch.stack([(v * ww).sum((0, 1)), (v.pow(2) * ww).sum((0, 1))])
 
-    sums, _, tokens = _token_statistics(encoder, calibration, moments, "scoring (variance)")
+    sums, _, tokens = _token_statistics(encoder, calibration, moments, "scoring (variance)", observe)
     out = {}
     for key, s in sums.items():
         mean, sq = s[0] / tokens, s[1] / tokens

@@ -408,11 +408,10 @@ def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibra
     def observe(i: int, outputs: tuple, feeds: dict) -> None:
         seen[i] = distiller.targets(outputs, feeds)
 
-    # the fisher / initial scores' forward passes are the dense model's (every mask 1): their targets
-    # spare the optimisation its own pass over the calibration data
-    extra = ({"observe": observe, "projections": config.fisher_projections} if config.init == "fisher"
-             else {"observe": observe} if config.init == "initial" else {})
-    initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed, **extra)
+    # a starting method's forward passes over the calibration data are the dense model's (fisher: every
+    # mask 1; initial, activation, variance: no mask): their targets spare the optimisation its own pass
+    initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed, observe=observe,
+                                   projections=config.fisher_projections)
     scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume, echo,
                                  dense_known=seen)
     return scores
