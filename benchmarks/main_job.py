@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     (results / f"main_job_{a.name}.json").write_text(json.dumps(res, indent=2) + "\n")
     m = res["machine"]
+    features = " ".join(m.get("cpu_features", [])) or "no AVX2"
     md = [f"# Main job: {res['model']}", "", f"`{res['command']}` (a fresh process each run, timed start to exit)",
-          "", f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, load average before {m['load_average']}, "
+          "", f"Machine: {m['cpu']} ({features}), {m['logical_cpus']} logical CPUs, load average before {m['load_average']}, "
           f"onnxruntime {m['onnxruntime']}, {res['date']}.", "", *_table(runs), ""]
     (results / f"main_job_{a.name}.md").write_text("\n".join(md))
     print("\n".join(md))

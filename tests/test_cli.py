@@ -194,6 +194,7 @@ def _args(*args: str) -> Callable[[Path], list[str]]:
 # test item name -> what to run there (args, or a setup that returns them and may run more first)
 CASES: dict[str, Callable[[Path], list[str] | tuple[list[str], dict]]] = {
     "test_bad_fisher_projections": _args("--fisher-projections", "0"),
+    "test_bad_ranking_compute": _args("--ranking-compute", "fp16"),
     "test_bad_budgets[reversed-range]": _args("--budgets", "0.7..0.2"),
     "test_bad_budgets[not-a-number]": _args("--budgets", "abc"),
     "test_bad_budgets[duplicate]": _args("--budgets", "0.1,0.1"),
@@ -294,6 +295,11 @@ def test_bad_budgets(result, spec):
 def test_bad_fisher_projections(result):
     assert_bad_input(result, "--fisher-projections must be a positive integer, got 0")
     assert "loading" not in result.stderr  # refused before any model is loaded
+
+
+def test_bad_ranking_compute(result):
+    assert_bad_input(result, "--ranking-compute", "'fp16' is not one of 'auto', 'fp32', 'bf16'")
+    assert "loading" not in result.stderr
 
 
 def test_bad_budgets_overflowing_range(result):

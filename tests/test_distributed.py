@@ -20,7 +20,9 @@ import torch
 from elastic_export.ranking.file import Ranking, load_ranking
 
 TESTS = Path(__file__).resolve().parent
-RANK = ["--seq-len", "16", "--calib-size", "16", "--batch-size", "4", "--steps", "4", "--token-weight", "0.5"]
+# fp32 passes: the processes' sums equal one process's to float rounding (bf16 products round per GEMM shape)
+RANK = ["--seq-len", "16", "--calib-size", "16", "--batch-size", "4", "--steps", "4", "--token-weight", "0.5",
+        "--ranking-compute", "fp32"]
 
 pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -152,7 +154,8 @@ def _all_scores() -> dict[str, np.ndarray]:
 
     torch.set_num_threads(1)
     out = {}
-    cfg = dict(steps=4, targets_per_step=3, checkpoint_every=0, targets=(0.1, 0.3, 0.5, 0.7))
+    cfg = dict(steps=4, targets_per_step=3, checkpoint_every=0, targets=(0.1, 0.3, 0.5, 0.7),
+               compute="fp32")  # fp32: equal to float rounding (bf16 products round per GEMM shape)
     bert = tiny_encoder("hf-bert")
     inv = build_inventory(bert)
     cal = load_calibration(bert, None, size=14, batch_size=5)  # batches of 5, 5, 4: uneven shares

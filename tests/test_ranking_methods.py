@@ -7,8 +7,10 @@ import pytest
 import torch
 from conftest import tiny_encoder
 
+from elastic_export.core.errors import UserError
 from elastic_export.data.calibration import load_calibration
 from elastic_export.models.inventory import build_inventory
+from elastic_export.ranking import distributed as ddp
 from elastic_export.ranking import soft_ranking
 from elastic_export.ranking.file import Ranking, make_meta, save_ranking
 from elastic_export.ranking.plans import make_plans
@@ -228,9 +230,11 @@ def test_folders_that_name_no_class_give_no_labels(tmp_path):
 def test_the_elastic_ranking_takes_its_dense_targets_from_the_initial_scores_pass(name, loss, init, monkeypatch):
     """The starting scores' forward passes (fisher: every mask 1; the others: no mask) are the dense model's
     outputs: the elastic ranking reuses them as its dense targets, runs the model once less over the
-    calibration data, and ends with the ranking a separate dense pass gives, bit for bit."""
+    calibration data, and ends with the ranking a separate dense pass gives, bit for bit (in fp32: under bf16
+    the passes with and without masks round differently)."""
     enc, inv, cal = _setup(name)
-    cfg = ElasticConfig(steps=4, targets_per_step=2, checkpoint_every=0, targets=(0.2, 0.5), loss=loss, init=init)
+    cfg = ElasticConfig(steps=4, targets_per_step=2, checkpoint_every=0, targets=(0.2, 0.5), loss=loss, init=init,
+                        compute="fp32")
     initial = METHODS[init](enc, inv, cal, seed=cfg.seed)
     separate, _ = optimise_ranking(enc, inv, cal, initial, cfg)
     forward = enc.export_module().forward
@@ -258,3 +262,52 @@ def test_fisher_takes_one_backward_pass_per_projection(projections, monkeypatch)
     cfg = ElasticConfig(steps=2, checkpoint_every=0, targets=(0.2, 0.5), fisher_projections=projections)
     soft_ranking.elastic_ranking(enc, inv, cal, config=cfg)
     assert len(calls) == projections * len(cal.batches) + cfg.steps
+
+
+def test_auto_compute_is_bf16_exactly_where_the_cpu_multiplies_bf16():
+    """``auto`` resolves by the CPU's own feature flags (read here from /proc/cpuinfo, independently of torch)."""
+    flags = set(" ".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split())
+    native = bool({"avx512_bf16", "amx_tile"} & flags)
+    cpu = torch.device("cpu")
+    assert ddp.native_bf16(cpu) == native
+    assert ddp.resolve_compute("auto", cpu) == ("bf16" if native else "fp32")
+    assert [ddp.resolve_compute(n, cpu) for n in ("fp32", "bf16")] == ["fp32", "bf16"]
+    with pytest.raises(UserError, match="--ranking-compute fp16: choose auto, fp32, bf16"):
+        ddp.resolve_compute("fp16", cpu)
+
+
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_ranking_compute_sets_the_type_of_the_matrix_products(compute):
+    """fisher and the elastic steps run their linear layers in the compute type; the scores stay
+    fp32 and, in bf16, keep the fp32 ranking's order up to near-ties."""
+    enc, inv, cal = _setup("hf-bert")
+    linear = next(m for m in enc.module.modules() if isinstance(m, torch.nn.Linear))
+    seen: list[torch.dtype] = []
+    handle = linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    cfg = ElasticConfig(steps=2, checkpoint_every=0, targets=(0.2, 0.5), compute=compute)
+    try:
+        fisher = METHODS["fisher"](enc, inv, cal, seed=0, compute=compute)
+        elastic = soft_ranking.elastic_ranking(enc, inv, cal, config=cfg)
+    finally:
+        handle.remove()
+    assert set(seen) == {torch.bfloat16 if compute == "bf16" else torch.float32}
+    assert len(seen) == 2 * len(cal.batches) + cfg.steps  # fisher's passes twice (alone, as the start), the steps'
+    reference = METHODS["fisher"](enc, inv, cal, seed=0, compute="fp32")
+    a, b = np.concatenate(reference[1]), np.concatenate(fisher[1])
+    assert b.dtype == np.float32 and np.all(np.isfinite(b)) and all(np.all(np.isfinite(x)) for x in elastic[1])
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    assert np.corrcoef(ra, rb)[0, 1] > 0.98
+
+
+def test_the_ranking_file_records_the_compute_that_ran(tmp_path):
+    """``auto`` is recorded as what it resolved to on this machine, for elastic and fisher."""
+    from elastic_export.pipeline import Options
+    from elastic_export.ranking.driver import rank_encoder
+
+    enc, inv, cal = _setup("hf-bert")
+    want = ddp.resolve_compute("auto", torch.device("cpu"))
+    for method in ("elastic", "fisher"):
+        opts = Options(method=method, out=str(tmp_path / "out"), elastic=ElasticConfig(steps=2, checkpoint_every=0))
+        ranking = rank_encoder(enc, inv, opts, echo=lambda s: None, calib=cal)
+        assert ranking.meta["hyperparameters"]["compute"] == want

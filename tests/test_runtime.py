@@ -486,3 +486,13 @@ def test_encode_texts_with_the_directory_tokenizer(minilm_small, tmp_path):
         rt.encode([1, 2])
     shutil.rmtree(d / "tokenizer")  # the model's source folder is the fallback
     assert np.abs(ElasticRuntime.from_dir(d).encode(texts, sparsity=0.5) - emb).max() < 1e-6
+
+
+def test_machine_line_names_the_cpus_vector_extensions():
+    """Benchmarks quote the CPU's int8 / bf16 extensions (they decide which kernels run), read from its flags."""
+    from elastic_export.measure.timing import CPU_FEATURES, machine
+
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    host = machine()
+    assert host["cpu_features"] == [f for f in CPU_FEATURES if f in flags.split(":", 1)[1].split()]
+    assert host["cpu"] and host["logical_cpus"] >= 1

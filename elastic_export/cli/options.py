@@ -89,6 +89,12 @@ RANKING_OPTIONS = (
                  help="elastic: random projections of each calibration batch's embedding for the fisher "
                       "starting scores, one backward pass each (1: the ranking about a fifth faster on "
                       "all-mpnet-base-v2, recall@10 up to 0.007 lower on average)."),
+    click.option("--ranking-compute", type=click.Choice(["auto", "fp32", "bf16"]), default=_ELASTIC.compute,
+                 show_default=True,
+                 help="elastic and fisher: the model's passes while ranking. bf16: matrix products in bfloat16 "
+                      "(torch autocast; scores, masks and losses stay fp32), about twice as fast where the "
+                      "hardware multiplies bf16 natively; auto: bf16 there (CPUs with AVX-512 BF16 or AMX, "
+                      "GPUs with bf16), else fp32. The ranking file records which ran."),
     click.option("--resume", is_flag=True, default=False,
                  help="elastic: continue an interrupted ranking from its last checkpoint (says from which "
                       "step, or that there is none)."),
@@ -169,4 +175,4 @@ def elastic_config(kw: dict) -> ElasticConfig:
                          temperature=kw.pop("temperature"), targets_per_step=kw.pop("targets_per_step"),
                          loss=kw.pop("loss"), token_weight=kw.pop("token_weight"),
                          relational_weight=kw.pop("relational_weight"),
-                         fisher_projections=kw.pop("fisher_projections"))
+                         fisher_projections=kw.pop("fisher_projections"), compute=kw.pop("ranking_compute"))

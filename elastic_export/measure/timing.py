@@ -93,20 +93,25 @@ def measure_profile(rt: Any, feeds_by_batch: Mapping[int, Mapping[str, np.ndarra
     return profile_of(rt, rows, quality, quality_metric)
 
 
+# the vector extensions that decide which kernels run: int8 (VNNI) and bf16 (AVX-512 BF16, AMX) products
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
 def machine() -> dict[str, Any]:
-    """CPU model, core count, load average, onnxruntime version, platform."""
+    """CPU model, its vector extensions that decide kernel speed (:data:`CPU_FEATURES`), core count,
+    load average, onnxruntime version, platform."""
     import onnxruntime as ort
 
-    cpu = platform.processor() or platform.machine()
+    info: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's entries
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
-            "onnxruntime": ort.__version__, "platform": platform.platform()}
+    cpu, flags = info.get("model name") or platform.processor() or platform.machine(), set(info.get("flags", "").split())
+    return {"cpu": cpu, "cpu_features": [f for f in CPU_FEATURES if f in flags], "logical_cpus": os.cpu_count(),
+            "load_average": list(os.getloadavg()), "onnxruntime": ort.__version__, "platform": platform.platform()}
 
 
 def busy_warning(host: dict[str, Any]) -> str | None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from elastic_export.core.errors import UserError
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE = ("auto", "fp32", "bf16")  # the ranking's forward passes (see compute())
 
 
 def active() -> bool:
@@ -174,6 +175,34 @@ def cast_weights(module: torch.nn.Module, name: str) -> None:
         raise UserError(f"--weights-dtype {name}: choose {', '.join(WEIGHT_DTYPES)}")
     if name != "fp32":
         module.to(WEIGHT_DTYPES[name])
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices natively (CPUs with AVX-512 BF16 or AMX, or a
+    CUDA GPU with bf16), so that bf16 products are faster than fp32 there rather than emulated."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's feature checks
+    return device.type == "cpu" and any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
+def resolve_compute(name: str, device: torch.device) -> str:
+    """``name`` (``auto``, ``fp32`` or ``bf16``) as the ranking runs it on ``device``: ``auto`` is
+    ``bf16`` where :func:`native_bf16`, else ``fp32``."""
+    if name not in COMPUTE:
+        raise UserError(f"--ranking-compute {name}: choose {', '.join(COMPUTE)}")
+    if name == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    return name
+
+
+def compute(name: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context the model's forward passes run in while ranking (``name`` as :func:`resolve_compute`
+    reads it): ``fp32`` changes nothing; ``bf16`` is torch autocast (matrix products in bfloat16;
+    normalisations, softmax and the losses in fp32; the backward pass follows the forward's types)."""
+    if resolve_compute(name, device) == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 @contextlib.contextmanager

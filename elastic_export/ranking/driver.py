@@ -19,6 +19,7 @@ from elastic_export.core.errors import Interrupted, UserError
 from elastic_export.data.calibration import Calibration, load_calibration
 from elastic_export.models.encoder import Encoder
 from elastic_export.models.inventory import Inventory
+from elastic_export.ranking import distributed as ddp
 from elastic_export.ranking.file import Ranking, load_ranking, make_meta
 from elastic_export.ranking.options import cover_budgets, targets_spec
 from elastic_export.ranking.scoring import METHODS, NEEDS_DATA
@@ -61,11 +62,13 @@ def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Any, echo: Callab
     t0 = time.time()
     encoder.module.to(dev)
     checkpoint = Path(opts.checkpoint) if opts.checkpoint else None
-    config = ElasticConfig(**{**asdict(opts.elastic), "seed": opts.seed})
+    compute = ddp.resolve_compute(opts.elastic.compute, dev)  # recorded as it ran, not "auto"
+    config = ElasticConfig(**{**asdict(opts.elastic), "seed": opts.seed, "compute": compute})
     extra = {"echo": echo} if opts.method == "elastic" else {}
     try:
         heads, neurons = METHODS[opts.method](encoder, inventory, calib, seed=opts.seed, config=config,
-                                              checkpoint=checkpoint, resume=opts.resume, **extra)
+                                              checkpoint=checkpoint, resume=opts.resume, compute=compute,
+                                              **extra)
     except KeyboardInterrupt as e:
         hint = resume_hint(checkpoint, config) if opts.method == "elastic" and not isinstance(e, Interrupted) else None
         if hint is None:
@@ -74,6 +77,8 @@ def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Any, echo: Callab
     finally:
         encoder.module.to("cpu")
     hyper: dict = {"seed": opts.seed}
+    if opts.method == "fisher":
+        hyper["compute"] = compute
     if opts.method in NEEDS_DATA:
         hyper.update(calib_size=opts.calib_size, batch_size=opts.batch_size)
     if opts.method == "elastic":

@@ -217,7 +217,7 @@ def _zero_vectors(encoder: Encoder):
 
 def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Calibration, seed: int = 0,
                        observe: Callable[[int, Any, dict], None] | None = None, projections: int = 2,
-                       **_) -> Scores:
+                       compute: str = "fp32", **_) -> Scores:
     """Squared mask gradients, summed over the calibration data (an embedding model's: of
     ``projections`` random projections of each batch's embeddings, one backward pass each).
 
@@ -227,7 +227,8 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
 
     Under torch.distributed each process takes its share of every batch: per-sample squared
     gradients (labelled data) are summed over processes; the gradient of a batch's random
-    projection is summed over processes *before* it is squared, as in one process."""
+    projection is summed over processes *before* it is squared, as in one process. ``compute``:
+    the forward passes' :func:`~elastic_export.ranking.distributed.compute` (``fp32`` or ``bf16``)."""
     ddp.check_batches(calibration.batches)
     blocks = encoder.blocks()
     dev = _device(encoder)
@@ -245,7 +246,8 @@ def fisher_information(encoder: Encoder, inventory: Inventory, calibration: Cali
         for bi, feeds in enumerate(batches):
             n, part = ddp.batch_size(feeds), ddp.share(ddp.batch_size(feeds))
             feeds = ddp.place(ddp.shard(feeds), dev, dtype)
-            outputs = ddp.as_fp32(fn(*feeds.values()))
+            with ddp.compute(compute, dev):
+                outputs = ddp.as_fp32(fn(*feeds.values()))
             if observe is not None:
                 with torch.no_grad():
                     observe(bi, tuple(o.detach() if torch.is_tensor(o) else o for o in outputs), feeds)

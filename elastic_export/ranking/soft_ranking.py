@@ -226,7 +226,9 @@ class _Distiller:
                 dense.append(known[i])
                 continue
             feeds = ddp.place(ddp.shard(b), dev, dtype)
-            dense.append(self.targets(ddp.as_fp32(fn(*feeds.values())), feeds))
+            with ddp.compute(self.config.compute, dev):
+                outputs = ddp.as_fp32(fn(*feeds.values()))
+            dense.append(self.targets(outputs, feeds))
         self.bank = torch.cat([d["emb"] for d in dense])
         if ddp.active():  # every process's share of every batch, in the global order
             shares = ddp.gather_objects([d["emb"].cpu() for d in dense])
@@ -369,7 +371,9 @@ def optimise_ranking(
             state["masks"] = torch.sigmoid((scores[None, :] - t[:, None]) / config.temperature)
             rep = {k: torch.cat([v] * per_step) for k, v in feeds.items()}
             with unit_masks(blocks, mask_for, groups=per_step):
-                loss = distiller.loss(fn(*rep.values()), rep, dense[bi], per_step,
+                with ddp.compute(config.compute, dev):
+                    outputs = fn(*rep.values())
+                loss = distiller.loss(outputs, rep, dense[bi], per_step,
                                       None if labels is None else labels[bi][parts[bi]], fracs[bi], tok_fracs[bi])
                 (grad,) = torch.autograd.grad(loss, scores)  # inside: checkpointed blocks recompute with masks
             loss = loss.detach()
@@ -411,7 +415,7 @@ def elastic_ranking(encoder: Encoder, inventory: Inventory, calibration: Calibra
     # a starting method's forward passes over the calibration data are the dense model's (fisher: every
     # mask 1; initial, activation, variance: no mask): their targets spare the optimisation its own pass
     initial = METHODS[config.init](encoder, inventory, calibration, seed=config.seed, observe=observe,
-                                   projections=config.fisher_projections)
+                                   projections=config.fisher_projections, compute=config.compute)
     scores, _ = optimise_ranking(encoder, inventory, calibration, initial, config, checkpoint, resume, echo,
                                  dense_known=seen)
     return scores
