@@ -74,8 +74,8 @@ class ElasticConfig:
     """
 
     targets: tuple[float, ...] = DEFAULT_TARGETS
-    steps: int = 32
-    lr: float = 0.04
+    steps: int = 40
+    lr: float = 0.032
     temperature: float = 0.1
     targets_per_step: int = 2
     checkpoint_every: int = 8
