@@ -13,6 +13,7 @@ and shows progress. Without ``WORLD_SIZE`` > 1 nothing here changes anything.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any, Iterator
 
@@ -177,9 +178,11 @@ def cast_weights(module: torch.nn.Module, name: str) -> None:
         module.to(WEIGHT_DTYPES[name])
 
 
+@functools.cache
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 matrices natively (CPUs with AVX-512 BF16 or AMX, or a
-    CUDA GPU with bf16), so that bf16 products are faster than fp32 there rather than emulated."""
+    CUDA GPU with bf16), so that bf16 products are faster than fp32 there rather than emulated. Asked
+    once per device: :func:`compute` resolves ``auto`` on every forward pass of the ranking."""
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's feature checks
