@@ -209,7 +209,8 @@ async def under_load(client, router: str, dense: str, feeds, args) -> dict:
     measured capacity sent straight to the dense budget model and through the router naming sparsity 0,
     alternately, twice each; per arm the latency quantiles, refusals and SLO attainment, and per arrival
     the router's latency minus the direct one of the same round (the machine's minutes fall on both)."""
-    cap = await capacity(client, dense, feeds, args.concurrency, args.capacity_seconds)
+    cap = await capacity(client, dense, feeds, args.concurrency, args.capacity_seconds * args.capacity_rounds,
+                         warmup_s=CAPACITY_WARMUP_S)
     times, _ = phase_times([UNDER_LOAD * cap], [args.phase_s], args.seed)
     rounds = []
     for _ in range(2):
@@ -261,27 +262,30 @@ async def triton_counts(client, model: str) -> tuple[int, int]:
     return int(s["success"].get("count", 0)), int(s["fail"].get("count", 0))
 
 
-async def capacity(client, model: str, feeds, concurrency: int, seconds: float, sparsity: float | None = None) -> float:
-    """Closed-loop answered requests per second with ``concurrency`` clients (the model's batcher batches)."""
+async def capacity(client, model: str, feeds, concurrency: int, seconds: float, sparsity: float | None = None,
+                   warmup_s: float = 0.0) -> float:
+    """Closed-loop answered requests per second with ``concurrency`` clients (the model's batcher batches), counted
+    over ``seconds`` after ``warmup_s`` (the loop already running: the previous model's work is drained)."""
     inputs = grpc_inputs(feeds, sparsity)
-    end = time.perf_counter() + seconds
+    start = time.perf_counter() + warmup_s
+    end = start + seconds
     done = 0
 
     async def worker():
         nonlocal done
         while time.perf_counter() < end:
             _, res, err = await timed(client, model, inputs, ["sentence_embedding"])
-            done += err is None
+            done += err is None and time.perf_counter() >= start
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return done / (time.perf_counter() - start)
 
 
 # --- the acceptance load test (issue: the best quality the load allows) ---------------------------
 PHASES = (0.3, 0.6, 1.4, 0.6, 0.3)  # x dense capacity, PHASE_S each
 OVERLOAD = 3.0  # x dense capacity for OVERLOAD_S, then OVERLOAD_TAIL at 0.3x to see it recover
 OVERLOAD_S, OVERLOAD_TAIL_S = 15.0, 10.0
+CAPACITY_WARMUP_S = 0.5  # each capacity round's closed loop runs this long before it counts
 HEADROOM = 1.25  # the oracle's: the densest budget whose measured capacity is >= HEADROOM x the phase's rate
 
 
@@ -308,14 +312,18 @@ def phase_times(rates: list[float], seconds: list[float], seed: int) -> tuple[np
     return np.concatenate(times), np.concatenate(phase)
 
 
-async def capacities(client, by_s: dict, feeds, concurrency: int, seconds: float) -> dict:
+async def capacities(client, by_s: dict, feeds, concurrency: int, seconds: float, rounds: int = 3) -> tuple[dict, dict]:
     """Closed-loop requests/s of every budget model, called directly (what its dynamic batcher sustains; through
-    the router, the SLO's admission would refuse a closed loop's excess instead)."""
-    out = {}
-    for s in sorted(by_s):
-        out[s] = await capacity(client, by_s[s], feeds, concurrency, seconds)
-        print(f"capacity at {s:g}: {out[s]:.1f} requests/s")
-    return out
+    the router, the SLO's admission would refuse a closed loop's excess instead): the median of ``rounds``
+    interleaved rounds of ``seconds`` each (budgets in turn, the order reversed every other round), so a
+    slow spell of the shared host lands on one round of several budgets rather than on all of one budget's
+    measurement. Returns the medians and every round's figures."""
+    order, runs = sorted(by_s), {s: [] for s in by_s}
+    for r in range(rounds):
+        for s in (order if r % 2 == 0 else order[::-1]):
+            runs[s].append(await capacity(client, by_s[s], feeds, concurrency, seconds, warmup_s=CAPACITY_WARMUP_S))
+        print(f"capacity round {r + 1}/{rounds}: " + ", ".join(f"{s:g} {runs[s][-1]:.1f}" for s in order))
+    return {s: float(np.median(runs[s])) for s in order}, {s: runs[s] for s in order}
 
 
 async def open_loop(client, model: str, times: np.ndarray, feeds, sparsity_output: bool, timeout_s: float,
@@ -437,7 +445,8 @@ def quality_per_budget(directory: Path, sparsities: list[float]) -> tuple[str, d
 async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, metrics_url: str) -> dict:
     """Capacities, then the schedule (router deciding / dense-only), then the overload burst."""
     sparsities = sorted(by_s)
-    caps = await capacities(client, by_s, one, args.concurrency, args.capacity_seconds)
+    caps, cap_rounds = await capacities(client, by_s, one, args.concurrency, args.capacity_seconds,
+                                        args.capacity_rounds)
     dense = caps[0.0]
     rates = [m * dense for m in PHASES]
     times, idx = phase_times(rates, [args.phase_s] * len(PHASES), args.seed)
@@ -469,7 +478,8 @@ async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, 
                 "recovery_s": recovery_s(rec, OVERLOAD_S, args.slo_ms), "records": rec, "phase_of": o_idx.tolist(),
                 "triton_success": after[0] - before[0], "triton_failure": after[1] - before[1]}
     print("overload", json.dumps({k: v for k, v in overload.items() if k not in ("records", "phase_of")}))
-    return {"capacity_rps": {str(k): v for k, v in caps.items()}, "rates_rps": rates, "oracle_sparsity": oracles,
+    return {"capacity_rps": {str(k): v for k, v in caps.items()},
+            "capacity_rounds_rps": {str(k): v for k, v in cap_rounds.items()}, "rates_rps": rates, "oracle_sparsity": oracles,
             "runs": runs, "overload": overload}
 
 
@@ -633,15 +643,28 @@ def _phase_rows(phases: list[dict], with_oracle: bool) -> list[str]:
     return rows
 
 
+def _capacity_line(acc: dict, args) -> str:
+    """Each budget's capacity: the median of its rounds, with their range when there are several."""
+    caps, rounds = acc["capacity_rps"], acc.get("capacity_rounds_rps", {})
+
+    def one(k: str, v: float) -> str:
+        r = rounds.get(k, [])
+        spread = f" ({min(r):.0f}-{max(r):.0f})" if len(r) > 1 else ""
+        return f"{'dense' if k == '0.0' else k} {v:.0f}{spread}"
+
+    how = (f"the median of {len(next(iter(rounds.values())))} interleaved rounds of {args.capacity_seconds:g} s, "
+           "their range in brackets" if rounds else "one round")
+    return (f"Capacity of each budget model, closed loop with {args.concurrency} clients ({how}; requests/s): "
+            + ", ".join(one(k, v) for k, v in caps.items()) + ".")
+
+
 def report_lines(out: dict, args) -> list[str]:
     acc = out["acceptance"]
-    caps = acc["capacity_rps"]
     head = "| phase | offered | answered | refused | lost | SLO met | p50 ms | p99 ms | mean sparsity | dense |"
     lines = [f"# Real Triton load test ({out['date']})", "", f"Machine: {out['machine']}", "",
              f"SLO p99 {args.slo_ms:g} ms; one {out['tokens']}-token text per request; seeded Poisson phases of "
              f"{args.phase_s:g} s at {', '.join(f'{m:g}x' for m in PHASES)} of dense capacity; seed {args.seed}.", "",
-             "Capacity of each budget model, closed loop with " + f"{args.concurrency} clients (requests/s): "
-             + ", ".join(f"{'dense' if k == '0.0' else k} {v:.0f}" for k, v in caps.items()) + ".", "",
+             _capacity_line(acc, args), "",
              f"## Elastic router (no sparsity named); quality: {acc['quality_metric']} from `elastic-export eval`", "",
              head + " served quality | oracle (quality) | vs oracle |", "|---" * 13 + "|",
              *_phase_rows(acc["runs"]["elastic router"]["phases"], True), "",
@@ -699,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per request (default: the manifest's N)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--capacity-seconds", type=float, default=6.0)
+    ap.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds of each capacity round per budget")
+    ap.add_argument("--capacity-rounds", type=int, default=3,
+                    help="interleaved capacity rounds; each budget's capacity is their median")
     ap.add_argument("--overhead-rounds", type=int, default=300,
                     help="rounds (router, BLS floor, direct) of the added latency")
     ap.add_argument("--parts", default=",".join(PARTS),

@@ -171,16 +171,31 @@ def test_served_budget_is_the_densest_that_meets_the_slo():
         assert policy.decide(0.0).pair == (move[0] if move else policy.pairs[-1])
 
 
+def _boundary_switches(window_s: float, seeds=range(4), **kw) -> int:
+    """Switches over 60 s at the load where dense's prediction crosses SLO x (1 - margin), summed over seeds."""
+    total = 0
+    for seed in seeds:
+        now = [0.0]
+        policy = slo.SloPolicy([(s, "fp32") for s in BUDGETS], slo.ServiceModel(_points()), 250.0,
+                               rate=slo.RateEstimator(window_s=window_s, clock=lambda: now[0]), **kw)
+        boundary = next(r for r in np.arange(30, 80, 0.5) if policy.predict((0.0, "fp32"), r) > 250 * (1 - policy.margin))
+        _run(policy, now, [(boundary, 60.0)], seed=seed)
+        total += policy.switches
+    return total
+
+
 def test_hysteresis_in_slack_keeps_a_load_at_the_boundary_from_flapping():
     """A load right where dense stops meeting SLO x (1 - margin): the slack and the dwell cut the moves."""
-    switches = {}
-    for name, kw in (("with", {}), ("without", {"hysteresis": 0.0, "dwell_s": 0.0})):
-        now = [0.0]
-        policy = _policy(lambda: now[0], **kw)
-        boundary = next(r for r in np.arange(30, 80, 0.5) if policy.predict((0.0, "fp32"), r) > 250 * (1 - policy.margin))
-        _run(policy, now, [(boundary, 60.0)], seed=3)
-        switches[name] = policy.switches
-    assert switches["with"] <= 0.35 * switches["without"], switches
+    window = slo.RateEstimator().window_s
+    with_it, without = _boundary_switches(window), _boundary_switches(window, hysteresis=0.0, dwell_s=0.0)
+    assert with_it <= 0.35 * without, (with_it, without)
+
+
+def test_the_default_rate_window_flaps_less_at_the_boundary_than_a_4s_one():
+    """The estimate's noise at a steady load moves the choice near a budget's limit: the default window
+    (8 s; a step in the load is still followed at once) makes fewer moves there than a 4 s one."""
+    assert slo.RateEstimator().window_s == 8.0
+    assert _boundary_switches(8.0) <= 0.7 * _boundary_switches(4.0)
 
 
 def _batches_at_scale(policy: slo.SloPolicy, now: list, pair, scale: float, n: int, dt: float = 0.1) -> None:

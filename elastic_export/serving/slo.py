@@ -7,7 +7,7 @@ Everything here is plain Python with an injected clock (the Triton router only c
   from measurements at two or more batch sizes (the router measures its budgets at start-up on the
   serving machine, or reads the directory's latency profile).
 * :class:`RateEstimator`: the arrival rate since the load last changed (a two-sample Poisson test on the
-  last 0.5 s and its latest half against what came before), over at most a sliding window (4 s).
+  last 0.5 s and its latest half against what came before), over at most a sliding window (8 s).
 * :func:`predict_quantile_ms`: the latency quantile of a dynamic-batching server with Poisson arrivals
   (a bulk-service queue: when the server frees it takes every row waiting), read from a seeded simulation
   of that queue tabulated once over its two shape parameters (:func:`queue_table`). A mean-value estimate
@@ -127,7 +127,7 @@ class RateEstimator:
         clock: seconds (monotonic).
     """
 
-    def __init__(self, window_s: float = 4.0, short_s: float = 0.5, sigmas: float = 4.0, sigmas_up: float = 3.5,
+    def __init__(self, window_s: float = 8.0, short_s: float = 0.5, sigmas: float = 4.0, sigmas_up: float = 3.5,
                  clock: Optional[Callable[[], float]] = None) -> None:
         self.window_s, self.short_s, self.sigmas, self.sigmas_up = window_s, short_s, sigmas, sigmas_up
         self.clock = clock or time.monotonic
