@@ -9,7 +9,7 @@ of phase the estimate first reached halfway to the new rate. Nothing is timed: t
 recorded ones, the clock is theirs.
 
 Usage:
-    python benchmarks/rate_window.py [--json benchmarks/results/serve_triton.json] [--windows 2,4,6]
+    python benchmarks/rate_window.py [--json benchmarks/results/serve_triton.json] [--windows 2,4,8]
 
 Writes benchmarks/results/rate_window.{json,md}.
 """
@@ -59,7 +59,7 @@ def summarise(arrivals: np.ndarray, phase: np.ndarray, rates_true: list[float], 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=RESULTS / "serve_triton.json")
-    ap.add_argument("--windows", default="2,4,6")
+    ap.add_argument("--windows", default="2,4,8")
     args = ap.parse_args(argv)
     data = json.loads(args.json.read_text())
     acc, phase_s = data["acceptance"], float(data["phase_s"])
