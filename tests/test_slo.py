@@ -19,9 +19,11 @@ def _points() -> dict:
     return {(s, "fp32"): {1: (2 + 14) * (1 - 0.8 * s), 8: (2 + 14 * 8) * (1 - 0.8 * s)} for s in BUDGETS}
 
 
-def _policy(clock, **kw) -> slo.SloPolicy:
+def _policy(clock, window_s: float | None = None, **kw) -> slo.SloPolicy:
+    """The policy over :data:`BUDGETS` at SLO 250 ms; ``window_s``: the rate estimate's (default: its own)."""
     service = slo.ServiceModel(_points())
-    return slo.SloPolicy([(s, "fp32") for s in BUDGETS], service, 250.0, rate=slo.RateEstimator(clock=clock), **kw)
+    rate = slo.RateEstimator(clock=clock) if window_s is None else slo.RateEstimator(window_s=window_s, clock=clock)
+    return slo.SloPolicy([(s, "fp32") for s in BUDGETS], service, 250.0, rate=rate, **kw)
 
 
 def _run(policy: slo.SloPolicy, now: list, rates_and_seconds, seed: int = 0) -> list[tuple[float, float]]:
@@ -176,8 +178,7 @@ def _boundary_switches(window_s: float, seeds=range(4), **kw) -> int:
     total = 0
     for seed in seeds:
         now = [0.0]
-        policy = slo.SloPolicy([(s, "fp32") for s in BUDGETS], slo.ServiceModel(_points()), 250.0,
-                               rate=slo.RateEstimator(window_s=window_s, clock=lambda: now[0]), **kw)
+        policy = _policy(lambda: now[0], window_s, **kw)
         boundary = next(r for r in np.arange(30, 80, 0.5) if policy.predict((0.0, "fp32"), r) > 250 * (1 - policy.margin))
         _run(policy, now, [(boundary, 60.0)], seed=seed)
         total += policy.switches
