@@ -351,6 +351,49 @@ async def open_loop(client, model: str, times: np.ndarray, feeds, sparsity_outpu
     return rec
 
 
+class ClientStalls:
+    """The load generator's own stalls while it runs: its event loop late by more than ``min_ms`` on a
+    ``tick_ms`` ticker, and its garbage collections longer than ``min_ms`` (times on the client's clock). A
+    latency measured across such a stall holds the client's delay, not only the server's."""
+
+    def __init__(self, tick_ms: float = 10.0, min_ms: float = 30.0):
+        self.tick_ms, self.min_ms, self.late, self.gc = tick_ms, min_ms, [], []
+        self._gc_start = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            ms = (time.perf_counter() - self._gc_start) * 1e3
+            if ms >= self.min_ms:
+                self.gc.append((self._gc_start, ms, info.get("generation")))
+
+    async def _tick(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.tick_ms / 1e3)
+            late = (time.perf_counter() - t) * 1e3 - self.tick_ms
+            if late >= self.min_ms:
+                self.late.append((t, late))
+
+    async def __aenter__(self) -> "ClientStalls":
+        import gc
+
+        gc.callbacks.append(self._on_gc)
+        self._task = asyncio.ensure_future(self._tick())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        import gc
+
+        self._task.cancel()
+        gc.callbacks.remove(self._on_gc)
+
+    def relative_to(self, t0: float) -> dict:
+        return {"loop_late_ms": [(t - t0, ms) for t, ms in self.late],
+                "gc_ms": [(t - t0, ms, g) for t, ms, g in self.gc]}
+
+
 class GaugePoller:
     """The router's gauges (``elastic_router_*`` on the metrics port) every ``period_s`` in a thread of its own,
     timed on the client's clock: what the policy saw and predicted beside what the clients measured."""
@@ -457,9 +500,13 @@ async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, 
     for name, model, flag in (("elastic router", router, True), ("dense-only", by_s[0.0], False)):
         await asyncio.sleep(2.0)  # the previous run's tail is gone
         before = await triton_counts(client, model)
-        with GaugePoller(metrics_url) as gauges:
-            rec = await open_loop(client, model, times, one, flag, args.request_timeout)
+        async with ClientStalls() as stalls:
+            with GaugePoller(metrics_url) as gauges:
+                rec = await open_loop(client, model, times, one, flag, args.request_timeout)
         rec["gauges"] = gauges.relative_to(rec["t0"]) if flag else []
+        rec["client_stalls"] = stalls.relative_to(rec["t0"])
+        print(name, "client stalls (s, ms):", json.dumps({k: [[round(x, 2) for x in e[:2]] for e in v]
+                                                         for k, v in rec["client_stalls"].items()}))
         after = await triton_counts(client, model)
         phases = [phase_summary(rec, idx, i, args.slo_ms, quality, oracles[i] if flag else None)
                   for i in range(len(PHASES))]
