@@ -23,10 +23,10 @@ Everything here is plain Python with an injected clock (the Triton router only c
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
   it goes denser as soon as one does (at most ``max_step`` pairs per move, past those measured just
-  now). :meth:`SloPolicy.admit`: a request whose own predicted latency (the rows in flight ahead of it
-  at its pair drained first, and those at the other pairs, which share the cores; corrected by
-  :class:`AdmissionCorrection`, a line fitted to what admitted requests measured) exceeds the SLO is
-  refused rather than queued.
+  now, except once the estimate has settled on a step down). :meth:`SloPolicy.admit`: a request whose
+  own predicted latency (the rows in flight ahead of it at its pair drained first, and those at the
+  other pairs, which share the cores; corrected by :class:`AdmissionCorrection`, a line fitted to what
+  admitted requests measured) exceeds the SLO is refused rather than queued.
 """
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ class RateEstimator:
         self._head = 0
         self._origin: Optional[float] = None
         self.fell_at = -math.inf  # when a step down in the load was last detected
+        self.fell_from: Optional[float] = None  # where the latest detected step starts, when it was a step down
+        self._down = False
 
     @property
     def origin(self) -> Optional[float]:
@@ -176,6 +178,7 @@ class RateEstimator:
         up = recent / width > before / before_s
         if abs(recent / width - before / before_s) <= (self.sigmas_up if up else self.sigmas) * math.sqrt(var):
             return False
+        self._down = not up
         if not up:
             self.fell_at = now
         return True
@@ -190,8 +193,15 @@ class RateEstimator:
         for width in (self.short_s / 2, self.short_s):
             if self._stepped(now, origin, width):
                 self._origin = origin = now - width
+                self.fell_from = origin if self._down else None
                 break
         return self._rows_since(origin) / max(now - origin, self.short_s / 2)
+
+    def settled_fall(self, now: float, within_s: float = 2.0) -> bool:
+        """Whether the latest detected step was a step down and the estimate has rested on ``short_s`` of
+        the load since it, up to ``within_s`` more (a noisy dip, detected as a step, is mostly gone from
+        an estimate half a second long)."""
+        return self.fell_from is not None and self.short_s <= now - self.fell_from <= self.short_s + within_s
 
 
 #: the queue's table (:func:`queue_table`): shapes ``c / S(1)`` from SHAPES[0] to 1, loads ``λc`` from 0 to
@@ -426,7 +436,10 @@ class SloPolicy:
         max_step: a move to a better pair goes at most this many pairs up the list, except to a pair
             whose own scale is current (:meth:`ServiceScale.ready`): the others are predicted with the
             served pair's scale, which may misjudge a denser pair's per-batch costs, so it steps up and
-            measures each on the way (a move to a faster pair is never limited).
+            measures each on the way (a move to a faster pair is never limited). Neither this nor the
+            dwell holds in the 2 s after the estimate has settled on a step down
+            (:meth:`RateEstimator.settled_fall`): the served pair's scale was then measured at the higher
+            load, on busier cores, so it errs on the safe side.
         max_sparsity: never serve a pair sparser than this (a quality floor); None: no floor.
         rate: the arrival-rate estimator (its clock is the policy's).
         clock: seconds (monotonic; default: the rate estimator's).
@@ -480,12 +493,14 @@ class SloPolicy:
         ``horizon_s`` when that is lower. A sparser pair's batches carry a larger share of fixed per-batch
         costs, so its scale reads higher than a denser one's under the same load (0.2 at 1.3 where dense
         had measured 1.17 seconds before, enough to keep dense away at 0.6x); a spike's scale of its own
-        is the higher one, so it is still forgotten."""
+        is the higher one, so it is still forgotten. A lent scale is at least 1: below 1 it says the
+        lender's start-up measurement ran slow, which says nothing of the borrower's (dense at 0.90 lent
+        to 0.4 at a step up to 1.4x predicted 164 ms where 0.4's answers took up to 506 ms)."""
         own = self.scales.get(pair)
         if own is not None and own.ready():
             return own.factor
         served = self.scales.get(self.current)
-        borrowed = served.factor if served is not None and served.ready() else self.fallback_scale
+        borrowed = max(1.0, served.factor if served is not None and served.ready() else self.fallback_scale)
         return min(own.factor, borrowed) if own is not None and own.recent() else borrowed
 
     def measured(self) -> Optional[float]:
@@ -502,11 +517,12 @@ class SloPolicy:
         rank = {p: i for i, p in enumerate(usable)}
         here = rank.get(self.current, len(usable))
         fell = self.rate.fell_at > self.switched_at
-        if now - self.switched_at < self.dwell_s and not fell and self.current in rank:
+        settled = self.rate.settled_fall(now)
+        if now - self.switched_at < self.dwell_s and not (fell or settled) and self.current in rank:
             usable, here = usable[here:], 0  # too soon to go denser
         chosen, predicted = None, math.inf
         for i, p in enumerate(usable):
-            if i < here - self.max_step and not self.scales[p].ready(now):
+            if i < here - self.max_step and not settled and not self.scales[p].ready(now):
                 continue  # too far up to trust the served pair's scale for it
             ms = self.predict(p, rate)
             if ms <= (move if i < here else stay):
