@@ -705,6 +705,17 @@ def _capacity_line(acc: dict, args) -> str:
             + ", ".join(one(k, v) for k, v in caps.items()) + ".")
 
 
+def _stalls_line(acc: dict) -> str:
+    """The load generator's own stalls in each run (:class:`ClientStalls`)."""
+    def one(name: str) -> str:
+        st = acc["runs"][name]["records"].get("client_stalls") or {}
+        late, gc = st.get("loop_late_ms", []), st.get("gc_ms", [])
+        worst = max([ms for _, ms in late] + [ms for _, ms, _ in gc], default=0.0)
+        return (f"{name}: {len(late)} event-loop delays and {len(gc)} garbage collections of 30 ms or more "
+                f"(longest {worst:.0f} ms)")
+    return "The client's own stalls: " + "; ".join(one(n) for n in acc["runs"]) + "."
+
+
 def report_lines(out: dict, args) -> list[str]:
     acc = out["acceptance"]
     head = "| phase | offered | answered | refused | lost | SLO met | p50 ms | p99 ms | mean sparsity | dense |"
@@ -716,7 +727,7 @@ def report_lines(out: dict, args) -> list[str]:
              head + " served quality | oracle (quality) | vs oracle |", "|---" * 13 + "|",
              *_phase_rows(acc["runs"]["elastic router"]["phases"], True), "",
              "## Dense-only (the dense budget model, direct)", "", head, "|---" * 10 + "|",
-             *_phase_rows(acc["runs"]["dense-only"]["phases"], False), ""]
+             *_phase_rows(acc["runs"]["dense-only"]["phases"], False), "", _stalls_line(acc), ""]
     o = acc["overload"]
     b, tail = o["burst"], o["tail"]
     lines += [f"## Overload: {OVERLOAD:g}x dense capacity ({o['rate_rps']:.0f} requests/s) for {OVERLOAD_S:g} s, "
