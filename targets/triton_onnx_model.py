@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 import numpy as np
 
@@ -113,21 +113,24 @@ def warm_up(session: Any, free: int) -> None:
             pass
 
 
-def service_times(session: Any, free: int, batches: Sequence[int] = (1, 8), repeats: int = 5,
-                  clock=time.perf_counter) -> Dict[int, float]:
-    """The median ms of ``repeats`` runs of ``session`` at each of ``batches`` rows (free dims ``free``):
-    what the load-adaptive router's latency model starts from, measured on the serving machine."""
-    out = {}
-    for batch in batches:
-        feeds = zero_feeds(session, batch, free)
-        session.run(None, feeds)
-        runs = []
-        for _ in range(repeats):
+def service_times(sessions: Mapping[Any, Any], free: int, batches: Sequence[int] = (1, 8), repeats: int = 7,
+                  clock=time.perf_counter) -> Dict[Any, Dict[int, float]]:
+    """Per session (keyed as given), the least ms of ``repeats`` runs at each of ``batches`` rows (free dims
+    ``free``), the sessions taken in turn round by round: what the load-adaptive router's latency model starts
+    from, measured on the serving machine. In turn, so that what else runs meanwhile (the server loading its
+    other models) falls on every session alike rather than on whichever was measured then; the least, since
+    what slows a run is the other work on the cores, which the router measures as it serves (its service
+    scale), not the model's own cost."""
+    feeds = {(k, b): zero_feeds(sess, b, free) for k, sess in sessions.items() for b in batches}
+    for (k, _), f in feeds.items():
+        sessions[k].run(None, f)
+    runs: Dict[Any, Dict[int, list]] = {k: {b: [] for b in batches} for k in sessions}
+    for _ in range(repeats):
+        for (k, b), f in feeds.items():
             t = clock()
-            session.run(None, feeds)
-            runs.append((clock() - t) * 1e3)
-        out[batch] = float(np.median(runs))
-    return out
+            sessions[k].run(None, f)
+            runs[k][b].append((clock() - t) * 1e3)
+    return {k: {b: float(min(v)) for b, v in by_b.items()} for k, by_b in runs.items()}
 
 
 class TritonPythonModel:

@@ -395,7 +395,7 @@ def service_points(config: RouterConfig, sessions: Optional[Dict[float, Any]], p
     if sessions:
         from elastic_export.targets.triton_onnx_model import service_times
 
-        return {s: service_times(sess, tokens) for s, sess in sessions.items()}
+        return service_times(sessions, tokens)
     if profile_path and os.path.isfile(profile_path):
         from elastic_export.core.latency_profile import load_profile
         from elastic_export.serving.slo import service_points_from_profile
@@ -994,25 +994,24 @@ class TritonPythonModel:
             with self._lock:
                 self.routing.set_down(list(self.health.down))
 
-    def _calibrate(self, batches: Sequence[int] = (1, 8), repeats: int = 3) -> None:
+    def _calibrate(self, batches: Sequence[int] = (1, 8), repeats: int = 5) -> None:
         """Every budget's service times measured through its budget model (BLS, zeros at the model's nominal
-        tokens), then the load-adaptive policy on them; until then requests that name no budget get the
-        default."""
-        points: Dict[float, Dict[int, float]] = {}
-        for s in self.config.sparsities:
-            points[s] = {}
-            for batch in batches:
-                feeds = {n: np.repeat(a, batch, axis=0) for n, a in probe_feeds(self.config.input_specs,
-                                                                                self.config.tokens).items()}
-                runs = []
-                for _ in range(repeats + 1):
-                    t = time.perf_counter()
-                    response = self._bls(s, [pb_utils.Tensor(n, a) for n, a in feeds.items()],
-                                         self.config.outputs[:1]).exec()
-                    if response.has_error():
-                        raise RuntimeError(response.error().message())
-                    runs.append((time.perf_counter() - t) * 1e3)
-                points[s][batch] = float(np.median(runs[1:]))
+        tokens; the least of ``repeats`` runs, the budgets in turn round by round, as
+        :func:`~elastic_export.targets.triton_onnx_model.service_times`), then the load-adaptive policy on
+        them; until then requests that name no budget get the default."""
+        zeros = probe_feeds(self.config.input_specs, self.config.tokens)
+        feeds = {b: {n: np.repeat(a, b, axis=0) for n, a in zeros.items()} for b in batches}
+        runs: Dict[Tuple[float, int], List[float]] = {(s, b): [] for s in self.config.sparsities for b in batches}
+        for r in range(repeats + 1):  # the first round warms up
+            for s, b in runs:
+                inputs = [pb_utils.Tensor(n, a) for n, a in feeds[b].items()]
+                t = time.perf_counter()
+                response = self._bls(s, inputs, self.config.outputs[:1]).exec()
+                if response.has_error():
+                    raise RuntimeError(response.error().message())
+                if r:
+                    runs[(s, b)].append((time.perf_counter() - t) * 1e3)
+        points = {s: {b: float(min(runs[(s, b)])) for b in batches} for s in self.config.sparsities}
         with self._lock:
             self.routing, self._calibrating = SloRouting(self.config, points), False
 

@@ -182,6 +182,36 @@ def test_python_budget_model_session_options():
         default.get_session_config_entry("session.intra_op.allow_spinning")
 
 
+def test_service_times_measure_the_budgets_in_turn(art):
+    """The router's start-up measurement of its budgets: round by round, every budget at batch 1 and 8 in
+    turn (what else runs meanwhile falls on all of them alike), the least of the rounds per budget and batch."""
+    import onnxruntime as ort
+
+    from elastic_export.targets import triton_onnx_model as M
+
+    order: list = []
+
+    class Logged:
+        """A real session whose runs are logged as (budget, rows)."""
+
+        def __init__(self, key, path):
+            self.key, self.session = key, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+        def get_inputs(self):
+            return self.session.get_inputs()
+
+        def run(self, names, feeds):
+            order.append((self.key, len(next(iter(feeds.values())))))
+            return self.session.run(names, feeds)
+
+    m = load_manifest(art)
+    sessions = {0.0: Logged(0.0, art / m["dense"]["onnx"]), 0.5: Logged(0.5, art / m["budgets"][-1]["onnx"])}
+    times = M.service_times(sessions, 16, repeats=3)
+    assert set(times) == {0.0, 0.5} and all(set(v) == {1, 8} and min(v.values()) > 0 for v in times.values())
+    turn = [(0.0, 1), (0.0, 8), (0.5, 1), (0.5, 8)]
+    assert order == turn * 4  # a warm-up run each, then three rounds in turn
+
+
 def test_router_model_routes_on_the_built_repository(art, repo, monkeypatch):
     """The router's model.py as written, initialised from its config.pbtxt's JSON, forwarding to the real budget ONNX."""
     from _triton_fake import Request, execute, start_router
