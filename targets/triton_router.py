@@ -372,6 +372,17 @@ class SloRouting:
                            f"of {policy.slo_ms:g} ms less its {policy.margin:.0%} margin; retry later", "overload")
         return raw
 
+    def overflow(self, budget: float, rows: int, ahead: int, elsewhere: Optional[Dict[float, int]] = None,
+                 allowed: Sequence[float] = ()) -> Optional[float]:
+        """The fastest of ``allowed`` when a request the policy routed to ``budget`` is predicted past the
+        policy's overflow limit behind ``ahead`` rows there and ``elsewhere`` (:meth:`~elastic_export.serving.
+        slo.SloPolicy.overflows`); None otherwise."""
+        policy = self.policy
+        others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
+        if not allowed or not policy.overflows((budget, self.precision), rows, ahead, others):
+            return None
+        return min(allowed, key=lambda s: policy.service.ms((s, self.precision), 1))
+
     def light(self, budget: float) -> bool:
         """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
         service time below :data:`INLINE_MAX_LOAD`. Above it the next request likely arrives during the
@@ -764,12 +775,17 @@ class TritonPythonModel:
         now = time.monotonic()
         faster = [s for s in self.config.sparsities if s > job.budget and s not in self.health.down
                   and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
-        for budget in [job.budget] + (faster if job.routed else []):
+        order = [job.budget] + (faster if job.routed else [])
+        fastest = self.routing.overflow(job.budget, job.batch, self.monitor.rows_at.get(job.budget, 0),
+                                        self.monitor.rows_at, faster) if job.routed else None
+        if fastest is not None:  # a queue building at the served budget: the fastest drains it soonest
+            order = [fastest]
+        for budget in order:
             try:
                 job.admit_raw = self.routing.admit(budget, job.batch, self.monitor.rows_at.get(budget, 0),
                                                    self.monitor.oldest_ms(budget, now), self.monitor.rows_at)
             except Overload:
-                if budget == (faster[-1] if job.routed and faster else job.budget):
+                if budget == order[-1]:
                     raise
                 continue
             job.served, job.budget = [budget] * job.batch, budget

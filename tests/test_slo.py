@@ -389,6 +389,23 @@ def test_admission_counts_the_rows_in_flight_at_other_pairs_which_share_the_core
     assert policy.admit(dense, 1, 8)[0]  # the same wait without the other pairs' work fits
 
 
+def test_a_queue_building_at_the_served_pair_overflows_to_the_fastest():
+    """A request routed to dense behind rows predicted past 0.7 x the SLO is sent to the fastest allowed
+    pair (the router's admission): a queue at the served pair is the first sign of a step up. Nothing
+    ahead, or a short queue, stays; an unavailable fastest pair gives way to the next fastest."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense = (0.0, "fp32")
+    limit = policy.overflow * policy.slo_ms
+    short = max(n for n in range(1, 40) if policy.request_ms(dense, 1, n) <= limit)
+    assert not policy.overflows(dense, 1, 0) and not policy.overflows(dense, 1, short)
+    assert policy.overflows(dense, 1, short + 1)
+    assert policy.overflows(dense, 1, 2, {(0.1, "fp32"): short})  # work at the other pairs shares the cores
+    assert policy.fastest() == (0.6, "fp32")
+    policy.unavailable = {(0.6, "fp32")}
+    assert policy.fastest() == (0.5, "fp32")
+
+
 def test_admission_correction_fits_fixed_costs_and_slow_downs_from_what_admitted_requests_measured():
     now = [0.0]
     corr = slo.AdmissionCorrection(min_samples=30, clock=lambda: now[0])

@@ -26,7 +26,9 @@ Everything here is plain Python with an injected clock (the Triton router only c
   now, except once the estimate has settled on a step down). :meth:`SloPolicy.admit`: a request whose
   own predicted latency (the rows in flight ahead of it at its pair drained first, and those at the
   other pairs, which share the cores; corrected by :class:`AdmissionCorrection`, a line fitted to what
-  admitted requests measured) exceeds the SLO is refused rather than queued.
+  admitted requests measured) exceeds the SLO is refused rather than queued; one the policy routed
+  whose prediction at the served pair exceeds ``overflow`` x the SLO goes to the fastest pair
+  (:meth:`SloPolicy.overflows`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ DEFAULT_QUANTILE = 0.99
 DEFAULT_MARGIN = 0.05  # the prediction must leave this fraction of the SLO free
 DEFAULT_HYSTERESIS = 0.05  # and a denser pair this much more
 DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
+DEFAULT_OVERFLOW = 0.7  # a routed request predicted past this fraction of the SLO at the served pair goes to the fastest
 DEFAULT_MAX_STEP = 3  # a move denser goes at most this many pairs, past them only to pairs measured just now
 ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
 
@@ -441,6 +444,11 @@ class SloPolicy:
             (:meth:`RateEstimator.settled_fall`): the served pair's scale was then measured at the higher
             load, on busier cores, so it errs on the safe side.
         max_sparsity: never serve a pair sparser than this (a quality floor); None: no floor.
+        overflow: the fraction of the SLO past which a request the policy routes, predicted behind the
+            work in flight at the served pair, goes to the fastest allowed pair instead
+            (:meth:`overflows`): a queue that builds there is the first sign of a step up in the load,
+            seen before the rate's test can tell it from noise, and what queues meanwhile at a dense
+            pair is what the faster one must later wait behind.
         rate: the arrival-rate estimator (its clock is the policy's).
         clock: seconds (monotonic; default: the rate estimator's).
     """
@@ -449,7 +457,8 @@ class SloPolicy:
                  quantile: float = DEFAULT_QUANTILE, margin: float = DEFAULT_MARGIN,
                  hysteresis: float = DEFAULT_HYSTERESIS, dwell_s: float = DEFAULT_DWELL_S,
                  max_step: int = DEFAULT_MAX_STEP, max_sparsity: Optional[float] = None,
-                 rate: Optional[RateEstimator] = None, clock: Optional[Callable[[], float]] = None) -> None:
+                 overflow: float = DEFAULT_OVERFLOW, rate: Optional[RateEstimator] = None,
+                 clock: Optional[Callable[[], float]] = None) -> None:
         if not slo_ms > 0 or not 0 < quantile < 1 or not 0 <= margin < 1 or not 0 <= hysteresis < 1 - margin:
             raise ValueError("SloPolicy needs slo_ms > 0, 0 < quantile < 1, 0 <= margin, hysteresis < 1 - margin")
         allowed = [p for p in pairs if max_sparsity is None or p[0] <= max_sparsity + 1e-9]
@@ -460,6 +469,7 @@ class SloPolicy:
             raise ValueError(f"no service times for {missing}")
         self.pairs, self.service, self.slo_ms, self.quantile = list(allowed), service, float(slo_ms), quantile
         self.margin, self.hysteresis, self.dwell_s, self.max_step = margin, hysteresis, dwell_s, max_step
+        self.overflow = overflow
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
         clock = clock or self.rate.clock
@@ -530,7 +540,7 @@ class SloPolicy:
                 break
         meets = chosen is not None
         if chosen is None:  # nothing meets it: the fastest
-            chosen = min(usable, key=lambda p: self.service.ms(p, 1))
+            chosen = self.fastest()
             predicted = self.predict(chosen, rate)
         if chosen != self.current:
             self.current, self.switches, self.switched_at = chosen, self.switches + 1, now
@@ -569,6 +579,17 @@ class SloPolicy:
         raw = self.raw_request_ms(pair, rows, rows_ahead, elsewhere)
         ms = self.admission.ms(raw, self.factor(pair))
         return ms <= self.admission_limit_ms, ms, raw
+
+    def overflows(self, pair: Pair, rows: int, rows_ahead: int, elsewhere: Optional[Mapping[Pair, int]] = None) -> bool:
+        """Whether a request the policy routes to ``pair`` (``rows_ahead`` in flight there, ``elsewhere`` at
+        the others) is predicted (:meth:`request_ms`) past ``overflow`` x the SLO: then it goes to
+        :meth:`fastest` (the router's admission), which drains a sudden queue soonest."""
+        return rows_ahead > 0 and self.request_ms(pair, rows, rows_ahead, elsewhere) > self.overflow * self.slo_ms
+
+    def fastest(self) -> Pair:
+        """The allowed pair of least batch-1 service time (among those not unavailable, if any)."""
+        usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
+        return min(usable, key=lambda p: self.service.ms(p, 1))
 
     def admitted(self, measured_ms: float, raw_ms: float) -> None:
         """An admitted request's measured latency against its uncorrected admission prediction."""
