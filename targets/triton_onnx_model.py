@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import numpy as np
 
@@ -113,24 +113,31 @@ def warm_up(session: Any, free: int) -> None:
             pass
 
 
+def least_in_turn(keys: Sequence[Any], run: Callable[[Any], Any], repeats: int,
+                  clock=time.perf_counter) -> Dict[Any, float]:
+    """The least ms of ``repeats`` calls ``run(key)`` per key, the keys taken in turn round by round after
+    one warm-up round: what else runs meanwhile (the server loading its other models) falls on every key
+    alike rather than on whichever was measured then; the least, since what slows a run is the other work
+    on the cores, which the router measures as it serves (its service scale), not the model's own cost."""
+    for k in keys:
+        run(k)
+    runs: Dict[Any, List[float]] = {k: [] for k in keys}
+    for _ in range(repeats):
+        for k in keys:
+            t = clock()
+            run(k)
+            runs[k].append((clock() - t) * 1e3)
+    return {k: float(min(v)) for k, v in runs.items()}
+
+
 def service_times(sessions: Mapping[Any, Any], free: int, batches: Sequence[int] = (1, 8), repeats: int = 7,
                   clock=time.perf_counter) -> Dict[Any, Dict[int, float]]:
-    """Per session (keyed as given), the least ms of ``repeats`` runs at each of ``batches`` rows (free dims
-    ``free``), the sessions taken in turn round by round: what the load-adaptive router's latency model starts
-    from, measured on the serving machine. In turn, so that what else runs meanwhile (the server loading its
-    other models) falls on every session alike rather than on whichever was measured then; the least, since
-    what slows a run is the other work on the cores, which the router measures as it serves (its service
-    scale), not the model's own cost."""
+    """Per session (keyed as given), its ms at each of ``batches`` rows (free dims ``free``) by
+    :func:`least_in_turn`: what the load-adaptive router's latency model starts from, measured on the
+    serving machine."""
     feeds = {(k, b): zero_feeds(sess, b, free) for k, sess in sessions.items() for b in batches}
-    for (k, _), f in feeds.items():
-        sessions[k].run(None, f)
-    runs: Dict[Any, Dict[int, list]] = {k: {b: [] for b in batches} for k in sessions}
-    for _ in range(repeats):
-        for (k, b), f in feeds.items():
-            t = clock()
-            sessions[k].run(None, f)
-            runs[k][b].append((clock() - t) * 1e3)
-    return {k: {b: float(min(v)) for b, v in by_b.items()} for k, by_b in runs.items()}
+    least = least_in_turn(list(feeds), lambda kb: sessions[kb[0]].run(None, feeds[kb]), repeats, clock)
+    return {k: {b: least[(k, b)] for b in batches} for k in sessions}
 
 
 class TritonPythonModel:

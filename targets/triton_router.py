@@ -364,7 +364,7 @@ class SloRouting:
         what they already waited (``waited_ms``: the oldest of them, measured; its own service comes on top).
         A request with nothing in flight ahead of it always runs."""
         pair, policy = (budget, self.precision), self.policy
-        others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
+        others = self._others(budget, elsewhere)
         ok, ms, raw = policy.admit(pair, rows, ahead, others)
         behind = waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
         if (ahead > 0 or others) and (not ok or behind > policy.admission_limit_ms):
@@ -377,11 +377,14 @@ class SloRouting:
         """The fastest of ``allowed`` when a request the policy routed to ``budget`` is predicted past the
         policy's overflow limit behind ``ahead`` rows there and ``elsewhere`` (:meth:`~elastic_export.serving.
         slo.SloPolicy.overflows`); None otherwise."""
-        policy = self.policy
-        others = {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
-        if not allowed or not policy.overflows((budget, self.precision), rows, ahead, others):
+        others = self._others(budget, elsewhere)
+        if not allowed or not self.policy.overflows((budget, self.precision), rows, ahead, others):
             return None
-        return min(allowed, key=lambda s: policy.service.ms((s, self.precision), 1))
+        return self.policy.fastest([(s, self.precision) for s in allowed])[0]
+
+    def _others(self, budget: float, elsewhere: Optional[Dict[float, int]]) -> Dict[Any, int]:
+        """The rows in flight at budgets other than ``budget``, as the policy's pairs (those with any)."""
+        return {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
 
     def light(self, budget: float) -> bool:
         """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
@@ -1012,22 +1015,23 @@ class TritonPythonModel:
 
     def _calibrate(self, batches: Sequence[int] = (1, 8), repeats: int = 5) -> None:
         """Every budget's service times measured through its budget model (BLS, zeros at the model's nominal
-        tokens; the least of ``repeats`` runs, the budgets in turn round by round, as
-        :func:`~elastic_export.targets.triton_onnx_model.service_times`), then the load-adaptive policy on
-        them; until then requests that name no budget get the default."""
+        tokens; :func:`~elastic_export.targets.triton_onnx_model.least_in_turn`, as the inline sessions are
+        measured), then the load-adaptive policy on them; until then requests that name no budget get the
+        default."""
+        from elastic_export.targets.triton_onnx_model import least_in_turn
+
         zeros = probe_feeds(self.config.input_specs, self.config.tokens)
         feeds = {b: {n: np.repeat(a, b, axis=0) for n, a in zeros.items()} for b in batches}
-        runs: Dict[Tuple[float, int], List[float]] = {(s, b): [] for s in self.config.sparsities for b in batches}
-        for r in range(repeats + 1):  # the first round warms up
-            for s, b in runs:
-                inputs = [pb_utils.Tensor(n, a) for n, a in feeds[b].items()]
-                t = time.perf_counter()
-                response = self._bls(s, inputs, self.config.outputs[:1]).exec()
-                if response.has_error():
-                    raise RuntimeError(response.error().message())
-                if r:
-                    runs[(s, b)].append((time.perf_counter() - t) * 1e3)
-        points = {s: {b: float(min(runs[(s, b)])) for b in batches} for s in self.config.sparsities}
+
+        def run(key: Tuple[float, int]) -> None:
+            s, b = key
+            response = self._bls(s, [pb_utils.Tensor(n, a) for n, a in feeds[b].items()],
+                                 self.config.outputs[:1]).exec()
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+
+        least = least_in_turn([(s, b) for s in self.config.sparsities for b in batches], run, repeats)
+        points = {s: {b: least[(s, b)] for b in batches} for s in self.config.sparsities}
         with self._lock:
             self.routing, self._calibrating = SloRouting(self.config, points), False
 

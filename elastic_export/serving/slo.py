@@ -140,7 +140,6 @@ class RateEstimator:
         self._origin: Optional[float] = None
         self.fell_at = -math.inf  # when a step down in the load was last detected
         self.fell_from: Optional[float] = None  # where the latest detected step starts, when it was a step down
-        self._down = False
 
     @property
     def origin(self) -> Optional[float]:
@@ -168,23 +167,20 @@ class RateEstimator:
         i = bisect.bisect_left(self._times, t, self._head)
         return self._cum[-1] - (self._cum[i - 1] if i > 0 else 0)
 
-    def _stepped(self, now: float, origin: float, width: float) -> bool:
+    def _stepped(self, now: float, origin: float, width: float) -> int:
         """Whether the rows of the last ``width`` s arrived at a rate other than those between ``origin``
-        and it (a two-sample test on Poisson counts; the earlier part at least ``short_s`` long); a step
-        down also sets :attr:`fell_at`."""
+        and it (a two-sample test on Poisson counts; the earlier part at least ``short_s`` long): 1 for a
+        step up, -1 for a step down, 0 for none."""
         before_s = now - width - origin
         if before_s < self.short_s:
-            return False
+            return 0
         recent = self._rows_since(now - width)
         before = self._rows_since(origin) - recent
         var = max(recent, 1) / width ** 2 + max(before, 1) / before_s ** 2
         up = recent / width > before / before_s
         if abs(recent / width - before / before_s) <= (self.sigmas_up if up else self.sigmas) * math.sqrt(var):
-            return False
-        self._down = not up
-        if not up:
-            self.fell_at = now
-        return True
+            return 0
+        return 1 if up else -1
 
     def rate(self, now: Optional[float] = None) -> float:
         """The estimate (rows/s) since the latest step or over the window (class docstring)."""
@@ -194,9 +190,12 @@ class RateEstimator:
         self._trim(now)
         origin = max(self._origin, now - self.window_s)
         for width in (self.short_s / 2, self.short_s):
-            if self._stepped(now, origin, width):
+            step = self._stepped(now, origin, width)
+            if step:
                 self._origin = origin = now - width
-                self.fell_from = origin if self._down else None
+                self.fell_from = origin if step < 0 else None
+                if step < 0:
+                    self.fell_at = now
                 break
         return self._rows_since(origin) / max(now - origin, self.short_s / 2)
 
@@ -586,9 +585,10 @@ class SloPolicy:
         :meth:`fastest` (the router's admission), which drains a sudden queue soonest."""
         return rows_ahead > 0 and self.request_ms(pair, rows, rows_ahead, elsewhere) > self.overflow * self.slo_ms
 
-    def fastest(self) -> Pair:
-        """The allowed pair of least batch-1 service time (among those not unavailable, if any)."""
-        usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
+    def fastest(self, among: Optional[Sequence[Pair]] = None) -> Pair:
+        """The pair of least batch-1 service time among ``among`` (default: the allowed pairs not
+        unavailable, else all allowed)."""
+        usable = among or [p for p in self.pairs if p not in self.unavailable] or self.pairs
         return min(usable, key=lambda p: self.service.ms(p, 1))
 
     def admitted(self, measured_ms: float, raw_ms: float) -> None:
