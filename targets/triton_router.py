@@ -491,7 +491,10 @@ class RouterMetrics:
     ``elastic_router_predicted_latency_ms`` (the SLO quantile predicted for the budget served; +Inf when
     the estimated rate is past its capacity) and ``elastic_router_measured_latency_ms`` (over the recent
     answers), ``elastic_router_slo_ms``, ``elastic_router_latency_correction`` (the served budget's service
-    time scale: its batches' measured times over the modelled ones), ``elastic_router_budget_up{sparsity}``.
+    time scale: its batches' measured times over the modelled ones), ``elastic_router_overhead_ms`` (the time
+    outside the budget model added to every prediction), ``elastic_router_densest_predicted_latency_ms`` and
+    ``elastic_router_densest_latency_correction`` (the same two for the best-quality budget allowed: how far
+    the load is from serving it), ``elastic_router_budget_up{sparsity}``.
 
     Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them every
     :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread of the server that
@@ -504,7 +507,7 @@ class RouterMetrics:
     REASONS = ("bad_request", "overload", "queue_full", "unavailable")
     PATHS = ("inline", "forwarded")
     GAUGES = ("served_sparsity", "arrival_rate", "in_flight", "predicted_latency_ms", "measured_latency_ms", "slo_ms",
-              "latency_correction")
+              "latency_correction", "overhead_ms", "densest_predicted_latency_ms", "densest_latency_correction")
     FLUSH_S = 0.5
 
     def __init__(self, router: str, sparsities: Sequence[float], snapshot=lambda: {}):
@@ -712,16 +715,19 @@ class TritonPythonModel:
 
     def snapshot(self) -> Dict[str, Any]:
         """What the gauges show: served sparsity, arrival rate, in flight, predicted and measured latency
-        quantile, SLO, budgets down."""
+        quantile, SLO, the overhead, the densest allowed budget's prediction and scale, budgets down."""
         with self._lock:
             snap: Dict[str, Any] = {"in_flight": self.monitor.in_flight, "down": tuple(self.health.down)}
             if self.routing is not None:
                 policy, last = self.routing.policy, self.routing.last
                 snap.update(served_sparsity=policy.current[0], slo_ms=policy.slo_ms,
                             measured_latency_ms=policy.measured(),
-                            latency_correction=policy.factor(policy.current))
+                            latency_correction=policy.factor(policy.current), overhead_ms=policy.overhead_ms(),
+                            densest_latency_correction=policy.factor(policy.pairs[0]))
                 if last is not None:
-                    snap.update(arrival_rate=policy.rate.rate(), predicted_latency_ms=last.predicted_ms)
+                    rate = policy.rate.rate()
+                    snap.update(arrival_rate=rate, predicted_latency_ms=last.predicted_ms,
+                                densest_predicted_latency_ms=policy.predict(policy.pairs[0], rate))
         return snap
 
     def execute(self, requests: List[Any]) -> None:

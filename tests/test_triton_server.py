@@ -417,6 +417,9 @@ def test_the_operators_gauges(served):
         assert _gauge_settles(port, "elastic_router_budget_up", 1.0, sparsity="0.1") == 1.0
         assert _metric(port, "elastic_router_arrival_rate") > 0 and _metric(port, "elastic_router_predicted_latency_ms") > 0
         assert 0.5 <= _metric(port, "elastic_router_latency_correction") <= 4.0  # the service-time scale, clamped
+        assert 0.5 <= _metric(port, "elastic_router_densest_latency_correction") <= 4.0
+        assert _metric(port, "elastic_router_densest_predicted_latency_ms") > 0
+        assert _metric(port, "elastic_router_overhead_ms") >= 0
         _settled(port, "elastic_router_requests_total", outcome="served")
         assert per_budget(served_s) == before + 3  # the requests the router runs itself counted too
     finally:
