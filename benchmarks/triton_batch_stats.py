@@ -11,8 +11,11 @@ would need, measured under the real contention (the server, the router and the c
 
 Usage:
     python benchmarks/triton_batch_stats.py [--artifacts DIR] [--loads 0.6,0.8] [--seconds 20] [--seed 0]
+        [--sparsity S] [--arms direct,router,adaptive]
 
-Writes benchmarks/results/triton_batch_stats.{json,md}.
+``--sparsity``: the budget model measured (default 0, dense; loads stay multiples of dense's capacity);
+``--arms``: which senders, in turn (``adaptive``: the router deciding, no sparsity named).
+Writes benchmarks/results/triton_batch_stats.{json,md} (``triton_batch_stats_sS.*`` for another budget).
 """
 
 from __future__ import annotations
@@ -60,19 +63,25 @@ async def measure(server: TritonServer, t: dict, manifest: Manifest, args) -> tu
 
     client = aio.InferenceServerClient(server.grpc_url)
     dense, one = st.budget_models(t)[0.0], st.feeds_for(manifest, 1, manifest.tokens)
+    measured = st.budget_models(t)[args.sparsity]
     rows = []
     try:
         cap = await st.capacity(client, dense, one, 8, 6.0)
         print(f"dense capacity {cap:.1f} requests/s")
         for load in args.loads:
             times, _ = st.phase_times([load * cap], [args.seconds], args.seed)
-            for arm, model, sparsity in (("direct", dense, None), ("router", t["router"], 0.0)):
+            arms = {"direct": (measured, None), "router": (t["router"], args.sparsity), "adaptive": (t["router"], None)}
+            for arm in args.arms:
+                model, sparsity = arms[arm]
                 await asyncio.sleep(2.0)  # the previous arm's queue drains
-                before = model_stats(server.http_url, dense)
-                rec = await st.open_loop(client, model, times, one, arm == "router", 30.0, sparsity)
-                stats = difference(before, model_stats(server.http_url, dense), dense)
+                before = model_stats(server.http_url, measured)
+                rec = await st.open_loop(client, model, times, one, arm != "direct", 30.0, sparsity)
+                stats = difference(before, model_stats(server.http_url, measured), measured)
                 lat = np.asarray(rec["latency_ms"])
+                served = [x for x in rec["sparsity"] if x is not None]
                 rows.append({"load": load, "rate": load * cap, "arm": arm, "requests": len(lat),
+                             "refused": sum(o == "refused" for o in rec["outcome"]),
+                             "served_at_measured": sum(abs(x - args.sparsity) < 1e-6 for x in served) / max(1, len(served)),
                              "latency_ms": {q: float(np.percentile(lat, p)) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))},
                              **stats})
                 print(json.dumps(rows[-1]))
@@ -83,7 +92,8 @@ async def measure(server: TritonServer, t: dict, manifest: Manifest, args) -> tu
 
 def report(out: dict) -> str:
     idle = out["idle_ms"]
-    lines = ["# Dense's batches under load, from Triton's statistics", "",
+    name = "Dense" if not out.get("sparsity") else f"Budget {out['sparsity']:g}"
+    lines = [f"# {name}'s batches under load, from Triton's statistics", "",
              f"Machine: {out['machine']}, {out['date']}. Dense capacity (8 closed-loop clients): "
              f"{out['dense_capacity_rps']:.1f} requests/s.", "",
              "Timed in onnxruntime with nothing else running: "
@@ -106,13 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default="0.6,0.8", help="x dense's closed-loop capacity, comma-separated")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sparsity", type=float, default=0.0, help="the budget model measured")
+    ap.add_argument("--arms", default="direct,router", help="direct (the budget model), router (naming it), "
+                    "adaptive (the router deciding)")
     args = ap.parse_args(argv)
     args.loads = [float(x) for x in args.loads.split(",")]
+    args.arms = args.arms.split(",")
     d = st.ensure_artifacts(args.artifacts)
     t = build_repository(d, platform="python", kind="cpu", policy="adaptive", slo_ms=250.0, echo=print).triton
     manifest = Manifest.load(d)
-    session = om.open_session(str(d / "triton" / st.budget_models(t)[0.0] / "1" / om.MODEL_FILE), {})
-    idle = om.service_times(session, manifest.tokens, (1, 2, 4, 8), repeats=9)
+    session = om.open_session(str(d / "triton" / st.budget_models(t)[args.sparsity] / "1" / om.MODEL_FILE), {})
+    idle = om.service_times({0: session}, manifest.tokens, (1, 2, 4, 8), repeats=9)[0]
     del session
     server = TritonServer(d / "triton", port=free_port_block(), log=Path("/tmp/triton_batch_stats.server.log"))
     try:
@@ -121,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     out = {"machine": st.machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "idle_ms": {str(k): v for k, v in idle.items()},
-           "dense_capacity_rps": cap, "runs": runs}
-    st.write_results("triton_batch_stats", out, report(out))
+           "dense_capacity_rps": cap, "sparsity": args.sparsity, "runs": runs}
+    suffix = f"_s{round(args.sparsity * 100):03d}" if args.sparsity else ""
+    st.write_results("triton_batch_stats" + suffix, out, report(out))
     return 0
 
 
