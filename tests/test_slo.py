@@ -246,8 +246,10 @@ def test_the_measured_batch_times_scale_the_service_times_and_move_the_saturatio
     assert math.isfinite(slo.predict_quantile_ms(f, 40.0)) and policy.predict(dense, 40.0) == math.inf
     policy.rate.rate = lambda now=None: 40.0
     assert policy.decide(now[0]).pair[0] > 0.0  # dense cannot carry 40 rows/s at 2x
-    _batches_at_scale(policy, now, dense, 1.0, 101)  # as modelled for 10 s: the 2x batches are forgotten
-    assert policy.factor(dense) == pytest.approx(1.0, rel=1e-6)
+    _batches_at_scale(policy, now, dense, 1.0, 101)  # as modelled for 10 s: the 2x batches weigh e^-1 or less
+    assert 1.0 < policy.factor(dense) < 1.1
+    _batches_at_scale(policy, now, dense, 1.0, 400)  # 50 s: next to nothing
+    assert policy.factor(dense) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_the_service_scale_weighs_every_batch_by_its_modelled_time():
@@ -319,10 +321,10 @@ def test_a_scale_below_one_is_not_lent():
     assert policy.factor(sparse) == pytest.approx(policy.factor(dense)) and policy.factor(dense) > 1.2
 
 
-def test_a_budget_not_served_just_now_keeps_its_own_lower_scale_from_the_horizon():
+def test_a_budget_not_served_just_now_keeps_its_own_lower_scale_while_it_weighs_enough():
     """Dense measured 1.15 while served; then 0.2, whose batches read 1.3 (a sparser budget's batches carry
     more fixed costs). Two seconds on, dense is predicted with its own 1.15, not 0.2's 1.3; once its own
-    leaves the 10 s horizon, with 0.2's."""
+    batches, aged, weigh less than ``min_batches``, with 0.2's."""
     now = [0.0]
     policy = _policy(lambda: now[0])
     dense, sparse = (0.0, "fp32"), (0.2, "fp32")
@@ -332,6 +334,25 @@ def test_a_budget_not_served_just_now_keeps_its_own_lower_scale_from_the_horizon
     assert not policy.scales[dense].ready() and policy.factor(dense) == pytest.approx(1.15, rel=1e-6)
     _batches_at_scale(policy, now, sparse, 1.3, 80)
     assert policy.factor(dense) == pytest.approx(1.3, rel=1e-6)
+
+
+def test_a_budget_served_again_starts_from_its_own_earlier_scale():
+    """The load test's second 0.6x: dense served for 20 s at 1.15 (the first 0.6x), then 0.5 for 20 s at 1.3
+    (the 1.4x); dense again, its first batches beside the 1.4x phase's last work at 1.3. Its earlier batches,
+    20 s old, still weigh ``min_batches``: it is predicted with its own 1.15, not 0.5's 1.3, and its first
+    slow batches move it part of the way; contention that lasts is measured in full."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense, sparse = (0.0, "fp32"), (0.5, "fp32")
+    _batches_at_scale(policy, now, dense, 1.15, 200)
+    policy.current = sparse
+    _batches_at_scale(policy, now, sparse, 1.3, 200)
+    assert policy.scales[dense].recent() and policy.factor(dense) == pytest.approx(1.15, rel=1e-6)
+    policy.current = dense
+    _batches_at_scale(policy, now, dense, 1.3, 10)  # 20 batches in 1 s
+    assert 1.15 < policy.factor(dense) < 1.25
+    _batches_at_scale(policy, now, dense, 1.3, 200)
+    assert policy.factor(dense) > 1.29
 
 
 def test_a_move_denser_steps_at_most_max_step_budgets_past_the_ones_measured_just_now():

@@ -14,11 +14,12 @@ Everything here is plain Python with an injected clock (the Triton router only c
   (each batch holds the previous cycle's arrivals) left the queue's fluctuations out: at 60 % of a
   MiniLM budget's capacity it gave a p99 of 34 ms where the queue has 122 ms.
 * :class:`ServiceScale`: what the server observes refreshes the model: per budget, the measured time of
-  the batches its budget model ran in the last 10 s (the server's per-batch statistics) over the model's
-  ``S(n)`` for the same batch sizes: contention on shared cores is measured where it happens and moves
-  the load at which a budget saturates. A budget not served for 2 s takes the scale of the one served now
-  (not its own, from a spike). What a request spends outside its budget model (the router's checks,
-  tokens and hand-offs) is measured per answer and added once (:meth:`SloPolicy.overhead_ms`).
+  the batches its budget model ran, each weighted by its age (10 s time constant; the server's per-batch
+  statistics), over the model's ``S(n)`` for the same batch sizes: contention on shared cores is
+  measured where it happens and moves the load at which a budget saturates. A budget not served for 2 s
+  takes the scale of the one served now, or its own aged one when lower (not its own from a spike).
+  What a request spends outside its budget model (the router's checks, tokens and hand-offs) is
+  measured per answer and added once (:meth:`SloPolicy.overhead_ms`).
 * :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
@@ -311,23 +312,31 @@ def predict_quantile_ms(service: Affine, rate: float, quantile: float = DEFAULT_
 
 class ServiceScale:
     """How much slower than the service model a pair's budget model runs its batches now: the measured
-    time of the batches it ran in the last ``horizon_s`` (the server's own per-batch statistics) over what
-    the model gives for the same batch sizes, within ``bounds``.
+    time of the batches it ran (the server's own per-batch statistics) over what the model gives for the
+    same batch sizes, each batch weighted by ``exp(-age / memory_s)``, within ``bounds``.
 
     Measured on the batches themselves, not fitted to the answers' latencies through the queueing model:
     what slows a batch on shared cores (the server's, the router's and the clients' work) is read where it
     happens, and the queue's share of a latency is left to the queue (a scale fitted to latencies through
     a queueing estimate carried that estimate's errors: 1.5-1.7 where the batches ran 1.2-1.3x slower).
 
-    :meth:`ready` once ``min_batches`` batches are in the horizon, the latest within ``fresh_s``: a pair
-    that stopped being served does not keep the scale of a spike; the policy then uses the served pair's."""
+    Weighted by age rather than counted over a fixed window, a pair served again after a pause starts from
+    its own earlier scale, worth what its age leaves of it, instead of from its first few batches alone:
+    dense's scale at the load test's second 0.6x read within 0.05 of its scale at the first, 20 s before,
+    where its first batches after the step down (beside the 1.4x phase's last work) read 1.26-1.32 for a
+    steady 1.12-1.19, enough to predict it past the SLO.
 
-    def __init__(self, min_batches: int = 20, bounds: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0,
+    :meth:`recent` while the weight of its batches is worth ``min_batches``; :meth:`ready` when recent and
+    the latest batch came within ``fresh_s``: a pair that stopped being served does not keep the scale
+    of a spike; the policy then uses the served pair's."""
+
+    def __init__(self, min_batches: int = 20, bounds: Tuple[float, float] = (0.5, 4.0), memory_s: float = 10.0,
                  fresh_s: float = 2.0, clock: Optional[Callable[[], float]] = None) -> None:
-        self.min_batches, self.bounds, self.horizon_s, self.fresh_s = min_batches, bounds, horizon_s, fresh_s
+        self.min_batches, self.bounds, self.memory_s, self.fresh_s = min_batches, bounds, memory_s, fresh_s
         self.clock = clock or time.monotonic
-        self._batches: Deque[Tuple[float, int, float, float]] = deque()  # (time, batches, measured ms, model ms)
-        self._count, self._measured, self._modelled = 0, 0.0, 0.0
+        self._at = -math.inf  # when the weighted sums below were last aged
+        self._count, self._measured, self._modelled = 0.0, 0.0, 0.0  # batches, measured ms, model ms (weighted)
+        self._latest = -math.inf
         self.factor = 1.0
 
     def add(self, rows: int, count: int, total_ms: float, service: Affine, now: Optional[float] = None) -> None:
@@ -335,29 +344,33 @@ class ServiceScale:
         if count <= 0 or rows <= 0 or not (math.isfinite(total_ms) and total_ms > 0):
             return
         now = self.clock() if now is None else now
-        entry = (now, count, float(total_ms), count * service.ms(rows))
-        self._batches.append(entry)
-        self._count, self._measured, self._modelled = (self._count + count, self._measured + entry[2],
-                                                       self._modelled + entry[3])
-        self._forget(now)
+        self._age(now)
+        self._count, self._measured = self._count + count, self._measured + float(total_ms)
+        self._modelled += count * service.ms(rows)
+        self._latest = max(self._latest, now)
         if self._count >= self.min_batches and self._modelled > 0:
             lo, hi = self.bounds
             self.factor = min(max(self._measured / self._modelled, lo), hi)
 
-    def _forget(self, now: float) -> None:
-        while self._batches and self._batches[0][0] < now - self.horizon_s:
-            _, n, m, p = self._batches.popleft()
-            self._count, self._measured, self._modelled = self._count - n, self._measured - m, self._modelled - p
+    def _age(self, now: float) -> None:
+        if now > self._at:
+            w = math.exp(-(now - self._at) / self.memory_s) if math.isfinite(self._at) else 1.0
+            self._count, self._measured, self._modelled = self._count * w, self._measured * w, self._modelled * w
+            self._at = now
+
+    def weight(self, now: Optional[float] = None) -> float:
+        """The batches behind :attr:`factor`, each weighted by its age."""
+        self._age(self.clock() if now is None else now)
+        return self._count
 
     def ready(self, now: Optional[float] = None) -> bool:
         """Whether :attr:`factor` is current: :meth:`recent`, the latest batch within ``fresh_s``."""
         now = self.clock() if now is None else now
-        return self.recent(now) and self._batches[-1][0] >= now - self.fresh_s
+        return self.recent(now) and self._latest >= now - self.fresh_s
 
     def recent(self, now: Optional[float] = None) -> bool:
-        """Whether :attr:`factor` rests on ``min_batches`` within the horizon."""
-        self._forget(self.clock() if now is None else now)
-        return self._count >= self.min_batches
+        """Whether :attr:`factor` rests on a weight of ``min_batches`` batches."""
+        return self.weight(now) >= self.min_batches - 1e-9
 
 
 class AdmissionCorrection:
@@ -498,10 +511,10 @@ class SloPolicy:
 
     def factor(self, pair: Pair) -> float:
         """The scale of ``pair``'s service times: its own while it has recent batches, else that of the
-        pair served now (else the latest fitted to any, :class:`ServiceScale`), or its own from the last
-        ``horizon_s`` when that is lower. A sparser pair's batches carry a larger share of fixed per-batch
-        costs, so its scale reads higher than a denser one's under the same load (0.2 at 1.3 where dense
-        had measured 1.17 seconds before, enough to keep dense away at 0.6x); a spike's scale of its own
+        pair served now (else the latest fitted to any, :class:`ServiceScale`), or its own, aged, while
+        it still weighs ``min_batches`` (:meth:`ServiceScale.recent`) when that is lower. A sparser pair's
+        scale reads higher than a denser one's under the same load (0.2 at 1.3 where dense had measured
+        1.17 seconds before, enough to keep dense away at 0.6x); a spike's scale of its own
         is the higher one, so it is still forgotten. A lent scale is at least 1: below 1 it says the
         lender's start-up measurement ran slow, which says nothing of the borrower's (dense at 0.90 lent
         to 0.4 at a step up to 1.4x predicted 164 ms where 0.4's answers took up to 506 ms)."""
