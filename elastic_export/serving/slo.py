@@ -50,7 +50,6 @@ DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
 DEFAULT_OVERFLOW = 0.7  # a routed request predicted past this fraction of the SLO at the served pair goes to the fastest
 DEFAULT_MAX_STEP = 3  # a move denser goes at most this many pairs, past them only to pairs measured just now
 ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
-LEFTOVER_S = 2.0  # a pair the policy left this long ago may still run the work queued at it then
 
 
 @dataclass
@@ -498,7 +497,6 @@ class SloPolicy:
         self._overhead_ms = 0.0  # the overheads' p90, kept as answers come (read on every prediction)
         self.admission = AdmissionCorrection(clock=clock)
         self.current = self.pairs[0]
-        self.left: Dict[Pair, float] = {}  # the pairs it served before, and when it last left each
         self.switches = 0
         self.unavailable: set = set()
 
@@ -561,7 +559,6 @@ class SloPolicy:
             chosen = self.fastest()
             predicted = self.predict(chosen, rate)
         if chosen != self.current:
-            self.left[self.current] = now
             self.current, self.switches, self.switched_at = chosen, self.switches + 1, now
         return Decision(chosen, predicted, meets, rate)
 
@@ -631,19 +628,14 @@ class SloPolicy:
     def served_interval(self, ran: Mapping[Pair, Sequence[Tuple[int, int, float]]], seconds: float,
                         now: Optional[float] = None) -> None:
         """What every pair's budget model ran in the last ``seconds`` (:meth:`served_batches` for each), each
-        beside the batches of the pairs the policy left within :data:`LEFTOVER_S`, for the time those took as
-        a fraction of the interval: two budget models at once share the cores, and the work left queued at
-        the pair served before passes (dense's first batches after a step down, beside the sparser pair's
-        last work, ran 1.3-1.5x its steady scale). The work of the pairs it serves along with the current
-        one (the overflow's, requests naming a budget) is part of what serving at this load costs: kept in
-        the scale (expected beside it, the scales at 1.4x read 1.0-1.15 for 1.25-1.3, and the policy chose
-        budgets that then missed the SLO)."""
-        now = self.rate.clock() if now is None else now
+        beside the others' batches for the time those took, as a fraction of the interval: two budget
+        models running at once share the cores, and dense's first batches after a step down, beside the
+        sparser budget's last work, ran 1.3-1.5x its steady scale."""
         busy = {p: sum(ms for _, _, ms in b) for p, b in ran.items()}
-        left = {p for p, at in self.left.items() if now - at <= LEFTOVER_S and p != self.current}
+        total = sum(busy.values())
         for pair, batches in ran.items():
-            others = sum(ms for p, ms in busy.items() if p in left and p != pair)
-            self.served_batches(pair, batches, now, others / (1e3 * seconds) if seconds > 0 else 0.0)
+            beside = (total - busy[pair]) / (1e3 * seconds) if seconds > 0 else 0.0
+            self.served_batches(pair, batches, now, beside)
 
     def answered(self, measured_ms: float, model_ms: Optional[float] = None) -> None:
         """An answered request's latency (ms) and (when known) the part of it spent in the budget model
