@@ -709,7 +709,7 @@ class TritonPythonModel:
         self.metrics = (RouterMetrics(args.get("model_name", "router"), config.sparsities, self.snapshot)
                         if hasattr(pb_utils, "MetricFamily") else None)
         self._closed = threading.Event()
-        self._batches_before = None  # the server's per-batch statistics at the last read, and when
+        self._batches_before = None  # the server's per-batch statistics at the last read
         self._prober = threading.Thread(target=self._probe_loop, name="router-probe", daemon=True)
         self._prober.start()
 
@@ -987,21 +987,21 @@ class TritonPythonModel:
     def _read_batches(self) -> None:
         """The batches each budget model ran since the last round, from the server's statistics (where
         ``serve`` said the server is: :data:`~elastic_export.serving.triton_stats.STATS_URL_ENV`), to the
-        policy's service scales, all together with the time since the last round (each budget model's
-        batches beside the others')."""
+        policy's service scales."""
         from elastic_export.serving import triton_stats
 
         url = os.environ.get(triton_stats.STATS_URL_ENV)
         if self.routing is None or not url:
             return
-        totals, now = triton_stats.batch_totals(triton_stats.fetch(url)), time.monotonic()
-        (before, read_at), self._batches_before = self._batches_before or (None, now), (totals, now)
+        totals = triton_stats.batch_totals(triton_stats.fetch(url))
+        before, self._batches_before = self._batches_before, totals
         if before is None:
             return
-        ran = triton_stats.batch_deltas(before, totals)
-        pairs = {(s, self.config.precision): ran[name] for s, name in self.config.models.items() if name in ran}
+        ran, now = triton_stats.batch_deltas(before, totals), time.monotonic()
         with self._lock:
-            self.routing.policy.served_interval(pairs, now - read_at, now)
+            for s, name in self.config.models.items():
+                if name in ran:
+                    self.routing.policy.served_batches((s, self.config.precision), ran[name], now)
 
     def _probe(self, feeds: Dict[str, np.ndarray]) -> None:
         ready = getattr(pb_utils, "is_model_ready", None)

@@ -355,29 +355,6 @@ def test_a_budget_served_again_starts_from_its_own_earlier_scale():
     assert policy.factor(dense) > 1.29
 
 
-def test_batches_beside_another_budgets_work_are_expected_to_share_the_cores():
-    """Dense served at 1.15 of its model; for 2 s its batches run beside 0.5's work (0.5 busy for 0.4 s of
-    every 0.5 s) and take 1.15 x 1.8: expected at 1 + 0.8 times the model, they leave the scale at 1.15,
-    where read alone they would lift it past 1.4. 0.5's own batches are read beside dense's."""
-    now = [0.0]
-    policy, twin = _policy(lambda: now[0]), _policy(lambda: now[0])
-    dense, sparse = (0.0, "fp32"), (0.5, "fp32")
-    for p in (policy, twin):
-        _batches_at_scale(p, [0.0], dense, 1.15, 100)
-    now[0] = 10.0
-    slow = [(1, 20, 20 * 1.15 * 1.8 * policy.service.ms(dense, 1))]
-    for _ in range(4):  # 2 s of it
-        now[0] += 0.5
-        policy.served_interval({dense: slow, sparse: [(4, 2, 400.0)]}, 0.5, now[0])
-        twin.served_batches(dense, slow, now[0])
-    assert policy.factor(dense) == pytest.approx(1.15, rel=1e-6)
-    assert twin.factor(dense) > 1.4
-    fresh = _policy(lambda: now[0])
-    fresh.served_interval({dense: slow, sparse: [(4, 2, 400.0)]}, 0.5, now[0])
-    beside = min(1.0, slow[0][2] / 500.0)
-    assert fresh.scales[sparse]._modelled == pytest.approx(2 * fresh.service.ms(sparse, 4) * (1 + beside), rel=1e-6)
-
-
 def test_a_move_denser_steps_at_most_max_step_budgets_past_the_ones_measured_just_now():
     """From the sparsest budget under a light load: three budgets up per move (dwell 1 s between), so the
     way back to dense measures each on the way; a denser budget with fresh answers of its own is

@@ -339,18 +339,14 @@ class ServiceScale:
         self._latest = -math.inf
         self.factor = 1.0
 
-    def add(self, rows: int, count: int, total_ms: float, service: Affine, now: Optional[float] = None,
-            beside: float = 0.0) -> None:
-        """``count`` batches of ``rows`` rows that took ``total_ms`` in all; ``service``: the pair's model;
-        ``beside``: the fraction of the time they ran in which other pairs' batches ran too (0..1), which
-        take the cores from them: modelled at ``1 + beside`` times the model, so the scale keeps what the
-        other pairs' work does not explain."""
+    def add(self, rows: int, count: int, total_ms: float, service: Affine, now: Optional[float] = None) -> None:
+        """``count`` batches of ``rows`` rows that took ``total_ms`` in all; ``service``: the pair's model."""
         if count <= 0 or rows <= 0 or not (math.isfinite(total_ms) and total_ms > 0):
             return
         now = self.clock() if now is None else now
         self._age(now)
         self._count, self._measured = self._count + count, self._measured + float(total_ms)
-        self._modelled += count * service.ms(rows) * (1.0 + min(max(beside, 0.0), 1.0))
+        self._modelled += count * service.ms(rows)
         self._latest = max(self._latest, now)
         if self._count >= self.min_batches and self._modelled > 0:
             lo, hi = self.bounds
@@ -612,30 +608,16 @@ class SloPolicy:
         """An admitted request's measured latency against its uncorrected admission prediction."""
         self.admission.add(measured_ms, raw_ms)
 
-    def served_batches(self, pair: Pair, batches: Sequence[Tuple[int, int, float]], now: Optional[float] = None,
-                       beside: float = 0.0) -> None:
+    def served_batches(self, pair: Pair, batches: Sequence[Tuple[int, int, float]], now: Optional[float] = None) -> None:
         """Batches ``pair``'s budget model ran since the last call, as ``(rows, count, total_ms)`` (the
-        server's per-batch statistics), ``beside`` other pairs' batches for that fraction of the time: its
-        :class:`ServiceScale`."""
+        server's per-batch statistics): its :class:`ServiceScale`."""
         own = self.scales.get(pair)
         if own is None:
             return
         for rows, count, total_ms in batches:
-            own.add(rows, count, total_ms, self.service.affine(pair), now, beside)
+            own.add(rows, count, total_ms, self.service.affine(pair), now)
         if own.ready(now):
             self.fallback_scale = own.factor
-
-    def served_interval(self, ran: Mapping[Pair, Sequence[Tuple[int, int, float]]], seconds: float,
-                        now: Optional[float] = None) -> None:
-        """What every pair's budget model ran in the last ``seconds`` (:meth:`served_batches` for each), each
-        beside the others' batches for the time those took, as a fraction of the interval: two budget
-        models running at once share the cores, and dense's first batches after a step down, beside the
-        sparser budget's last work, ran 1.3-1.5x its steady scale."""
-        busy = {p: sum(ms for _, _, ms in b) for p, b in ran.items()}
-        total = sum(busy.values())
-        for pair, batches in ran.items():
-            beside = (total - busy[pair]) / (1e3 * seconds) if seconds > 0 else 0.0
-            self.served_batches(pair, batches, now, beside)
 
     def answered(self, measured_ms: float, model_ms: Optional[float] = None) -> None:
         """An answered request's latency (ms) and (when known) the part of it spent in the budget model
