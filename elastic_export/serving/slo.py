@@ -49,6 +49,7 @@ DEFAULT_HYSTERESIS = 0.05  # and a denser pair this much more
 DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
 DEFAULT_OVERFLOW = 0.7  # a routed request predicted past this fraction of the SLO at the served pair goes to the fastest
 DEFAULT_MAX_STEP = 3  # a move denser goes at most this many pairs, past them only to pairs measured just now
+DEFAULT_STAY_SPREAD = 1.0  # after a step down the current pair is judged at the rate less this many standard errors
 ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
 
 
@@ -199,6 +200,15 @@ class RateEstimator:
                     self.fell_at = now
                 break
         return self._rows_since(origin) / max(now - origin, self.short_s / 2)
+
+    def spread(self, now: Optional[float] = None) -> float:
+        """The standard error of :meth:`rate` (rows/s): a Poisson count's, ``sqrt(rows) / seconds`` over the
+        span the estimate counts (call after :meth:`rate`)."""
+        now = self.clock() if now is None else now
+        if self._origin is None:
+            return 0.0
+        origin = max(self._origin, now - self.window_s)
+        return math.sqrt(self._rows_since(origin)) / max(now - origin, self.short_s / 2)
 
     def settled_fall(self, now: float, within_s: float = 2.0) -> bool:
         """Whether the latest detected step was a step down and the estimate has rested on ``short_s`` of
@@ -461,6 +471,15 @@ class SloPolicy:
             (:meth:`overflows`): a queue that builds there is the first sign of a step up in the load,
             seen before the rate's test can tell it from noise, and what queues meanwhile at a dense
             pair is what the faster one must later wait behind.
+        stay_spread: once the load has stepped down (until it steps up again), the pair served now is
+            judged at the estimated rate less this many of the estimate's standard errors
+            (:meth:`RateEstimator.spread`), the others at the estimate: hysteresis in the estimate's own
+            uncertainty, wide just after the step (an estimate 1 s old has 14 % at 0.6x of dense's
+            capacity, and the load test's second 0.6x read 48-50 requests/s for 44-48 offered, enough to
+            send dense's prediction past the SLO) and narrowing as the load lasts (5 % over 8 s). A load
+            that does exceed what the pair carries builds a queue there, which the overflow moves to the
+            fastest pair. Not after a step up: judged below a young estimate, the pair it moved to at the
+            step up to 1.4x held on while the queue grew (26 late or refused at the step, 1.4x 98.8 %).
         rate: the arrival-rate estimator (its clock is the policy's).
         clock: seconds (monotonic; default: the rate estimator's).
     """
@@ -469,7 +488,8 @@ class SloPolicy:
                  quantile: float = DEFAULT_QUANTILE, margin: float = DEFAULT_MARGIN,
                  hysteresis: float = DEFAULT_HYSTERESIS, dwell_s: float = DEFAULT_DWELL_S,
                  max_step: int = DEFAULT_MAX_STEP, max_sparsity: Optional[float] = None,
-                 overflow: float = DEFAULT_OVERFLOW, rate: Optional[RateEstimator] = None,
+                 overflow: float = DEFAULT_OVERFLOW, stay_spread: float = DEFAULT_STAY_SPREAD,
+                 rate: Optional[RateEstimator] = None,
                  clock: Optional[Callable[[], float]] = None) -> None:
         if not slo_ms > 0 or not 0 < quantile < 1 or not 0 <= margin < 1 or not 0 <= hysteresis < 1 - margin:
             raise ValueError("SloPolicy needs slo_ms > 0, 0 < quantile < 1, 0 <= margin, hysteresis < 1 - margin")
@@ -481,7 +501,7 @@ class SloPolicy:
             raise ValueError(f"no service times for {missing}")
         self.pairs, self.service, self.slo_ms, self.quantile = list(allowed), service, float(slo_ms), quantile
         self.margin, self.hysteresis, self.dwell_s, self.max_step = margin, hysteresis, dwell_s, max_step
-        self.overflow = overflow
+        self.overflow, self.stay_spread = overflow, stay_spread
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
         clock = clock or self.rate.clock
@@ -542,11 +562,12 @@ class SloPolicy:
         settled = self.rate.settled_fall(now)
         if now - self.switched_at < self.dwell_s and not (fell or settled) and self.current in rank:
             usable, here = usable[here:], 0  # too soon to go denser
+        spread = self.stay_spread * self.rate.spread(now) if self.rate.fell_from is not None else 0.0
         chosen, predicted = None, math.inf
         for i, p in enumerate(usable):
             if i < here - self.max_step and not settled and not self.scales[p].ready(now):
                 continue  # too far up to trust the served pair's scale for it
-            ms = self.predict(p, rate)
+            ms = self.predict(p, max(0.0, rate - spread) if i == here else rate)
             if ms <= (move if i < here else stay):
                 chosen, predicted = p, ms
                 break
