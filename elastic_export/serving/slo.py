@@ -24,7 +24,8 @@ Everything here is plain Python with an injected clock (the Triton router only c
   the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
   than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
   it goes denser as soon as one does (at most ``max_step`` pairs per move, past those measured just
-  now, except once the estimate has settled on a step down). :meth:`SloPolicy.admit`: a request whose
+  now, except once the estimate has settled on a step down); after a step down the pair served is judged
+  a standard error below the estimated rate (``stay_spread``). :meth:`SloPolicy.admit`: a request whose
   own predicted latency (the rows in flight ahead of it at its pair drained first, and those at the
   other pairs, which share the cores; corrected by :class:`AdmissionCorrection`, a line fitted to what
   admitted requests measured) exceeds the SLO is refused rather than queued; one the policy routed
@@ -332,9 +333,9 @@ class ServiceScale:
 
     Weighted by age rather than counted over a fixed window, a pair served again after a pause starts from
     its own earlier scale, worth what its age leaves of it, instead of from its first few batches alone:
-    dense's scale at the load test's second 0.6x read within 0.05 of its scale at the first, 20 s before,
-    where its first batches after the step down (beside the 1.4x phase's last work) read 1.26-1.32 for a
-    steady 1.12-1.19, enough to predict it past the SLO.
+    dense's scale at the load test's second 0.6x read within 0.04 of its scale at the first, 20 s before,
+    where its first batches after the step down (beside the 1.4x phase's last work) read 1.26-1.34 for a
+    steady 1.12-1.2, enough to predict it past the SLO.
 
     :meth:`recent` while the weight of its batches is worth ``min_batches``; :meth:`ready` when recent and
     the latest batch came within ``fresh_s``: a pair that stopped being served does not keep the scale
@@ -478,8 +479,8 @@ class SloPolicy:
             capacity, and the load test's second 0.6x read 48-50 requests/s for 44-48 offered, enough to
             send dense's prediction past the SLO) and narrowing as the load lasts (5 % over 8 s). A load
             that does exceed what the pair carries builds a queue there, which the overflow moves to the
-            fastest pair. Not after a step up: judged below a young estimate, the pair it moved to at the
-            step up to 1.4x held on while the queue grew (26 late or refused at the step, 1.4x 98.8 %).
+            fastest pair. Not after a step up, where a pair held on below a young estimate is the one
+            whose queue grows.
         rate: the arrival-rate estimator (its clock is the policy's).
         clock: seconds (monotonic; default: the rate estimator's).
     """
