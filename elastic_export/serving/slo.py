@@ -200,7 +200,8 @@ class RateEstimator:
                 if step < 0:
                     self.fell_at = now
                 break
-        return self._rows_since(origin) / max(now - origin, self.short_s / 2)
+        rows, seconds = self._counted(now)
+        return rows / seconds
 
     def spread(self, now: Optional[float] = None) -> float:
         """The standard error of :meth:`rate` (rows/s): a Poisson count's, ``sqrt(rows) / seconds`` over the
@@ -208,8 +209,13 @@ class RateEstimator:
         now = self.clock() if now is None else now
         if self._origin is None:
             return 0.0
+        rows, seconds = self._counted(now)
+        return math.sqrt(rows) / seconds
+
+    def _counted(self, now: float) -> Tuple[int, float]:
+        """The rows the estimate counts (since the origin, within the window) and the seconds it divides by."""
         origin = max(self._origin, now - self.window_s)
-        return math.sqrt(self._rows_since(origin)) / max(now - origin, self.short_s / 2)
+        return self._rows_since(origin), max(now - origin, self.short_s / 2)
 
     def settled_fall(self, now: float, within_s: float = 2.0) -> bool:
         """Whether the latest detected step was a step down and the estimate has rested on ``short_s`` of
@@ -364,8 +370,8 @@ class ServiceScale:
             self.factor = min(max(self._measured / self._modelled, lo), hi)
 
     def _age(self, now: float) -> None:
-        if now > self._at:
-            w = math.exp(-(now - self._at) / self.memory_s) if math.isfinite(self._at) else 1.0
+        if now > self._at:  # from -inf (nothing added yet) the weight is 0 on sums of 0
+            w = math.exp(-(now - self._at) / self.memory_s)
             self._count, self._measured, self._modelled = self._count * w, self._measured * w, self._modelled * w
             self._at = now
 
