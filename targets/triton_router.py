@@ -54,7 +54,7 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -381,6 +381,26 @@ class SloRouting:
         if not allowed or not self.policy.overflows((budget, self.precision), rows, ahead, others):
             return None
         return self.policy.fastest([(s, self.precision) for s in allowed])[0]
+
+    def place(self, budget: float, rows: int, rows_at: Dict[float, int], waited_ms: Callable[[float], float],
+              faster: Sequence[float] = ()) -> Tuple[float, float]:
+        """Where a request runs and its uncorrected prediction (:meth:`admit`): at ``budget``, else (a request
+        the policy routed: ``faster``, the budgets it may move to) at the first of ``faster`` that admits it;
+        first at the fastest when it overflows at ``budget`` (:meth:`overflow`: a queue building there), then
+        back at ``budget`` and the others, so that a queue at the fastest refuses nothing another budget would
+        answer in time. :class:`Overload` when none admits it. ``rows_at``: rows in flight per budget;
+        ``waited_ms``: how long the oldest in flight at a budget has waited."""
+        order = [budget, *faster]
+        fastest = self.overflow(budget, rows, rows_at.get(budget, 0), rows_at, faster)
+        if fastest is not None:
+            order.remove(fastest)
+            order.insert(0, fastest)
+        for s in order[:-1]:
+            try:
+                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at)
+            except Overload:
+                continue
+        return order[-1], self.admit(order[-1], rows, rows_at.get(order[-1], 0), waited_ms(order[-1]), rows_at)
 
     def _others(self, budget: float, elsewhere: Optional[Dict[float, int]]) -> Dict[Any, int]:
         """The rows in flight at budgets other than ``budget``, as the policy's pairs (those with any)."""
@@ -778,27 +798,15 @@ class TritonPythonModel:
             job.arrived, job.counted, job.ticket = self.monitor.last_arrival, job.budget, self.monitor.last_ticket
 
     def _admit(self, job: _Job) -> None:
-        """Admit the job at its budget, or (the policy's pick) at the best faster budget that meets
-        the policy's admission limit behind the rows in flight there; :class:`Overload` when none does (or it
-        named its budget)."""
+        """Admit the job at its budget or, when the policy picked it, at a faster one
+        (:meth:`SloRouting.place`); :class:`Overload` when none admits it."""
         now = time.monotonic()
         faster = [s for s in self.config.sparsities if s > job.budget and s not in self.health.down
                   and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
-        order = [job.budget] + (faster if job.routed else [])
-        fastest = self.routing.overflow(job.budget, job.batch, self.monitor.rows_at.get(job.budget, 0),
-                                        self.monitor.rows_at, faster) if job.routed else None
-        if fastest is not None:  # a queue building at the served budget: the fastest drains it soonest
-            order = [fastest]
-        for budget in order:
-            try:
-                job.admit_raw = self.routing.admit(budget, job.batch, self.monitor.rows_at.get(budget, 0),
-                                                   self.monitor.oldest_ms(budget, now), self.monitor.rows_at)
-            except Overload:
-                if budget == order[-1]:
-                    raise
-                continue
-            job.served, job.budget = [budget] * job.batch, budget
-            return
+        job.budget, job.admit_raw = self.routing.place(job.budget, job.batch, self.monitor.rows_at,
+                                                       lambda s: self.monitor.oldest_ms(s, now),
+                                                       faster if job.routed else ())
+        job.served = [job.budget] * job.batch
 
     def _accept(self, request: Any) -> _Job:
         """The request's tensors and the served sparsity of its rows (when it names one), checked.

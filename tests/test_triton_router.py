@@ -415,6 +415,25 @@ def test_slo_routing_refuses_a_request_predicted_to_miss_the_slo_behind_the_rows
     assert err.value.reason == "overload"
 
 
+def test_a_request_that_overflows_to_a_slow_fastest_budget_runs_where_it_was_routed():
+    """A queue building at the routed budget sends a request to the fastest one first; when the fastest's
+    own queue has waited too long, the request runs at the routed budget (predicted within the SLO there)
+    rather than being refused: refused only when no budget it may move to admits it."""
+    routing, _ = _routing()
+    rows_at = {0.3: 23, 0.6: 2}  # at 0.3: 2 x 0 + 23 x 7 + 0.6's 2 rows (8 ms) + its own 7: 176 ms > 0.7 x 250
+    assert routing.overflow(0.3, 1, 23, rows_at, [0.6]) == 0.6
+    def waited(at):  # how long the oldest in flight at each budget has waited (ms)
+        return lambda s: at.get(s, 0.0)
+
+    calm = waited({0.6: 10.0})
+    assert routing.place(0.3, 1, rows_at, calm, [0.6]) == (0.6, pytest.approx(173.0))  # the fastest admits it
+    slow = waited({0.6: 236.0})  # the oldest at 0.6 waited 236 ms: 240 with its own run
+    assert routing.place(0.3, 1, rows_at, slow, [0.6]) == (0.3, pytest.approx(176.0))
+    with pytest.raises(triton_router.Overload, match="predicted 240 ms at sparsity 0.6"):
+        routing.place(0.6, 1, rows_at, slow)  # named: its own budget or nothing
+    assert routing.place(0.0, 1, {}, calm, [0.3, 0.6]) == (0.0, pytest.approx(10.0))  # nothing queued: where routed
+
+
 def test_slo_routing_quality_floor_and_budgets_down():
     routing, clock = _routing(max_sparsity="0.3")
     for i in range(400):  # 150 rows/s: nothing at or below 0.3 keeps up; the floor holds: 0.3, the fastest allowed
