@@ -122,9 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.loads = [float(x) for x in args.loads.split(",")]
     args.arms = args.arms.split(",")
+    unknown = sorted(set(args.arms) - {"direct", "router", "adaptive"})
+    if unknown:
+        ap.error(f"--arms: unknown {', '.join(unknown)} (direct, router, adaptive)")
     d = st.ensure_artifacts(args.artifacts)
     t = build_repository(d, platform="python", kind="cpu", policy="adaptive", slo_ms=250.0, echo=print).triton
     manifest = Manifest.load(d)
+    if args.sparsity not in st.budget_models(t):
+        ap.error(f"--sparsity {args.sparsity:g} is not a budget of {d}: "
+                 f"{', '.join(f'{s:g}' for s in sorted(st.budget_models(t)))}")
     session = om.open_session(str(d / "triton" / st.budget_models(t)[args.sparsity] / "1" / om.MODEL_FILE), {})
     idle = om.service_times({0: session}, manifest.tokens, (1, 2, 4, 8), repeats=9)[0]
     del session
