@@ -449,6 +449,30 @@ def test_a_queue_building_at_the_served_pair_overflows_to_the_fastest():
     assert policy.fastest() == (0.5, "fp32")
 
 
+def test_a_surge_in_the_arrivals_lowers_the_overflows_limit_before_the_step_test_fires():
+    """Arrivals at twice the estimate for half a second: about 2 standard deviations above it, short of
+    the step test's 3.5; a request with a queue ahead past 0.4 x the SLO (not 0.7) then overflows. At the
+    steady rate the same queue stays."""
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    dense = (0.0, "fp32")
+    queue = next(n for n in range(1, 40) if policy.request_ms(dense, 1, n) > policy.surge_overflow * policy.slo_ms)
+    assert policy.request_ms(dense, 1, queue) <= policy.overflow * policy.slo_ms
+
+    def arrivals(start: float, end: float, per_s: float) -> None:
+        for t in np.arange(start, end, 1.0 / per_s):
+            now[0] = t
+            policy.rate.arrive(t)
+            policy.decide(t)
+
+    arrivals(0.0, 4.0, 20.0)
+    assert policy.rate.surge < policy.surge_sigmas and not policy.overflows(dense, 1, queue)
+    origin = policy.rate.origin
+    arrivals(4.0, 4.5, 40.0)
+    assert policy.surge_sigmas <= policy.rate.surge < policy.rate.sigmas_up and policy.rate.origin == origin
+    assert policy.overflows(dense, 1, queue) and not policy.overflows(dense, 1, 0)
+
+
 def test_admission_correction_fits_fixed_costs_and_slow_downs_from_what_admitted_requests_measured():
     now = [0.0]
     corr = slo.AdmissionCorrection(min_samples=30, clock=lambda: now[0])
