@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--arms: unknown {', '.join(unknown)} (direct, router, adaptive)")
     d = st.ensure_artifacts(args.artifacts)
-    t = build_repository(d, platform="python", kind="cpu", policy="adaptive", slo_ms=250.0, echo=print).triton
     manifest = Manifest.load(d)
-    if args.sparsity not in st.budget_models(t):
-        ap.error(f"--sparsity {args.sparsity:g} is not a budget of {d}: "
-                 f"{', '.join(f'{s:g}' for s in sorted(st.budget_models(t)))}")
+    budgets = [0.0] + [b.sparsity for b in manifest.budgets]
+    if args.sparsity not in budgets:
+        ap.error(f"--sparsity {args.sparsity:g} is not a budget of {d}: {', '.join(f'{s:g}' for s in budgets)}")
+    t = build_repository(d, platform="python", kind="cpu", policy="adaptive", slo_ms=250.0, echo=print).triton
     session = om.open_session(str(d / "triton" / st.budget_models(t)[args.sparsity] / "1" / om.MODEL_FILE), {})
     idle = om.service_times({0: session}, manifest.tokens, (1, 2, 4, 8), repeats=9)[0]
     del session
