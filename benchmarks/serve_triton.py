@@ -286,6 +286,8 @@ PHASES = (0.3, 0.6, 1.4, 0.6, 0.3)  # x dense capacity, PHASE_S each
 OVERLOAD = 3.0  # x dense capacity for OVERLOAD_S, then OVERLOAD_TAIL at 0.3x to see it recover
 OVERLOAD_S, OVERLOAD_TAIL_S = 15.0, 10.0
 CAPACITY_WARMUP_S = 0.5  # each capacity round's closed loop runs this long before it counts
+CAPACITY_AGREE = 1.15  # a round agrees with its budget's median within this factor
+CAPACITY_EXTRA_ROUNDS = 3  # at most this many more rounds while they do not
 HEADROOM = 1.25  # the oracle's: the densest budget whose measured capacity is >= HEADROOM x the phase's rate
 
 
@@ -317,12 +319,23 @@ async def capacities(client, by_s: dict, feeds, concurrency: int, seconds: float
     the router, the SLO's admission would refuse a closed loop's excess instead): the median of ``rounds``
     interleaved rounds of ``seconds`` each (budgets in turn, the order reversed every other round), so a
     slow spell of the shared host lands on one round of several budgets rather than on all of one budget's
-    measurement. Returns the medians and every round's figures."""
+    measurement; while no majority of some budget's rounds lies within :data:`CAPACITY_AGREE` of their median,
+    up to :data:`CAPACITY_EXTRA_ROUNDS` more (a spell long enough to slow two rounds of three would otherwise
+    be the median). Returns the medians and every round's figures."""
     order, runs = sorted(by_s), {s: [] for s in by_s}
-    for r in range(rounds):
+
+    def disagree() -> list:
+        def agree(v: list) -> int:
+            return sum(1 for x in v if max(x, np.median(v)) <= CAPACITY_AGREE * min(x, np.median(v)))
+        return [s for s in order if 2 * agree(runs[s]) <= len(runs[s])]
+
+    r = 0
+    while r < rounds or (r < rounds + CAPACITY_EXTRA_ROUNDS and disagree()):
         for s in (order if r % 2 == 0 else order[::-1]):
             runs[s].append(await capacity(client, by_s[s], feeds, concurrency, seconds, warmup_s=CAPACITY_WARMUP_S))
-        print(f"capacity round {r + 1}/{rounds}: " + ", ".join(f"{s:g} {runs[s][-1]:.1f}" for s in order))
+        r += 1
+        extra = f" (rounds of {', '.join(f'{s:g}' for s in disagree())} disagree)" if r >= rounds and disagree() else ""
+        print(f"capacity round {r}/{rounds}: " + ", ".join(f"{s:g} {runs[s][-1]:.1f}" for s in order) + extra)
     return {s: float(np.median(runs[s])) for s in order}, {s: runs[s] for s in order}
 
 

@@ -1,0 +1,50 @@
+"""``benchmarks/serve_triton.py``'s capacity rounds, on scripted figures (no server): a budget's rounds
+that disagree get more rounds, so a slow spell of the shared host does not become a budget's capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("serve_triton", Path(__file__).parents[1] / "benchmarks" / "serve_triton.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _scripted(bench, monkeypatch, figures: dict) -> list:
+    """``capacity`` answering each model's figures in turn; the calls made, in order."""
+    calls, left = [], {m: list(v) for m, v in figures.items()}
+
+    async def capacity(client, model, feeds, concurrency, seconds, warmup_s=0.0):
+        calls.append(model)
+        return left[model].pop(0)
+
+    monkeypatch.setattr(bench, "capacity", capacity)
+    return calls
+
+
+def test_capacity_rounds_that_agree_are_three(bench, monkeypatch):
+    calls = _scripted(bench, monkeypatch, {"dense": [75.0, 76.0, 74.0], "s06": [150.0, 152.0, 149.0]})
+    caps, rounds = asyncio.run(bench.capacities(None, {0.0: "dense", 0.6: "s06"}, None, 8, 3.0))
+    assert caps == {0.0: 75.0, 0.6: 150.0} and rounds[0.0] == [75.0, 76.0, 74.0]
+    assert calls == ["dense", "s06", "s06", "dense", "dense", "s06"]  # interleaved, reversed every other round
+
+
+def test_capacity_rounds_a_slow_spell_slowed_get_more_rounds(bench, monkeypatch, capsys):
+    """Run 55's host: dense 76, 57, 39 in three rounds (median 57, no other round within 15 % of it); two
+    more rounds at its speed make a majority around 75, the machine's figure. 0.6's one slow round (95 of
+    153-155) is outvoted by the median. At most three more rounds."""
+    _scripted(bench, monkeypatch, {"dense": [76.0, 57.0, 39.0, 75.0, 77.0], "s06": [155.0, 153.0, 95.0, 150.0, 152.0]})
+    caps, rounds = asyncio.run(bench.capacities(None, {0.0: "dense", 0.6: "s06"}, None, 8, 3.0))
+    assert len(rounds[0.0]) == 5 and caps == {0.0: 75.0, 0.6: 152.0}
+    assert "disagree" in capsys.readouterr().out
+    _scripted(bench, monkeypatch, {"dense": [76.0, 57.0, 39.0, 57.0, 76.0, 39.0], "s06": [150.0] * 6})
+    caps, rounds = asyncio.run(bench.capacities(None, {0.0: "dense", 0.6: "s06"}, None, 8, 3.0))
+    assert len(rounds[0.0]) == 3 + bench.CAPACITY_EXTRA_ROUNDS  # bounded: it never agrees
