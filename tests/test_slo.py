@@ -358,34 +358,6 @@ def test_a_budget_not_served_just_now_keeps_its_own_lower_scale_while_it_weighs_
     assert policy.factor(dense) == pytest.approx(1.3, rel=1e-6)
 
 
-def test_after_a_step_down_a_pairs_scale_does_not_rise_above_its_own_at_the_step_for_a_while():
-    """Dense served at scale 1.16, then 0.5 through a spike; the load steps down and dense, served again,
-    runs its first batches beside the spike's leftover work at 1.4: for short_s + FALL_SCALE_S after the
-    step its scale stays at 1.16, then its own batches count."""
-    now = [0.0]
-    policy = _policy(lambda: now[0])
-    dense, busy = (0.0, "fp32"), (0.5, "fp32")
-
-    def arrivals(until: float, per_s: float) -> None:
-        while now[0] < until:
-            now[0] += 1.0 / per_s
-            policy.rate.arrive(now[0])
-            policy.decide(now[0])
-
-    arrivals(5.0, 40.0)
-    _batches_at_scale(policy, now, dense, 1.16, 30, dt=0.01)
-    arrivals(12.0, 100.0)
-    _batches_at_scale(policy, now, busy, 1.5, 20, dt=0.01)
-    arrivals(13.0, 40.0)  # the step down
-    fell = policy.rate.fell_from
-    assert fell is not None and fell > 11.5 and policy.current[0] < 0.5
-    _batches_at_scale(policy, now, dense, 1.4, 15, dt=0.01)  # dense beside the spike's leftover work
-    assert now[0] < fell + policy.rate.short_s + slo.FALL_SCALE_S
-    assert policy.scales[dense].factor > 1.25 and policy.factor(dense) == pytest.approx(1.16, rel=1e-6)
-    now[0] = fell + policy.rate.short_s + slo.FALL_SCALE_S + 0.1
-    assert policy.factor(dense) == pytest.approx(policy.scales[dense].factor) and policy.factor(dense) > 1.25
-
-
 def test_a_budget_served_again_starts_from_its_own_earlier_scale():
     """The load test's second 0.6x: dense served for 20 s at 1.15 (the first 0.6x), then 0.5 for 20 s at 1.3
     (the 1.4x); dense again, its first batches beside the 1.4x phase's last work at 1.3. Its earlier batches,

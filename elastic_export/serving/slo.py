@@ -54,7 +54,6 @@ DEFAULT_MAX_STEP = 3  # a move denser goes at most this many pairs, past them on
 DEFAULT_STAY_SPREAD = 1.0  # after a step down the current pair is judged at the rate less this many standard errors
 DEFAULT_SURGE_SIGMAS = 2.0  # arrivals this many standard deviations above the estimate, short of a step: a surge
 DEFAULT_SURGE_OVERFLOW = 0.4  # during which the overflow's fraction of the SLO is this
-FALL_SCALE_S = 2.0  # after a step down (and its short_s), no pair's scale rises above what it was at the step
 ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
 
 
@@ -536,8 +535,6 @@ class SloPolicy:
         self.current = self.pairs[0]
         self.switches = 0
         self.unavailable: set = set()
-        self._fall_seen = -math.inf  # the step down the snapshot below was taken at
-        self._before_fall: Dict[Pair, float] = {}  # every pair's own scale then (those with recent batches)
 
     def predict(self, pair: Pair, rate: float) -> float:
         """Predicted latency quantile (ms) at ``pair`` under ``rate``: the budget model's queue and service,
@@ -563,20 +560,10 @@ class SloPolicy:
         to 0.4 at a step up to 1.4x predicted 164 ms where 0.4's answers took up to 506 ms)."""
         own = self.scales.get(pair)
         if own is not None and own.ready():
-            return self._capped(pair, own.factor)
+            return own.factor
         served = self.scales.get(self.current)
         borrowed = max(1.0, served.factor if served is not None and served.ready() else self.fallback_scale)
-        return self._capped(pair, min(own.factor, borrowed) if own is not None and own.recent() else borrowed)
-
-    def _capped(self, pair: Pair, factor: float) -> float:
-        """``factor``, at most ``pair``'s own scale at the latest step down for ``short_s`` +
-        :data:`FALL_SCALE_S` after it: a pair served after a step down runs its first batches beside the
-        work left at the pair served before (dense's read 1.26-1.34 there for a steady 1.12-1.2 in the
-        load test's runs, 1.31 in run 60, enough to predict it past the SLO at 0.66x of its capacity)."""
-        fell_from, cap = self.rate.fell_from, self._before_fall.get(pair)
-        if cap is None or fell_from is None or self.rate.clock() > fell_from + self.rate.short_s + FALL_SCALE_S:
-            return factor
-        return min(factor, cap)
+        return min(own.factor, borrowed) if own is not None and own.recent() else borrowed
 
     def measured(self) -> Optional[float]:
         """The measured SLO quantile of the latest answers (ms; None before any)."""
@@ -586,9 +573,6 @@ class SloPolicy:
         """The pair to serve now (call once per arrival, after :meth:`RateEstimator.arrive`)."""
         now = self.rate.clock() if now is None else now
         rate = self.rate.rate(now)
-        if self.rate.fell_at > self._fall_seen:  # a step down: every pair's own scale before what runs next
-            self._fall_seen = self.rate.fell_at
-            self._before_fall = {p: s.factor for p, s in self.scales.items() if s.recent(now)}
         stay = self.slo_ms * (1 - self.margin)
         move = self.slo_ms * (1 - self.margin - self.hysteresis)
         usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
