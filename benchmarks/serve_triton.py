@@ -530,7 +530,11 @@ async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, 
     await asyncio.sleep(2.0)
     o_times, o_idx = phase_times([OVERLOAD * dense, PHASES[0] * dense], [OVERLOAD_S, OVERLOAD_TAIL_S], args.seed + 1)
     before = await triton_counts(client, router)
-    rec = await open_loop(client, router, o_times, one, True, args.request_timeout)
+    async with ClientStalls() as stalls:
+        rec = await open_loop(client, router, o_times, one, True, args.request_timeout)
+    rec["client_stalls"] = stalls.relative_to(rec["t0"])
+    print("overload client stalls (s, ms):", json.dumps({k: [[round(x, 2) for x in e[:2]] for e in v]
+                                                        for k, v in rec["client_stalls"].items()}))
     after = await triton_counts(client, router)
     burst = phase_summary(rec, o_idx, 0, args.slo_ms, quality, None)
     overload = {"rate_rps": OVERLOAD * dense, "seconds": OVERLOAD_S, "burst": burst,
@@ -720,13 +724,14 @@ def _capacity_line(acc: dict, args) -> str:
 
 def _stalls_line(acc: dict) -> str:
     """The load generator's own stalls in each run (:class:`ClientStalls`)."""
-    def one(name: str) -> str:
-        st = acc["runs"][name]["records"].get("client_stalls") or {}
+    def one(name: str, records: dict) -> str:
+        st = records.get("client_stalls") or {}
         late, gc = st.get("loop_late_ms", []), st.get("gc_ms", [])
         worst = max([ms for _, ms in late] + [ms for _, ms, _ in gc], default=0.0)
         return (f"{name}: {len(late)} event-loop delays and {len(gc)} garbage collections of 30 ms or more "
                 f"(longest {worst:.0f} ms)")
-    return "The client's own stalls: " + "; ".join(one(n) for n in acc["runs"]) + "."
+    runs = [(n, acc["runs"][n]["records"]) for n in acc["runs"]] + [("overload", acc["overload"]["records"])]
+    return "The client's own stalls: " + "; ".join(one(n, r) for n, r in runs) + "."
 
 
 def report_lines(out: dict, args) -> list[str]:
