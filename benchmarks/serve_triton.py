@@ -324,17 +324,17 @@ async def capacities(client, by_s: dict, feeds, concurrency: int, seconds: float
     be the median). Returns the medians and every round's figures."""
     order, runs = sorted(by_s), {s: [] for s in by_s}
 
-    def disagree() -> list:
-        def agree(v: list) -> int:
-            return sum(1 for x in v if max(x, np.median(v)) <= CAPACITY_AGREE * min(x, np.median(v)))
-        return [s for s in order if 2 * agree(runs[s]) <= len(runs[s])]
+    def agree(v: list) -> int:
+        m = np.median(v)
+        return sum(1 for x in v if max(x, m) <= CAPACITY_AGREE * min(x, m))
 
-    r = 0
-    while r < rounds or (r < rounds + CAPACITY_EXTRA_ROUNDS and disagree()):
+    r, unsettled = 0, []
+    while r < rounds or (unsettled and r < rounds + CAPACITY_EXTRA_ROUNDS):
         for s in (order if r % 2 == 0 else order[::-1]):
             runs[s].append(await capacity(client, by_s[s], feeds, concurrency, seconds, warmup_s=CAPACITY_WARMUP_S))
         r += 1
-        extra = f" (rounds of {', '.join(f'{s:g}' for s in disagree())} disagree)" if r >= rounds and disagree() else ""
+        unsettled = [s for s in order if 2 * agree(runs[s]) <= len(runs[s])] if r >= rounds else []
+        extra = f" (rounds of {', '.join(f'{s:g}' for s in unsettled)} disagree)" if unsettled else ""
         print(f"capacity round {r}/{rounds}: " + ", ".join(f"{s:g} {runs[s][-1]:.1f}" for s in order) + extra)
     return {s: float(np.median(runs[s])) for s in order}, {s: runs[s] for s in order}
 

@@ -395,12 +395,12 @@ class SloRouting:
         if fastest is not None:
             order.remove(fastest)
             order.insert(0, fastest)
-        for s in order[:-1]:
+        for s in order:
             try:
                 return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at)
             except Overload:
-                continue
-        return order[-1], self.admit(order[-1], rows, rows_at.get(order[-1], 0), waited_ms(order[-1]), rows_at)
+                if s == order[-1]:
+                    raise
 
     def _others(self, budget: float, elsewhere: Optional[Dict[float, int]]) -> Dict[Any, int]:
         """The rows in flight at budgets other than ``budget``, as the policy's pairs (those with any)."""
