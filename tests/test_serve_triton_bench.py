@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
@@ -48,3 +49,20 @@ def test_capacity_rounds_a_slow_spell_slowed_get_more_rounds(bench, monkeypatch,
     _scripted(bench, monkeypatch, {"dense": [76.0, 57.0, 39.0, 57.0, 76.0, 39.0], "s06": [150.0] * 6})
     caps, rounds = asyncio.run(bench.capacities(None, {0.0: "dense", 0.6: "s06"}, None, 8, 3.0))
     assert len(rounds[0.0]) == 3 + bench.CAPACITY_EXTRA_ROUNDS  # bounded: it never agrees
+
+
+def test_each_phase_offers_exactly_its_load_at_seeded_times(bench):
+    """A phase's count is its rate x span (not a Poisson draw around it); its times lie inside it, sorted;
+    the same seed gives the same times, another seed other times."""
+    rates, spans = [22.8, 45.6, 106.4], [20.0, 20.0, 10.0]
+    times, phase = bench.phase_times(rates, spans, 0)
+    assert [int((phase == i).sum()) for i in range(3)] == [456, 912, 1064]
+    starts = np.cumsum([0.0] + spans)
+    for i in range(3):
+        t = times[phase == i]
+        assert starts[i] <= t.min() and t.max() < starts[i + 1] and np.all(np.diff(t) >= 0)
+    again, _ = bench.phase_times(rates, spans, 0)
+    other, _ = bench.phase_times(rates, spans, 1)
+    assert np.array_equal(times, again) and not np.allclose(times, other)
+    gaps = np.diff(times[phase == 1])  # Poisson-like: exponential gaps, their spread about their mean
+    assert 0.8 < gaps.std() / gaps.mean() < 1.2
