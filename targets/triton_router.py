@@ -656,6 +656,15 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
         sleep(0.2)
 
 
+def _log_service_times(points: Dict[float, Dict[int, float]], how: str) -> None:
+    """One line in the server's log: the service times the policy starts from."""
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is not None:
+        times = "; ".join(f"{s:g}: " + " / ".join(f"{ms:.1f}" for _, ms in sorted(v.items())) for s, v in sorted(points.items()))
+        batches = " / ".join(str(b) for b in sorted(next(iter(points.values()))))
+        logger.log_info(f"router: service times {how} (ms at batch {batches}): {times}")
+
+
 def inline_sessions(config: RouterConfig, repository: str) -> Dict[float, Any]:
     """One onnxruntime session per served budget, on its budget model's ``1/model.onnx`` under
     ``repository`` (the model repository's root), opened and warmed up as the budget models open theirs
@@ -722,6 +731,8 @@ class TritonPythonModel:
         points = (service_points(config, self.sessions, os.path.join(here, PROFILE_FILE), config.tokens)
                   if config.policy == "adaptive" else None)
         self.routing = SloRouting(config, points) if points is not None else None
+        if points is not None:
+            _log_service_times(points, "measured on the router's sessions" if self.sessions else "from the profile")
         self._calibrating = config.policy == "adaptive" and points is None  # measured by the probe thread
         self._precision = np.array([[config.precision]], dtype=object)
         self._lock = threading.Lock()  # the monitor, the policy and the health table, shared by the threads
@@ -1048,6 +1059,7 @@ class TritonPythonModel:
         points = {s: {b: least[(s, b)] for b in batches} for s in self.config.sparsities}
         with self._lock:
             self.routing, self._calibrating = SloRouting(self.config, points), False
+        _log_service_times(points, "measured through the budget models")
 
     def _answers(self, budget: float, feeds: Dict[str, np.ndarray]) -> bool:
         inputs = [pb_utils.Tensor(n, a) for n, a in feeds.items()]

@@ -426,6 +426,20 @@ def test_the_operators_gauges(served):
         client.close()
 
 
+def test_the_router_logs_the_service_times_it_starts_from(served):
+    """One line in the server's log: every budget's service times at batch 1 and 8, as measured at start-up
+    (what the policy's predictions rest on; a start-up slowed by other work shows there)."""
+    backends = next(a for a in TS.cmdline(served["server_pid"]) if a.startswith("--backend-directory="))
+    log = (Path(backends.split("=", 1)[1]).parent / "server.log").read_text(errors="replace")
+    line = next(ln for ln in log.splitlines() if "router: service times" in ln)
+    times = dict(part.split(": ") for part in line.split("8): ", 1)[1].rstrip('"').split("; "))
+    budget_models = sorted(int(m.name[-3:]) / 100 for m in (served["dir"] / "triton").glob("elastic_s[0-9][0-9][0-9]"))
+    assert sorted(map(float, times)) == budget_models and len(budget_models) >= 2, line
+    for one_eight in times.values():
+        one, eight = map(float, one_eight.split(" / "))
+        assert 0 < one < eight, line
+
+
 def test_the_service_scale_is_read_from_the_servers_batch_statistics(served):
     """The router reads its budget models' batch times from the server's statistics (where ``serve`` told
     it through the environment) and scales its service model by them: under forwarded load (4 requests
