@@ -450,9 +450,9 @@ def test_a_queue_building_at_the_served_pair_overflows_to_the_fastest():
 
 
 def test_a_surge_in_the_arrivals_lowers_the_overflows_limit_before_the_step_test_fires():
-    """Arrivals at twice the estimate for half a second: about 2 standard deviations above it, short of
-    the step test's 3.5; a request with a queue ahead past 0.4 x the SLO (not 0.7) then overflows. At the
-    steady rate the same queue stays."""
+    """Arrivals at 2.5 times the estimate for half a second: about 2.9 standard deviations above it, past
+    the surge's 2.5 and short of the step test's 3.5; a request with a queue ahead past 0.4 x the SLO (not
+    0.7) then overflows. At the steady rate the same queue stays."""
     now = [0.0]
     policy = _policy(lambda: now[0])
     dense = (0.0, "fp32")
@@ -468,7 +468,7 @@ def test_a_surge_in_the_arrivals_lowers_the_overflows_limit_before_the_step_test
     arrivals(0.0, 4.0, 20.0)
     assert policy.rate.surge < policy.surge_sigmas and not policy.overflows(dense, 1, queue)
     origin = policy.rate.origin
-    arrivals(4.0, 4.5, 40.0)
+    arrivals(4.0, 4.5, 50.0)
     assert policy.surge_sigmas <= policy.rate.surge < policy.rate.sigmas_up and policy.rate.origin == origin
     assert policy.overflows(dense, 1, queue) and not policy.overflows(dense, 1, 0)
 

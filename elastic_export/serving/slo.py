@@ -52,7 +52,7 @@ DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
 DEFAULT_OVERFLOW = 0.7  # a routed request predicted past this fraction of the SLO at the served pair goes to the fastest
 DEFAULT_MAX_STEP = 3  # a move denser goes at most this many pairs, past them only to pairs measured just now
 DEFAULT_STAY_SPREAD = 1.0  # after a step down the current pair is judged at the rate less this many standard errors
-DEFAULT_SURGE_SIGMAS = 2.0  # arrivals this many standard deviations above the estimate, short of a step: a surge
+DEFAULT_SURGE_SIGMAS = 2.5  # arrivals this many standard deviations above the estimate, short of a step: a surge
 DEFAULT_SURGE_OVERFLOW = 0.4  # during which the overflow's fraction of the SLO is this
 ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
 
@@ -514,10 +514,10 @@ class SloPolicy:
         surge_sigmas, surge_overflow: while the latest arrivals run ``surge_sigmas`` standard deviations
             above the estimate (:attr:`RateEstimator.surge`: a step up the test cannot yet tell from noise),
             the overflow's fraction of the SLO is ``surge_overflow``. At the load test's step up to 1.4x the
-            test fires 0.2-0.25 s after the step, when some 20 requests have reached dense; 2 standard
-            deviations are passed 0.05-0.08 s sooner (the arrivals that then queue at dense were answered
-            late), and at a steady 0.6x on 2-4 % of arrivals, when only a request with a queue ahead of it
-            moves.
+            test fires 0.2-0.25 s after the step, when some 20 requests have reached dense; 2.5 standard
+            deviations are passed sooner (the arrivals that then queue at dense were answered late). At a
+            steady 0.6x, 2.3 % of arrivals pass 2.5 (7.2 % pass 2: the requests with a queue ahead among
+            them moved, most of what that phase served sparser).
         rate: the arrival-rate estimator (its clock is the policy's).
         clock: seconds (monotonic; default: the rate estimator's).
     """
