@@ -102,6 +102,11 @@ def served(minilm_small, tmp_path_factory):
     _assert_server_gone(p.server_pid, p.pid)
 
 
+def _scratch(server_pid: int) -> Path:
+    """The server's scratch folder (its backends and, for serve, its log), read from its command line."""
+    return Path(next(a for a in TS.cmdline(server_pid) if a.startswith("--backend-directory=")).split("=", 1)[1]).parent
+
+
 def _control_headers(server_pid: int, protocol: str = "http") -> dict[str, str]:
     """The model-repository API's header, read from the server's command line (as serve set it)."""
     rule = next(a for a in TS.cmdline(server_pid) if a.startswith("--http-restricted-api="))
@@ -429,8 +434,7 @@ def test_the_operators_gauges(served):
 def test_the_router_logs_the_service_times_it_starts_from(served):
     """One line in the server's log: every budget's service times at batch 1 and 8, as measured at start-up
     (what the policy's predictions rest on; a start-up slowed by other work shows there)."""
-    backends = next(a for a in TS.cmdline(served["server_pid"]) if a.startswith("--backend-directory="))
-    log = (Path(backends.split("=", 1)[1]).parent / "server.log").read_text(errors="replace")
+    log = (_scratch(served["server_pid"]) / "server.log").read_text(errors="replace")
     line = next(ln for ln in log.splitlines() if "router: service times" in ln)
     times = dict(part.split(": ") for part in line.split("8): ", 1)[1].rstrip('"').split("; "))
     budget_models = sorted(int(m.name[-3:]) / 100 for m in (served["dir"] / "triton").glob("elastic_s[0-9][0-9][0-9]"))
@@ -990,7 +994,7 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
     server = p.server_pid
     stubs = [pid for pids in TS.stubs_of(server).values() for pid in pids]
     watchdog = [c for c in TS.children(p.pid) if c != server]
-    scratch = Path(next(a for a in TS.cmdline(server) if a.startswith("--backend-directory=")).split("=", 1)[1]).parent
+    scratch = _scratch(server)
     try:
         t = load_manifest(served["dir"])["triton"]
         assert server is not None and sorted(TS.stubs_of(server)) == sorted([t["router"], t["search"]["name"],

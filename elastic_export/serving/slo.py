@@ -205,9 +205,10 @@ class RateEstimator:
         for width in (self.short_s / 2, self.short_s):
             z = self._z(now, origin, width)
             self.surge = max(self.surge, z)
-            if z > self.sigmas_up and self._only_back(now, width):  # the dip before was noise: undone
+            back = self._over_before_fall(now, width) if z > self.sigmas_up else None
+            if back is not None and back <= self.sigmas_up:  # only back to the load before the dip: undone
                 self._origin, self.fell_from, self._before_fall = self._before_fall, None, None
-                self.surge = max(0.0, self._z(now, max(self._origin, now - self.window_s), width))
+                self.surge = max(0.0, back)
                 break
             if z > self.sigmas_up or z < -self.sigmas:  # a step: the estimate starts at this window
                 self._before_fall = origin if z < 0 else None
@@ -219,13 +220,13 @@ class RateEstimator:
         rows, seconds = self._counted(now)
         return rows / seconds
 
-    def _only_back(self, now: float, width: float) -> bool:
-        """Whether a step up seen now, within ``undo_s`` of a step down, only returns to the load before that
-        step down (the rate of the last ``width`` s no more than ``sigmas_up`` above the rate since the origin
-        before it): then the step down was a dip of a steady load, not a change."""
+    def _over_before_fall(self, now: float, width: float) -> Optional[float]:
+        """Within ``undo_s`` of a step down: the step test's statistic of the last ``width`` s against the load
+        since the origin before that step down (None otherwise). At most ``sigmas_up``, a step up seen now
+        only returns to that load: the step down was a dip of a steady load, not a change."""
         if self.fell_from is None or self._before_fall is None or now - self.fell_at > self.undo_s:
-            return False
-        return self._z(now, max(self._before_fall, now - self.window_s), width) <= self.sigmas_up
+            return None
+        return self._z(now, max(self._before_fall, now - self.window_s), width)
 
     def spread(self, now: Optional[float] = None) -> float:
         """The standard error of :meth:`rate` (rows/s): a Poisson count's, ``sqrt(rows) / seconds`` over the
