@@ -13,14 +13,15 @@ One ``tritonserver`` (the ``serve`` extra's, loopback only) serves the default M
    alternately, twice each; per arm p50 / p90 / p99, refusals and SLO attainment, and per arrival what
    the router adds (its latency minus the direct one of the same round), and how many it refused that
    direct answered within the SLO.
-4. **Acceptance** (``acceptance``): the closed-loop capacity of every budget model; then seeded
-   Poisson phases of ``--phase-s`` seconds at 0.3x, 0.6x, 1.4x, 0.6x, 0.3x of dense capacity, sent
+4. **Acceptance** (``acceptance``): the closed-loop capacity of every budget model, called directly and
+   through the router naming it (served); then seeded
+   Poisson phases of ``--phase-s`` seconds at 0.3x, 0.6x, 1.4x, 0.6x, 0.3x of dense capacity (direct), sent
    open loop (each request at its arrival time) once to the
    router naming no sparsity (the policy decides) and once to the dense model (dense-only); then a 3x
    overload burst of 15 s and 10 s at 0.3x. Per phase: offered, answered, refused (UNAVAILABLE), lost
    (any other error), SLO attainment (answered within the SLO over offered), p50 / p99, mean served
    sparsity, the share served dense, and the served quality (recall@10 per budget from
-   ``elastic-export eval``) against the oracle's (the densest budget whose measured capacity is >= 1.25x
+   ``elastic-export eval``) against the oracle's (the densest budget whose served capacity is >= 1.25x
    the phase's rate); for the burst: refusal latency, Triton's own success + failure counts, and the time
    to answer within the SLO again. Also budget 0.6's served capacity against dense beside its FLOP ratio
    and its ONNX file's own speed ratio, and where the difference goes.
@@ -288,7 +289,7 @@ OVERLOAD_S, OVERLOAD_TAIL_S = 15.0, 10.0
 CAPACITY_WARMUP_S = 0.5  # each capacity round's closed loop runs this long before it counts
 CAPACITY_AGREE = 1.15  # a round agrees with its budget's median within this factor
 CAPACITY_EXTRA_ROUNDS = 3  # at most this many more rounds while they do not
-HEADROOM = 1.25  # the oracle's: the densest budget whose measured capacity is >= HEADROOM x the phase's rate
+HEADROOM = 1.25  # the oracle's: the densest budget whose served capacity is >= HEADROOM x the phase's rate
 
 
 def ensure_artifacts(path: Path) -> Path:
@@ -319,15 +320,15 @@ def phase_times(rates: list[float], seconds: list[float], seed: int) -> tuple[np
     return np.concatenate(times), np.concatenate(phase)
 
 
-async def capacities(client, by_s: dict, feeds, concurrency: int, seconds: float, rounds: int = 3) -> tuple[dict, dict]:
-    """Closed-loop requests/s of every budget model, called directly (what its dynamic batcher sustains; through
-    the router, the SLO's admission would refuse a closed loop's excess instead): the median of ``rounds``
-    interleaved rounds of ``seconds`` each (budgets in turn, the order reversed every other round), so a
-    slow spell of the shared host lands on one round of several budgets rather than on all of one budget's
-    measurement; while no majority of some budget's rounds lies within :data:`CAPACITY_AGREE` of their median,
+async def capacities(client, paths: dict, feeds, concurrency: int, seconds: float,
+                     rounds: int = 3) -> tuple[dict, dict]:
+    """Closed-loop answered requests/s of every path (``{key: (model, sparsity named or None)}``): the median of
+    ``rounds`` interleaved rounds of ``seconds`` each (the paths in turn, the order reversed every other round),
+    so a slow spell of the shared host lands on one round of several paths rather than on all of one path's
+    measurement; while no majority of some path's rounds lies within :data:`CAPACITY_AGREE` of their median,
     up to :data:`CAPACITY_EXTRA_ROUNDS` more (a spell long enough to slow two rounds of three would otherwise
     be the median). Returns the medians and every round's figures."""
-    order, runs = sorted(by_s), {s: [] for s in by_s}
+    order, runs = list(paths), {k: [] for k in paths}
 
     def agree(v: list) -> int:
         m = np.median(v)
@@ -335,13 +336,33 @@ async def capacities(client, by_s: dict, feeds, concurrency: int, seconds: float
 
     r, unsettled = 0, []
     while r < rounds or (unsettled and r < rounds + CAPACITY_EXTRA_ROUNDS):
-        for s in (order if r % 2 == 0 else order[::-1]):
-            runs[s].append(await capacity(client, by_s[s], feeds, concurrency, seconds, warmup_s=CAPACITY_WARMUP_S))
+        for k in (order if r % 2 == 0 else order[::-1]):
+            model, sparsity = paths[k]
+            runs[k].append(await capacity(client, model, feeds, concurrency, seconds, sparsity=sparsity,
+                                          warmup_s=CAPACITY_WARMUP_S))
         r += 1
-        unsettled = [s for s in order if 2 * agree(runs[s]) <= len(runs[s])] if r >= rounds else []
-        extra = f" (rounds of {', '.join(f'{s:g}' for s in unsettled)} disagree)" if unsettled else ""
-        print(f"capacity round {r}/{rounds}: " + ", ".join(f"{s:g} {runs[s][-1]:.1f}" for s in order) + extra)
-    return {s: float(np.median(runs[s])) for s in order}, {s: runs[s] for s in order}
+        unsettled = [k for k in order if 2 * agree(runs[k]) <= len(runs[k])] if r >= rounds else []
+        extra = f" (rounds of {', '.join(map(_key, unsettled))} disagree)" if unsettled else ""
+        print(f"capacity round {r}/{rounds}: " + ", ".join(f"{_key(k)} {runs[k][-1]:.1f}" for k in order) + extra)
+    return {k: float(np.median(runs[k])) for k in order}, {k: runs[k] for k in order}
+
+
+def _key(k) -> str:
+    """A capacity path's name in a line: ``0.5`` (the budget model) or ``0.5 served`` (through the router)."""
+    return " ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in (k if isinstance(k, tuple) else (k,)))
+
+
+def capacity_paths(router: str, by_s: dict) -> dict:
+    """Each budget model called directly (``s``: what its batcher sustains; dense's sets the phases' rates,
+    the load dense-only is measured against) and through the router naming its sparsity (``(s, "served")``:
+    what a client of this server gets at that budget, the router's checks and hand-offs and their CPU on the
+    shared cores included; the oracle's). Through the router a closed loop's excess is refused, not
+    queued: its figure counts answers."""
+    paths = {}
+    for s in sorted(by_s):
+        paths[s] = (by_s[s], None)
+        paths[(s, "served")] = (router, s)
+    return paths
 
 
 async def open_loop(client, model: str, times: np.ndarray, feeds, sparsity_output: bool, timeout_s: float,
@@ -506,13 +527,15 @@ def quality_per_budget(directory: Path, sparsities: list[float]) -> tuple[str, d
 async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, metrics_url: str) -> dict:
     """Capacities, then the schedule (router deciding / dense-only), then the overload burst."""
     sparsities = sorted(by_s)
-    caps, cap_rounds = await capacities(client, by_s, one, args.concurrency, args.capacity_seconds,
-                                        args.capacity_rounds)
+    measured, rounds = await capacities(client, capacity_paths(router, by_s), one, args.concurrency,
+                                        args.capacity_seconds, args.capacity_rounds)
+    caps = {s: measured[s] for s in sparsities}  # direct: the budget models' own
+    served = {s: measured[(s, "served")] for s in sparsities}  # through the router: the oracle's
     dense = caps[0.0]
     rates = [m * dense for m in PHASES]
     times, idx = phase_times(rates, [args.phase_s] * len(PHASES), args.seed)
     pairs = [(s, "fp32") for s in sparsities]
-    cap_pairs = {(s, "fp32"): caps[s] for s in sparsities}
+    cap_pairs = {(s, "fp32"): served[s] for s in sparsities}
     oracles = [oracle_pair(cap_pairs, r, pairs, HEADROOM)[0] for r in rates]
     runs = {}
     for name, model, flag in (("elastic router", router, True), ("dense-only", by_s[0.0], False)):
@@ -547,9 +570,11 @@ async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, 
                 "recovery_s": recovery_s(rec, OVERLOAD_S, args.slo_ms), "records": rec, "phase_of": o_idx.tolist(),
                 "triton_success": after[0] - before[0], "triton_failure": after[1] - before[1]}
     print("overload", json.dumps({k: v for k, v in overload.items() if k not in ("records", "phase_of")}))
-    return {"capacity_rps": {str(k): v for k, v in caps.items()},
-            "capacity_rounds_rps": {str(k): v for k, v in cap_rounds.items()}, "rates_rps": rates, "oracle_sparsity": oracles,
-            "runs": runs, "overload": overload}
+    return {"capacity_rps": {str(s): caps[s] for s in sparsities},
+            "capacity_rounds_rps": {str(s): rounds[s] for s in sparsities},
+            "served_capacity_rps": {str(s): served[s] for s in sparsities},
+            "served_capacity_rounds_rps": {str(s): rounds[(s, "served")] for s in sparsities},
+            "rates_rps": rates, "oracle_sparsity": oracles, "runs": runs, "overload": overload}
 
 
 def verdict(acc: dict, slo_ms: float) -> dict:
@@ -599,7 +624,7 @@ def plot(path: Path, acc: dict, slo_ms: float, phase_s: float) -> None:
     ax1.plot(mids, means, color="tab:blue", lw=1.5, label="router: mean served sparsity (1 s windows)")
     edges = np.arange(len(PHASES) + 1) * phase_s
     ax1.step(edges, list(acc["oracle_sparsity"]) + [acc["oracle_sparsity"][-1]], where="post", color="k", ls="--",
-             lw=1, label=f"oracle: densest budget with capacity >= {HEADROOM:g}x the rate")
+             lw=1, label=f"oracle: densest budget with served capacity >= {HEADROOM:g}x the rate")
     ax1.set_ylabel("sparsity")
     ax1.legend(fontsize=8, loc="upper left")
     for m, x in zip(PHASES, edges):
@@ -691,7 +716,7 @@ async def measure(server: TritonServer, directory: Path, manifest: Manifest, t: 
             metric, quality = quality_per_budget(directory, sorted(by_s))
             acc = await acceptance(client, router, by_s, one, args, quality, server.metrics_url)
             acc.update(quality_metric=metric, quality=quality, verdict=verdict(acc, args.slo_ms),
-                       sparsest=where_it_goes(directory, manifest, max(by_s), tokens, acc["capacity_rps"]))
+                       sparsest=where_it_goes(directory, manifest, max(by_s), tokens, acc["served_capacity_rps"]))
             out["acceptance"] = acc
         return out
     finally:
@@ -713,18 +738,25 @@ def _phase_rows(phases: list[dict], with_oracle: bool) -> list[str]:
 
 
 def _capacity_line(acc: dict, args) -> str:
-    """Each budget's capacity: the median of its rounds, with their range when there are several."""
-    caps, rounds = acc["capacity_rps"], acc.get("capacity_rounds_rps", {})
+    """Each budget's capacity, direct and served through the router: the median of its rounds, with their
+    range when there are several."""
+    rounds = acc.get("capacity_rounds_rps", {})
 
-    def one(k: str, v: float) -> str:
+    def one(k: str, v: float, rounds: dict) -> str:
         r = rounds.get(k, [])
         spread = f" ({min(r):.0f}-{max(r):.0f})" if len(r) > 1 else ""
         return f"{'dense' if k == '0.0' else k} {v:.0f}{spread}"
 
     how = (f"the median of {len(next(iter(rounds.values())))} interleaved rounds of {args.capacity_seconds:g} s, "
            "their range in brackets" if rounds else "one round")
-    return (f"Capacity of each budget model, closed loop with {args.concurrency} clients ({how}; requests/s): "
-            + ", ".join(one(k, v) for k, v in caps.items()) + ".")
+    line = (f"Capacity of each budget model, closed loop with {args.concurrency} clients ({how}; requests/s): "
+            + ", ".join(one(k, v, rounds) for k, v in acc["capacity_rps"].items()) + ".")
+    if "served_capacity_rps" in acc:
+        served = acc.get("served_capacity_rounds_rps", {})
+        line += (" Served through the router naming each budget (the oracle's; the router's checks and hand-offs "
+                 "on the same cores): " + ", ".join(one(k, v, served) for k, v in acc["served_capacity_rps"].items())
+                 + ".")
+    return line
 
 
 def _stalls_line(acc: dict) -> str:

@@ -23,9 +23,9 @@ def _scripted(bench, monkeypatch, figures: dict) -> list:
     """``capacity`` answering each model's figures in turn; the calls made, in order."""
     calls, left = [], {m: list(v) for m, v in figures.items()}
 
-    async def capacity(client, model, feeds, concurrency, seconds, warmup_s=0.0):
-        calls.append(model)
-        return left[model].pop(0)
+    async def capacity(client, model, feeds, concurrency, seconds, sparsity=None, warmup_s=0.0):
+        calls.append(model if sparsity is None else f"{model}@{sparsity:g}")
+        return left[calls[-1]].pop(0)
 
     monkeypatch.setattr(bench, "capacity", capacity)
     return calls
@@ -33,7 +33,7 @@ def _scripted(bench, monkeypatch, figures: dict) -> list:
 
 def test_capacity_rounds_that_agree_are_three(bench, monkeypatch):
     calls = _scripted(bench, monkeypatch, {"dense": [75.0, 76.0, 74.0], "s06": [150.0, 152.0, 149.0]})
-    caps, rounds = asyncio.run(bench.capacities(None, {0.0: "dense", 0.6: "s06"}, None, 8, 3.0))
+    caps, rounds = asyncio.run(bench.capacities(None, {0.0: ("dense", None), 0.6: ("s06", None)}, None, 8, 3.0))
     assert caps == {0.0: 75.0, 0.6: 150.0} and rounds[0.0] == [75.0, 76.0, 74.0]
     assert calls == ["dense", "s06", "s06", "dense", "dense", "s06"]  # interleaved, reversed every other round
 
@@ -43,11 +43,11 @@ def test_capacity_rounds_a_slow_spell_slowed_get_more_rounds(bench, monkeypatch,
     more rounds at its speed make a majority around 75, the machine's figure. 0.6's one slow round (95 of
     153-155) is outvoted by the median. At most three more rounds."""
     _scripted(bench, monkeypatch, {"dense": [76.0, 57.0, 39.0, 75.0, 77.0], "s06": [155.0, 153.0, 95.0, 150.0, 152.0]})
-    caps, rounds = asyncio.run(bench.capacities(None, {0.0: "dense", 0.6: "s06"}, None, 8, 3.0))
+    caps, rounds = asyncio.run(bench.capacities(None, {0.0: ("dense", None), 0.6: ("s06", None)}, None, 8, 3.0))
     assert len(rounds[0.0]) == 5 and caps == {0.0: 75.0, 0.6: 152.0}
     assert "disagree" in capsys.readouterr().out
     _scripted(bench, monkeypatch, {"dense": [76.0, 57.0, 39.0, 57.0, 76.0, 39.0], "s06": [150.0] * 6})
-    caps, rounds = asyncio.run(bench.capacities(None, {0.0: "dense", 0.6: "s06"}, None, 8, 3.0))
+    caps, rounds = asyncio.run(bench.capacities(None, {0.0: ("dense", None), 0.6: ("s06", None)}, None, 8, 3.0))
     assert len(rounds[0.0]) == 3 + bench.CAPACITY_EXTRA_ROUNDS  # bounded: it never agrees
 
 
@@ -66,3 +66,16 @@ def test_each_phase_offers_exactly_its_load_at_seeded_times(bench):
     assert np.array_equal(times, again) and not np.allclose(times, other)
     gaps = np.diff(times[phase == 1])  # Poisson-like: exponential gaps, their spread about their mean
     assert 0.8 < gaps.std() / gaps.mean() < 1.2
+
+
+def test_capacity_paths_measure_each_budget_direct_and_served_through_the_router(bench, monkeypatch):
+    """The oracle's capacities are the router's, naming each budget (what a client of the server gets); the
+    budget models' own set the phases' rates. Both in the same interleaved rounds."""
+    paths = bench.capacity_paths("router", {0.0: "dense", 0.6: "s06"})
+    assert paths == {0.0: ("dense", None), (0.0, "served"): ("router", 0.0),
+                     0.6: ("s06", None), (0.6, "served"): ("router", 0.6)}
+    calls = _scripted(bench, monkeypatch, {"dense": [80.0] * 3, "router@0": [73.0] * 3, "s06": [160.0] * 3,
+                                           "router@0.6": [146.0, 150.0, 148.0]})
+    caps, rounds = asyncio.run(bench.capacities(None, paths, None, 8, 3.0))
+    assert caps == {0.0: 80.0, (0.0, "served"): 73.0, 0.6: 160.0, (0.6, "served"): 148.0}
+    assert calls[:4] == ["dense", "router@0", "s06", "router@0.6"] and calls[4:8] == calls[3::-1]
