@@ -52,6 +52,7 @@ DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
 DEFAULT_OVERFLOW = 0.7  # a routed request predicted past this fraction of the SLO at the served pair goes to the fastest
 DEFAULT_MAX_STEP = 3  # a move denser goes at most this many pairs, past them only to pairs measured just now
 DEFAULT_STAY_SPREAD = 1.0  # after a step down the current pair is judged at the rate less this many standard errors
+DEFAULT_LENT_MARGIN = 0.1  # a better pair judged on a lent scale is judged this much slower (not after a step down)
 DEFAULT_SURGE_SIGMAS = 2.5  # arrivals this many standard deviations above the estimate, short of a step: a surge
 DEFAULT_SURGE_OVERFLOW = 0.4  # during which the overflow's fraction of the SLO is this
 ADMISSION_QUANTILE = 0.9  # the quantile of the admission's residuals added to its fitted line
@@ -503,6 +504,12 @@ class SloPolicy:
             (:meth:`overflows`): a queue that builds there is the first sign of a step up in the load,
             seen before the rate's test can tell it from noise, and what queues meanwhile at a dense
             pair is what the faster one must later wait behind.
+        lent_margin: a pair better than the current one whose own scale is not current (:meth:`ServiceScale.ready`)
+            is judged with the scale it borrows (:meth:`factor`) this much slower, except after a step down (a
+            scale lent then was measured at the higher load, on busier cores). Near saturation the predicted
+            p99 is steep in the service time, and pairs' scales differ by 10-15 % under the same load: at the
+            load test's 1.4x the router moved from 0.6 to 0.5 on 0.6's scale, within the move's slack, and
+            0.5's first batches ran up to twice that (runs 73, 75, 79: 10-29 requests late each time).
         stay_spread: once the load has stepped down (until it steps up again), the pair served now is
             judged at the estimated rate less this many of the estimate's standard errors
             (:meth:`RateEstimator.spread`), the others at the estimate: hysteresis in the estimate's own
@@ -528,6 +535,7 @@ class SloPolicy:
                  hysteresis: float = DEFAULT_HYSTERESIS, dwell_s: float = DEFAULT_DWELL_S,
                  max_step: int = DEFAULT_MAX_STEP, max_sparsity: Optional[float] = None,
                  overflow: float = DEFAULT_OVERFLOW, stay_spread: float = DEFAULT_STAY_SPREAD,
+                 lent_margin: float = DEFAULT_LENT_MARGIN,
                  surge_sigmas: float = DEFAULT_SURGE_SIGMAS, surge_overflow: float = DEFAULT_SURGE_OVERFLOW,
                  rate: Optional[RateEstimator] = None,
                  clock: Optional[Callable[[], float]] = None) -> None:
@@ -541,7 +549,7 @@ class SloPolicy:
             raise ValueError(f"no service times for {missing}")
         self.pairs, self.service, self.slo_ms, self.quantile = list(allowed), service, float(slo_ms), quantile
         self.margin, self.hysteresis, self.dwell_s, self.max_step = margin, hysteresis, dwell_s, max_step
-        self.overflow, self.stay_spread = overflow, stay_spread
+        self.overflow, self.stay_spread, self.lent_margin = overflow, stay_spread, lent_margin
         self.surge_sigmas, self.surge_overflow = surge_sigmas, surge_overflow
         self.switched_at = -math.inf
         self.rate = rate or RateEstimator()
@@ -557,10 +565,10 @@ class SloPolicy:
         self.switches = 0
         self.unavailable: set = set()
 
-    def predict(self, pair: Pair, rate: float) -> float:
+    def predict(self, pair: Pair, rate: float, slower: float = 0.0) -> float:
         """Predicted latency quantile (ms) at ``pair`` under ``rate``: the budget model's queue and service,
-        its service times scaled by :meth:`factor`, plus :meth:`overhead_ms`."""
-        f, k = self.service.affine(pair), self.factor(pair)
+        its service times scaled by :meth:`factor` (and ``1 + slower``), plus :meth:`overhead_ms`."""
+        f, k = self.service.affine(pair), self.factor(pair) * (1 + slower)
         return self.overhead_ms() + predict_quantile_ms(Affine(f.a * k, f.c * k), rate, self.quantile)
 
     def overhead_ms(self) -> float:
@@ -608,7 +616,7 @@ class SloPolicy:
         for i, p in enumerate(usable):
             if i < here - self.max_step and not settled and not self.scales[p].ready(now):
                 continue  # too far up to trust the served pair's scale for it
-            ms = self.predict(p, max(0.0, rate - spread) if i == here else rate)
+            ms = self.predict(p, max(0.0, rate - spread) if i == here else rate, self._lent_margin(p, i < here, now))
             if ms <= (move if i < here else stay):
                 chosen, predicted = p, ms
                 break
@@ -619,6 +627,13 @@ class SloPolicy:
         if chosen != self.current:
             self.current, self.switches, self.switched_at = chosen, self.switches + 1, now
         return Decision(chosen, predicted, meets, rate)
+
+    def _lent_margin(self, pair: Pair, better: bool, now: float) -> float:
+        """How much slower than its scale a candidate is judged: ``lent_margin`` for a pair better than the
+        served one whose scale is lent (its own not current), unless the load has stepped down (a scale
+        lent then was measured at the higher load); else 0."""
+        lent = better and self.rate.fell_from is None and not self.scales[pair].ready(now)
+        return self.lent_margin if lent else 0.0
 
     def raw_request_ms(self, pair: Pair, rows: int, rows_ahead: int,
                        elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
