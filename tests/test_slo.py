@@ -526,11 +526,11 @@ def test_oracle_is_the_densest_pair_whose_capacity_covers_the_rate_with_headroom
     assert slo.oracle_pair(caps, 95.0, pairs) == pairs[2]  # none covers 1.25 x 95: the largest capacity
 
 
-def _estimate_high(undo_s: float, seed: int, rate: float = 42.0, seconds: float = 60.0) -> float:
+def _estimate_high(undo_s: float, seed: int, rate: float = 42.0, seconds: float = 60.0, **kw) -> float:
     """The 99.5th percentile of the rate estimate over a steady Poisson load (after its first window)."""
     rng = np.random.default_rng(seed)
     now = [0.0]
-    est = slo.RateEstimator(undo_s=undo_s, clock=lambda: now[0])
+    est = slo.RateEstimator(undo_s=undo_s, clock=lambda: now[0], **kw)
     estimates = []
     while now[0] < seconds:
         now[0] += rng.exponential(1 / rate)
@@ -544,19 +544,22 @@ def test_a_dip_and_its_return_in_a_steady_load_is_not_a_step_up():
     it, and the load's return then reads as a step up over the lull alone, an estimate from half a second
     of arrivals (80 requests/s for 47 in the load test's second 0.6x, dense predicted past the SLO, 0.4
     served). A step up within ``undo_s`` of a step down that is no step up over the load before the dip
-    undoes the step down: the estimate stays within 15 % of the rate at p99.5 in every seed (one seed read
-    1.55x without)."""
-    undone = [_estimate_high(2.0, seed) for seed in range(20)]
-    kept = [_estimate_high(0.0, seed) for seed in range(20)]
+    undoes the step down. With the step test's pooled variance no lull of these seeds is read as a step
+    down at the default threshold, undone or not; at 2.5 standard deviations lulls are, and the undo keeps
+    the estimate within 15 % of the rate at p99.5 in every seed (one seed reads 1.55x without)."""
+    for undo_s in (2.0, 0.0):
+        assert max(_estimate_high(undo_s, seed) for seed in range(20)) < 1.15 * 42
+    undone = [_estimate_high(2.0, seed, sigmas=2.5) for seed in range(20)]
+    kept = [_estimate_high(0.0, seed, sigmas=2.5) for seed in range(20)]
     assert max(undone) < 1.15 * 42 and max(kept) > 1.4 * 42, (undone, kept)
 
 
 def _dip_then(after: float) -> tuple[slo.RateEstimator, float]:
-    """42 rows/s for 8 s, a lull at 10/s for 1 s (read as a step down), then ``after`` rows/s for 1 s; the
+    """42 rows/s for 8 s, a lull at 4/s for 1 s (read as a step down), then ``after`` rows/s for 1 s; the
     estimator and its estimate half a second into ``after``."""
     now = [0.0]
     est = slo.RateEstimator(clock=lambda: now[0])
-    times = [i / 42 for i in range(8 * 42)] + [8 + i / 10 for i in range(1, 10)] + [9 + i / after for i in range(1, int(after))]
+    times = [i / 42 for i in range(8 * 42)] + [8 + i / 4 for i in range(1, 4)] + [9 + i / after for i in range(1, int(after))]
     half = 0.0
     for t in times:
         now[0] = t
@@ -600,3 +603,25 @@ def test_a_better_pair_on_a_lent_scale_is_judged_slower_until_its_own_is_measure
     assert policy.scales[better].ready(now[0]) and pick() == better
     now[0] += 3.0  # its batches older than fresh_s: lent again
     assert pick() == here
+
+
+def _falls(seed: int, rate: float = 1.4 * 71, seconds: float = 30.0) -> int:
+    """Steps down the estimator detects in a steady Poisson load (after its first window)."""
+    rng = np.random.default_rng(seed)
+    now, falls, last = [0.0], 0, -math.inf
+    est = slo.RateEstimator(clock=lambda: now[0])
+    while now[0] < seconds:
+        now[0] += rng.exponential(1 / rate)
+        est.arrive()
+        est.rate()
+        falls += est.fell_at != last and now[0] > est.window_s
+        last = est.fell_at
+    return falls
+
+
+def test_a_dip_of_a_steady_high_load_is_not_a_step_down():
+    """Run 81 of the load test: a dip of the steady 1.4x read as a step down, and with the step limit lifted
+    the router moved from 0.6 to 0.3 (20 requests late or refused). A count's own variance shrinks with a
+    dip's low count (the step test with it alone read a dip in 12 of 24 replayed 1.4x phases); with the
+    pooled rate's as its floor, none of 24 seeds of a steady 1.4x holds a step down."""
+    assert sum(_falls(seed) for seed in range(24)) == 0
