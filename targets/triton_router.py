@@ -980,11 +980,12 @@ class TritonPythonModel:
 
     # --- budget models down: probed until they answer again ---
     PROBE_S = 0.5
+    PROBER_JOIN_S = 15.0  # finalize waits this long for the prober's round to end (a statistics fetch is bounded)
 
     def _probe_loop(self) -> None:
         """First, where nothing measured them, the budgets' service times (:meth:`_calibrate`); then every
         :attr:`PROBE_S`: a budget model that is down and answers a one-row request again is up; one that is
-        up but no longer ready (unloaded) is down."""
+        up but no longer ready (unloaded) is down; the batches they ran, to the policy's scales."""
         feeds = probe_feeds(self.config.input_specs)
         if self._calibrating:
             try:
@@ -995,24 +996,34 @@ class TritonPythonModel:
                 self._calibrating = False
         while not self._closed.wait(self.PROBE_S):
             try:
-                self._probe(feeds)
+                stats = self._statistics()
+            except Exception:  # no answer this round (busy, stopping): the next round asks again
+                continue
+            try:
+                self._probe(feeds, stats)
             except Exception:  # the server is stopping: the next round tries again
                 pass
             try:
-                self._read_batches()
-            except Exception:  # no answer this round (busy, stopping): the next round reads what ran since
+                self._read_batches(stats)
+            except Exception:
                 pass
 
-    def _read_batches(self) -> None:
-        """The batches each budget model ran since the last round, from the server's statistics (where
-        ``serve`` said the server is: :data:`~elastic_export.serving.triton_stats.STATS_URL_ENV`), to the
-        policy's service scales."""
+    def _statistics(self) -> Optional[Dict[str, Any]]:
+        """Every loaded model's statistics from the server (where ``serve`` said it is:
+        :data:`~elastic_export.serving.triton_stats.STATS_URL_ENV`); None under a server started otherwise."""
         from elastic_export.serving import triton_stats
 
         url = os.environ.get(triton_stats.STATS_URL_ENV)
-        if self.routing is None or not url:
+        return triton_stats.fetch(url) if url else None
+
+    def _read_batches(self, stats: Optional[Dict[str, Any]]) -> None:
+        """The batches each budget model ran since the last round (the server's ``stats``), to the policy's
+        service scales."""
+        from elastic_export.serving import triton_stats
+
+        if self.routing is None or stats is None:
             return
-        totals = triton_stats.batch_totals(triton_stats.fetch(url))
+        totals = triton_stats.batch_totals(stats)
         before, self._batches_before = self._batches_before, totals
         if before is None:
             return
@@ -1022,8 +1033,18 @@ class TritonPythonModel:
                 if name in ran:
                     self.routing.policy.served_batches((s, self.config.precision), ran[name], now)
 
-    def _probe(self, feeds: Dict[str, np.ndarray]) -> None:
-        ready = getattr(pb_utils, "is_model_ready", None)
+    def _probe(self, feeds: Dict[str, np.ndarray], stats: Optional[Dict[str, Any]]) -> None:
+        """Budgets down that are ready and answer are up; budgets up that are not ready are down. Ready: in
+        the server's ``stats`` (they list the loaded models), not asked of the server through the backend:
+        ``pb_utils.is_model_ready`` called while the server stopped crashed it (the backend's interprocess
+        lock, ``boost::interprocess::lock_exception``, in two stops of three here), and a stub whose calls
+        the statistics answer asks nothing of it. Without ``stats`` (a server ``serve`` did not start),
+        ``is_model_ready``."""
+        if stats is not None:
+            loaded = {m.get("name") for m in stats.get("model_stats", ())}
+            ready = lambda model_name: model_name in loaded  # noqa: E731
+        else:
+            ready = getattr(pb_utils, "is_model_ready", None)
         changed = False
         for s, name in self.config.models.items():
             is_ready = ready(model_name=name) if ready is not None else True
@@ -1070,6 +1091,10 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._closed.set()
+        # the prober's calls into the server (readiness, BLS, statistics) end before the stub does: a daemon
+        # thread stopped inside one left the backend's interprocess lock held, and the server aborted on it
+        # (boost::interprocess::lock_exception) while it unloaded the models, every stop
+        self._prober.join(timeout=self.PROBER_JOIN_S)
         self._pool.shutdown(wait=True, cancel_futures=False)
         if self._inline is not None:
             self._inline.shutdown(wait=True)

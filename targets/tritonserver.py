@@ -50,6 +50,7 @@ from elastic_export.core.errors import UserError
 from elastic_export.serving.triton_stats import STATS_URL_ENV
 
 STUB = "triton_python_backend_stub"
+SHM_REGION = "triton_python_backend_shm_region"  # how the Python backend names a stub's region in /dev/shm
 READY_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 10  # how long the server waits for open connections and in-flight requests on SIGTERM
 STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 15.0
@@ -391,19 +392,23 @@ class TritonServer:
         return {} if self.process is None else stubs_of(self.process.pid)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """Stop the server by its process id (SIGTERM to its group, SIGKILL after ``timeout_s``); returns its exit code."""
+        """Stop the server by its process id (SIGTERM to the server, which unloads its models; SIGKILL to its
+        group after ``timeout_s``, and to stubs left in it), then remove the Python backend's shared-memory
+        regions its stubs left behind; returns its exit code."""
         p, self.process = self.process, None
         code = None
         if p is not None:
+            regions = shm_regions(p.pid)
             code = p.poll()
             if code is None:
-                _signal_group(p.pid, signal.SIGTERM)
-                try:
+                _signal(p.pid, signal.SIGTERM)  # not the group: stubs signalled with it die before the server
+                try:  # frees their regions (each stub then crashed, and its region stayed in /dev/shm)
                     code = p.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     _signal_group(p.pid, signal.SIGKILL)
                     code = p.wait(10)
             _signal_group(p.pid, signal.SIGKILL)  # stubs left in the group, if any
+            remove_regions(regions)
         self._stop_watchdog()
         shutil.rmtree(self.scratch, ignore_errors=True)  # the backends copy, and the log unless it was given
         return code
@@ -513,6 +518,30 @@ def children(pid: int) -> list[int]:
             if len(fields) > 1 and int(fields[1]) == pid and fields[0] not in ("Z", "X"):
                 out.append(int(entry.name))
     return out
+
+
+def shm_regions(server_pid: int) -> list[str]:
+    """The shared-memory regions (names under ``/dev/shm``) of the server's Python backend stubs: the argument
+    after the model file in each stub's command line (:func:`stubs_of`)."""
+    pids = [pid for group in stubs_of(server_pid).values() for pid in group]
+    names = [argv[2].strip("/") for argv in map(cmdline, pids) if len(argv) > 2]
+    return [n for n in names if n.startswith(SHM_REGION) and "/" not in n]
+
+
+def remove_regions(regions: Sequence[str]) -> None:
+    """Remove the named shared-memory regions that are still there (their stubs are gone)."""
+    for name in regions:
+        try:
+            os.unlink(os.path.join("/dev/shm", name.strip("/")))
+        except OSError:
+            pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pid: int, sig: int) -> None:

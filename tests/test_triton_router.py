@@ -526,8 +526,28 @@ def test_the_router_gives_the_batches_it_reads_to_the_policy(monkeypatch):
         routing=types.SimpleNamespace(policy=types.SimpleNamespace(served_batches=lambda pair, b, now: got.append((pair, b)))),
         config=types.SimpleNamespace(models={0.0: "m0", 0.5: "m5"}, precision="fp32"),
         _batches_before=None, _lock=threading.Lock())
-    triton_router.TritonPythonModel._read_batches(model)
+    read = triton_router.TritonPythonModel
+    read._read_batches(model, read._statistics(model))
     assert got == []
-    triton_router.TritonPythonModel._read_batches(model)
+    read._read_batches(model, read._statistics(model))
     assert got == [((0.0, "fp32"), [(1, 4, pytest.approx(80.0)), (2, 1, pytest.approx(35.0))])]
+
+
+def test_a_budget_model_missing_from_the_servers_statistics_is_down_and_nothing_asks_the_backend(monkeypatch):
+    """Readiness comes from the statistics the prober reads anyway (they list the loaded models), not from
+    ``pb_utils.is_model_ready``: called while the server stopped, that crashed it. A budget that is back in
+    them and answers is up again."""
+    def refuse(**kw):
+        raise AssertionError("is_model_ready called")
+
+    monkeypatch.setattr(triton_router, "pb_utils", types.SimpleNamespace(is_model_ready=refuse))
+    model = types.SimpleNamespace(
+        config=types.SimpleNamespace(models={0.0: "m0", 0.5: "m5"}, precision="fp32"),
+        health=triton_router.BudgetHealth([0.0, 0.5]), routing=None, _lock=threading.Lock(),
+        _answers=lambda s, feeds: True)
+    triton_router.TritonPythonModel._probe(model, {}, _stats("m0", {1: (1, 10.0)}))
+    assert set(model.health.down) == {0.5}
+    triton_router.TritonPythonModel._probe(model, {}, {"model_stats": _stats("m0", {})["model_stats"]
+                                                        + _stats("m5", {})["model_stats"]})
+    assert not model.health.down
 

@@ -96,10 +96,12 @@ def served(minilm_small, tmp_path_factory):
         assert p.server_pid is not None, "serve's tritonserver not found among its children"
         yield info
     finally:
+        regions = TS.shm_regions(p.server_pid) if p.server_pid else []
         code, rest = stop_process(p)
         info["stopped"] = (code, rest)
     assert code == 0 and rest.splitlines()[-1:] == ["stopped"], rest
     _assert_server_gone(p.server_pid, p.pid)
+    assert regions and not _left_in_shm(regions), "serve's stop leaves no stub's shared memory behind"
 
 
 def _scratch(server_pid: int) -> Path:
@@ -749,9 +751,16 @@ def test_the_router_does_not_load_in_front_of_a_missing_budget_model(minilm_smal
         assert server.model_states().get("elastic") != "READY"
     finally:
         pid = server.process.pid if server.process else None
+        regions = TS.shm_regions(pid) if pid else []
         server.stop()
     assert pid is None or not _group_alive(pid)
     assert not server.scratch.exists() and (tmp_path / "server.log").is_file(), "stop() leaves its scratch folder only"
+    assert len(regions) == 2 and not _left_in_shm(regions), "stop() leaves no stub's shared memory behind"
+
+
+def _left_in_shm(regions: list[str]) -> list[str]:
+    """Those of the named Python backend regions still in /dev/shm."""
+    return [r for r in regions if Path("/dev/shm", r).exists()]
 
 
 # --- the stub's environment ------------------------------------------------------------------------
