@@ -1091,10 +1091,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._closed.set()
-        # the prober's calls into the server (readiness, BLS, statistics) end before the stub does: a daemon
-        # thread stopped inside one left the backend's interprocess lock held, and the server aborted on it
-        # (boost::interprocess::lock_exception) while it unloaded the models, every stop
-        self._prober.join(timeout=self.PROBER_JOIN_S)
+        self._prober.join(timeout=self.PROBER_JOIN_S)  # its calls into the server (BLS, statistics) end first
         self._pool.shutdown(wait=True, cancel_futures=False)
         if self._inline is not None:
             self._inline.shutdown(wait=True)

@@ -401,8 +401,8 @@ class TritonServer:
             regions = shm_regions(p.pid)
             code = p.poll()
             if code is None:
-                _signal(p.pid, signal.SIGTERM)  # not the group: stubs signalled with it die before the server
-                try:  # frees their regions (each stub then crashed, and its region stayed in /dev/shm)
+                _signal(p.pid, signal.SIGTERM)  # the server alone first: it unloads its models, their stubs exit
+                try:
                     code = p.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     _signal_group(p.pid, signal.SIGKILL)
