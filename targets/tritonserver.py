@@ -215,6 +215,7 @@ class TritonServer:
         self.log_path = Path(log) if log else self.scratch / "server.log"
         self.args, self.process = list(args), None
         self._watchdog: subprocess.Popen | None = None
+        self._regions: set[str] = set()  # the stubs' shared-memory regions seen (:meth:`stop` removes them)
         self.secret = None if open_control else secrets.token_urlsafe(24)
 
     def control_headers(self, protocol: str = "http") -> dict[str, str]:
@@ -312,6 +313,7 @@ class TritonServer:
         if status != 200:
             raise UserError(f"model {model!r} failed to load: {detail.strip()[:400]}")
         self.wait_ready(timeout_s, models=[model])
+        self.stubs()  # its stub's region, noted
 
     def unload(self, model: str, timeout_s: float = 60.0) -> None:
         """Ask the server to unload ``model`` (returns once the request is accepted; unloading goes on).
@@ -362,7 +364,7 @@ class TritonServer:
         """
         self.start(load=list(models))
         self.wait_ready(timeout_s, models=list(models))
-        self.load(router, timeout_s)
+        self.load(router, timeout_s)  # notes every stub's region
 
     def failure(self) -> str:
         """The most telling line of the server's log (an error, an unavailable model, else the last line)."""
@@ -388,17 +390,22 @@ class TritonServer:
         return {m["name"]: m.get("state", "") for m in json.loads(body)}
 
     def stubs(self) -> dict[str, list[int]]:
-        """Model name -> the pids of its Python backend stub processes (:func:`stubs_of`)."""
-        return {} if self.process is None else stubs_of(self.process.pid)
+        """Model name -> the pids of its Python backend stub processes (:func:`stubs_of`); their
+        shared-memory regions are noted for :meth:`stop`."""
+        found = {} if self.process is None else stubs_of(self.process.pid)
+        self._regions.update(regions_of([pid for pids in found.values() for pid in pids]))
+        return found
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """Stop the server by its process id (SIGTERM to the server, which unloads its models; SIGKILL to its
         group after ``timeout_s``, and to stubs left in it), then remove the Python backend's shared-memory
-        regions its stubs left behind; returns its exit code."""
+        regions its stubs left behind (those seen while it ran too: a server that died has no stubs left to
+        name them); returns its exit code."""
+        self.stubs()
         p, self.process = self.process, None
         code = None
         if p is not None:
-            regions = shm_regions(p.pid)
+            regions = sorted(self._regions)
             code = p.poll()
             if code is None:
                 _signal(p.pid, signal.SIGTERM)  # the server alone first: it unloads its models, their stubs exit
@@ -456,12 +463,21 @@ def _child_setup(die_with_parent: bool) -> Callable[[], None]:
 
 
 # The watchdog: blocks on its stdin, a pipe only this process writes to; at EOF (this process ended,
-# however: even SIGKILL) it kills the server's process group (the server and its Python backend stubs)
-# and removes the server's scratch folder (the backends copy, the default log).
+# however: even SIGKILL) it kills the server's process group (the server and its Python backend stubs),
+# removes the shared-memory regions of the stubs it found in the group (named in their command lines,
+# :func:`regions_of`) and the server's scratch folder (the backends copy, the default log).
 _WATCHDOG = ("import os, shutil, signal, sys\n"
              "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
              "sys.stdin.buffer.read()\n"
-             "try:\n    os.killpg(int(sys.argv[1]), signal.SIGKILL)\nexcept OSError:\n    pass\n"
+             "group, prefix, regions = int(sys.argv[1]), sys.argv[3].encode(), []\n"
+             "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+             "    try:\n"
+             "        argv = open('/proc/' + pid + '/cmdline', 'rb').read().split(b'\\0')\n"
+             "        if os.getpgid(int(pid)) == group and len(argv) > 2 and argv[2].strip(b'/').startswith(prefix):\n"
+             "            regions.append(argv[2].strip(b'/'))\n"
+             "    except OSError:\n        pass\n"
+             "try:\n    os.killpg(group, signal.SIGKILL)\nexcept OSError:\n    pass\n"
+             "for r in regions:\n    try:\n        os.unlink(b'/dev/shm/' + r)\n    except OSError:\n        pass\n"
              "shutil.rmtree(sys.argv[2], ignore_errors=True)\n")
 
 
@@ -470,7 +486,8 @@ def _start_watchdog(server_pid: int, scratch: Path) -> subprocess.Popen:
     process is gone: the stubs outlive a killed server otherwise (most exit about 2 s after it, the
     router's stub was seen to stay), and PR_SET_PDEATHSIG reaches only the server, and only from the
     main thread."""
-    return subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(server_pid), str(scratch)], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(server_pid), str(scratch), SHM_REGION],
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -521,10 +538,15 @@ def children(pid: int) -> list[int]:
 
 
 def shm_regions(server_pid: int) -> list[str]:
-    """The shared-memory regions (names under ``/dev/shm``) of the server's Python backend stubs: the argument
-    after the model file in each stub's command line (:func:`stubs_of`)."""
-    pids = [pid for group in stubs_of(server_pid).values() for pid in group]
-    names = [argv[2].strip("/") for argv in map(cmdline, pids) if len(argv) > 2]
+    """The shared-memory regions (names under ``/dev/shm``) of the server's Python backend stubs
+    (:func:`stubs_of`, :func:`regions_of`)."""
+    return regions_of([pid for group in stubs_of(server_pid).values() for pid in group])
+
+
+def regions_of(stub_pids: Sequence[int]) -> list[str]:
+    """The shared-memory regions of these Python backend stubs: the argument after the model file in
+    each one's command line."""
+    names = [argv[2].strip("/") for argv in map(cmdline, stub_pids) if len(argv) > 2]
     return [n for n in names if n.startswith(SHM_REGION) and "/" not in n]
 
 

@@ -950,6 +950,7 @@ def test_a_budget_model_whose_stub_dies_is_reloaded(served):
         before = _budget_answer(client)
         stubs = TS.stubs_of(served["server_pid"])["elastic_s050"]
         assert len(stubs) == 1
+        dead_region = TS.regions_of(stubs)
         start = len(p.lines)
         os.kill(stubs[0], signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -963,6 +964,7 @@ def test_a_budget_model_whose_stub_dies_is_reloaded(served):
         wait_for_line(p, "budget model elastic_s050: READY again", timeout_s=READY_S, start=start)
         new = TS.stubs_of(served["server_pid"]).get("elastic_s050", [])
         assert len(new) == 1 and new != stubs and TS.alive(new[0])
+        assert dead_region and not _left_in_shm(dead_region), "the dead stub's shared memory was left behind"
         assert client.is_model_ready("elastic_s050")
         assert np.abs(_budget_answer(client) - before).max() <= 1e-6
         res = _router_serves(client, 0.5)
@@ -984,6 +986,7 @@ def test_serve_exits_2_with_one_line_when_tritonserver_dies(served):
         wait_for_line(p, "budget model elastic_s050: unloaded (not by serve); no longer watched", timeout_s=30,
                       start=start)
         assert TS.stubs_of(server).get("elastic_s050") is None and not any("stub died" in x for x in lines[start:])
+        regions = TS.shm_regions(server)
         os.kill(server, signal.SIGKILL)
         p.wait(TS.STOP_TIMEOUT_S + 30)
     finally:
@@ -992,6 +995,7 @@ def test_serve_exits_2_with_one_line_when_tritonserver_dies(served):
     assert p.returncode == 2 and after[-1] == f"error: tritonserver (pid {server}) died: killed by SIGKILL", after
     assert sum(x.startswith("error:") for x in after) == 1 and not any("Traceback" in x for x in after), after
     _assert_server_gone(server, p.pid)
+    assert regions and not _left_in_shm(regions), "a dead server's stubs' shared memory was left behind"
 
 
 def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
@@ -1009,12 +1013,14 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
         assert server is not None and sorted(TS.stubs_of(server)) == sorted([t["router"], t["search"]["name"],
                                                                              *(m["name"] for m in t["models"])])
         assert len(watchdog) == 1 and "killpg" in " ".join(TS.cmdline(watchdog[0]))
+        regions = TS.shm_regions(server)
         p.kill()
         p.wait(30)
         assert not _gone([server], 10), "tritonserver outlived a serve killed by SIGKILL"
         assert not _gone(stubs, 10), "a stub outlived serve"
         assert not _gone(watchdog, 10), "the watchdog outlived what it guards"
         assert scratch.name.startswith("elastic-export-triton.") and not scratch.exists(), "the server's scratch was left"
+        assert len(regions) == len(stubs) and not _left_in_shm(regions), "the stubs' shared memory was left behind"
     finally:
         stop_process(p)
         if server is not None and _group_alive(server):
