@@ -185,9 +185,10 @@ def test_after_a_step_down_the_served_budget_is_judged_a_standard_error_below_th
     """The load test's second 0.6x: after the step down the estimate is young and noisy (14 % one second
     in), and dense, which meets the SLO at the true rate with 15 % to spare, is sent sparser by its upward
     swings (without the spread one seed of eight keeps dense for 58 % of the phase). Judged a standard
-    error below the estimate it stays: every seed 95 % or more."""
+    error below the estimate it stays: every seed 94 % or more (the step down held a quarter second
+    before it counts, :class:`~elastic_export.serving.slo.RateEstimator`'s ``hold_s``)."""
     without, spread = _dense_after_step_down(0.0), _dense_after_step_down(1.0)
-    assert min(without) < 0.8 and min(spread) >= 0.95 and np.mean(spread) > np.mean(without), (without, spread)
+    assert min(without) < 0.8 and min(spread) >= 0.94 and np.mean(spread) > np.mean(without), (without, spread)
 
 
 def test_a_dip_in_a_high_load_does_not_send_it_dense():
@@ -198,6 +199,41 @@ def test_a_dip_in_a_high_load_does_not_send_it_dense():
         policy = _policy(lambda: now[0])
         decisions = _run(policy, now, [(1.4 * 71, 30.0)], seed=seed)
         assert all(s > 0.0 for t, s in decisions if t > 1.0), seed
+
+
+def _held_back(hold_s: float, seed: int) -> tuple[slo.SloPolicy, list[tuple[float, float]]]:
+    """1.4x for 12 s (100 rows/s, seeded Poisson) with the arrivals of 10.0-10.3 s held back and delivered at
+    once at 10.3 s (a client's pause: in the load test's burst its garbage collection held its requests
+    back 162 ms); the policy and its decisions."""
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1 / 100.0, 1300))
+    times = np.where((times >= 10.0) & (times < 10.3), 10.3, times)
+    now = [0.0]
+    policy = _policy(lambda: now[0])
+    policy.rate.hold_s = hold_s
+    out = []
+    for t in times[times < 12.0]:
+        now[0] = float(t)
+        policy.rate.arrive(now[0])
+        out.append((now[0], policy.decide(now[0]).pair[0]))
+    return policy, out
+
+
+def test_a_step_down_stands_only_if_it_holds_a_quarter_second_later():
+    """Arrivals held back 0.3 s, then bunched, inside a steady 1.4x: the step test reads the gap as a step
+    down in each of 8 seeds. Without the hold the policy moves denser at once on the gap's rate (the router
+    went to dense inside the load test's 1.4x, and from 0.6 to 0.5 in its burst: 20 and 9 answers late);
+    with it no move goes denser, and no step down stands (the bunch is then a step up: sparser for a
+    moment). A real step down (1.4x to 0.6x) still stands, and dense is back within 1.25 s."""
+    for seed in range(8):
+        without, moved = _held_back(0.0, seed)
+        policy, held = _held_back(0.25, seed)
+        assert 10.0 < policy.rate.fell_at < 10.5 and 10.0 < without.rate.fell_at < 10.5, seed
+        before = min(s for t, s in held if 9.0 < t < 10.0)
+        assert min(s for t, s in moved if t >= 10.0) < before, seed
+        assert min(s for t, s in held if t >= 10.0) >= before and policy.rate.fell_from is None
+    walks = _walk_back()
+    assert max(walks) < 1.25, walks
 
 
 def test_served_budget_is_the_densest_that_meets_the_slo():

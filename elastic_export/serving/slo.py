@@ -143,13 +143,23 @@ class RateEstimator:
             A steady load's lull read as a step down otherwise makes its return a step up over the lull
             alone, an estimate from a quarter second of arrivals (80 requests/s for 47 at the load test's
             second 0.6x, dense predicted past the SLO, 0.4 served).
+        hold_s, confirm_sigmas: a step down stands only if, ``hold_s`` after it was seen, the rate since it is
+            still ``confirm_sigmas`` standard deviations below the load before it; else it is undone (the
+            origin goes back), and until then it is pending (:meth:`fall_pending`: the policy goes no
+            denser on it). The live load test's arrivals are not the client's Poisson times: the client's
+            own pauses (a 162 ms garbage collection in a 3x burst) and the server's hold them back and
+            bunch them, and gaps the step test reads as steps down came with them (the router went
+            from 0.6 to 0.5 in the burst, to dense inside 1.4x, 9 and 20 answers late) where no replayed
+            Poisson phase holds one; a real step down is as far below half a second later.
         clock: seconds (monotonic).
     """
 
     def __init__(self, window_s: float = 8.0, short_s: float = 0.5, sigmas: float = 3.5, sigmas_up: float = 3.5,
-                 undo_s: float = 2.0, clock: Optional[Callable[[], float]] = None) -> None:
+                 undo_s: float = 2.0, hold_s: float = 0.25, confirm_sigmas: float = 2.5,
+                 clock: Optional[Callable[[], float]] = None) -> None:
         self.window_s, self.short_s, self.sigmas, self.sigmas_up = window_s, short_s, sigmas, sigmas_up
-        self.undo_s = undo_s
+        self.undo_s, self.hold_s, self.confirm_sigmas = undo_s, hold_s, confirm_sigmas
+        self._pending = False  # the latest step down is not confirmed yet (:meth:`fall_pending`)
         self._before_fall: Optional[float] = None  # the origin before the latest step down (while it is the latest)
         self.clock = clock or time.monotonic
         self._times: List[float] = []  # arrival times, oldest first, from self._head on
@@ -210,6 +220,7 @@ class RateEstimator:
         if self._origin is None:
             return 0.0
         self._trim(now)
+        self._confirm(now)
         origin = max(self._origin, now - self.window_s)
         self.surge = 0.0
         for width in (self.short_s / 2, self.short_s):
@@ -225,10 +236,26 @@ class RateEstimator:
                 self._origin = origin = now - width
                 self.fell_from = origin if z < 0 else None
                 if z < 0:
-                    self.fell_at = now
+                    self.fell_at, self._pending = now, True
                 break
         rows, seconds = self._counted(now)
         return rows / seconds
+
+    def _confirm(self, now: float) -> None:
+        """``hold_s`` after a step down was seen: it stands if the rate since it is still ``confirm_sigmas``
+        below the load before it, else it is undone (class docstring)."""
+        if not self._pending or now - self.fell_at < self.hold_s:
+            return
+        self._pending = False
+        if self.fell_from is None or self._before_fall is None:
+            return
+        before = max(self._before_fall, now - self.window_s)
+        if self._z(now, before, now - self.fell_from) > -self.confirm_sigmas:
+            self._origin, self.fell_from, self._before_fall = self._before_fall, None, None
+
+    def fall_pending(self, now: float) -> bool:
+        """Whether the latest step down was seen less than ``hold_s`` ago (not yet confirmed or undone)."""
+        return self._pending and self.fell_from is not None and now - self.fell_at < self.hold_s
 
     def _over_before_fall(self, now: float, width: float) -> Optional[float]:
         """Within ``undo_s`` of a step down: the step test's statistic of the last ``width`` s against the load
@@ -256,7 +283,8 @@ class RateEstimator:
         """Whether the latest detected step was a step down and the estimate has rested on ``short_s`` of
         the load since it, up to ``within_s`` more (a noisy dip, detected as a step, is mostly gone from
         an estimate half a second long)."""
-        return self.fell_from is not None and self.short_s <= now - self.fell_from <= self.short_s + within_s
+        return (self.fell_from is not None and not self.fall_pending(now)
+                and self.short_s <= now - self.fell_from <= self.short_s + within_s)
 
 
 #: the queue's table (:func:`queue_table`): shapes ``c / S(1)`` from SHAPES[0] to 1, loads ``λc`` from 0 to
@@ -631,9 +659,10 @@ class SloPolicy:
         usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
         rank = {p: i for i, p in enumerate(usable)}
         here = rank.get(self.current, len(usable))
-        fell = self.rate.fell_at > self.switched_at
+        pending = self.rate.fall_pending(now)
+        fell = self.rate.fell_at > self.switched_at and not pending
         settled = self.rate.settled_fall(now)
-        if now - self.switched_at < self.dwell_s and not (fell or settled) and self.current in rank:
+        if (pending or now - self.switched_at < self.dwell_s and not (fell or settled)) and self.current in rank:
             usable, here = usable[here:], 0  # too soon to go denser
         spread = self.stay_spread * self.rate.spread(now) if self.rate.fell_from is not None else 0.0
         chosen, predicted = None, math.inf
