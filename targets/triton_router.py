@@ -286,11 +286,7 @@ class Overload(Exception):
 
 
 class LoadMonitor:
-    """Requests and rows in flight, as the router sees them, and per budget which of them its budget model
-    runs now and which are queued behind that batch: a budget model runs one batch at a time (one
-    instance), started when it is idle and a request comes, or when its batch before ends (the first of that
-    batch's answers back here); the rows queued then are the next batch, what comes later queues for the one
-    after it.
+    """Requests and rows in flight, as the router sees them.
 
     Attributes:
         in_flight: requests received and not yet answered.
@@ -305,7 +301,6 @@ class LoadMonitor:
         self.last_arrival: Optional[float] = None
         self.last_ticket = 0
         self._since: Dict[float, Dict[int, float]] = {}  # budget -> ticket -> arrival
-        self._batch: Dict[float, List[float]] = {}  # budget -> [when the batch before started, when this one did]
         self._clock = clock
 
     def arrive(self, budget: Optional[float], rows: int) -> int:
@@ -317,8 +312,6 @@ class LoadMonitor:
             return 0
         self._since.setdefault(budget, {})[self.last_ticket] = now
         ahead = self.rows_at.get(budget, 0)
-        if ahead <= 0:  # an idle budget model starts it at once
-            self._batch[budget] = [-math.inf, now]
         self.rows_at[budget] = ahead + rows
         return ahead
 
@@ -326,22 +319,12 @@ class LoadMonitor:
         self.in_flight -= 1
         if budget is not None:
             self.rows_at[budget] = self.rows_at.get(budget, 0) - rows
-            arrived = self._since.get(budget, {}).pop(ticket, None)
-            batch = self._batch.get(budget)
-            if arrived is not None and batch is not None and arrived > batch[0]:  # the first back of the batch running
-                batch[:] = [batch[1], self._clock()]  # the next one starts: the rows queued until now
+            self._since.get(budget, {}).pop(ticket, None)
 
     def oldest_ms(self, budget: float, now: float) -> float:
         """How long the oldest request in flight at ``budget`` has been waiting (ms; 0 when none)."""
         since = self._since.get(budget)
         return (now - min(since.values())) * 1e3 if since else 0.0
-
-    def oldest_queued_ms(self, budget: float, now: float) -> float:
-        """How long the oldest request queued at ``budget`` behind the batch its model runs has been waiting (ms;
-        0 when none): a request sent there now joins its batch, and runs as long as that batch does."""
-        batch = self._batch.get(budget)
-        queued = [t for t in self._since.get(budget, {}).values() if batch is not None and t > batch[1]]
-        return (now - min(queued)) * 1e3 if queued else 0.0
 
 
 class SloRouting:
@@ -373,25 +356,19 @@ class SloRouting:
         return self.last
 
     def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
-              elsewhere: Optional[Dict[float, int]] = None, queued_ms: float = 0.0) -> float:
+              elsewhere: Optional[Dict[float, int]] = None) -> float:
         """The request's uncorrected predicted latency (ms) at ``budget`` (what
         :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes back), or :class:`Overload` when it is
         predicted past the policy's admission limit (the SLO less its margin) behind ``ahead`` rows in flight
         there and ``elsewhere`` (rows in flight per other budget: they share the cores), by the model or by
-        what they already waited (``waited_ms``: the oldest of them, measured; its own service comes on top),
-        or when the oldest request queued there (``queued_ms``: its wait so far) would: it runs in the batch
-        this one joins, and ends with it. Each admission bounded only its own latency, and what was
-        admitted later into the same batch made it longer: in a 3x burst six answers of one batch at 0.6
-        took 250-260 ms, predicted 151-190 when admitted. A request with nothing in flight ahead of it
-        always runs."""
+        what they already waited (``waited_ms``: the oldest of them, measured; its own service comes on top).
+        A request with nothing in flight ahead of it always runs."""
         pair, policy = (budget, self.precision), self.policy
         others = self._others(budget, elsewhere)
         ok, ms, raw = policy.admit(pair, rows, ahead, others)
         behind = waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
-        joined = queued_ms + ms if queued_ms > 0 else 0.0  # the oldest queued ends with this one's batch
-        worst = max(ms, behind, joined)
-        if (ahead > 0 or others) and (not ok or worst > policy.admission_limit_ms):
-            raise Overload(f"overloaded: predicted {worst:.0f} ms at sparsity {budget:g} exceeds the SLO "
+        if (ahead > 0 or others) and (not ok or behind > policy.admission_limit_ms):
+            raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
                            f"of {policy.slo_ms:g} ms less its {policy.margin:.0%} margin; retry later", "overload")
         return raw
 
@@ -406,14 +383,13 @@ class SloRouting:
         return self.policy.fastest([(s, self.precision) for s in allowed])[0]
 
     def place(self, budget: float, rows: int, rows_at: Dict[float, int], waited_ms: Callable[[float], float],
-              faster: Sequence[float] = (), queued_ms: Callable[[float], float] = lambda s: 0.0) -> Tuple[float, float]:
+              faster: Sequence[float] = ()) -> Tuple[float, float]:
         """Where a request runs and its uncorrected prediction (:meth:`admit`): at ``budget``, else (a request
         the policy routed: ``faster``, the budgets it may move to) at the first of ``faster`` that admits it;
         first at the fastest when it overflows at ``budget`` (:meth:`overflow`: a queue building there), then
         back at ``budget`` and the others, so that a queue at the fastest refuses nothing another budget would
         answer in time. :class:`Overload` when none admits it. ``rows_at``: rows in flight per budget;
-        ``waited_ms``: how long the oldest in flight at a budget has waited; ``queued_ms``: the oldest queued
-        there behind the batch its model runs."""
+        ``waited_ms``: how long the oldest in flight at a budget has waited."""
         order = [budget, *faster]
         fastest = self.overflow(budget, rows, rows_at.get(budget, 0), rows_at, faster)
         if fastest is not None:
@@ -421,7 +397,7 @@ class SloRouting:
             order.insert(0, fastest)
         for s in order:
             try:
-                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at, queued_ms(s))
+                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at)
             except Overload:
                 if s == order[-1]:
                     raise
@@ -840,8 +816,7 @@ class TritonPythonModel:
                   and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
         job.budget, job.admit_raw = self.routing.place(job.budget, job.batch, self.monitor.rows_at,
                                                        lambda s: self.monitor.oldest_ms(s, now),
-                                                       faster if job.routed else (),
-                                                       lambda s: self.monitor.oldest_queued_ms(s, now))
+                                                       faster if job.routed else ())
         job.served = [job.budget] * job.batch
 
     def _accept(self, request: Any) -> _Job:

@@ -446,7 +446,7 @@ def test_slo_routing_quality_floor_and_budgets_down():
 
 
 def test_load_monitor_counts_rows_in_flight_per_budget():
-    monitor = triton_router.LoadMonitor(clock=iter([0.0, 0.01, 0.02, 0.03]).__next__)
+    monitor = triton_router.LoadMonitor(clock=iter([0.0, 0.01, 0.02]).__next__)
     assert monitor.arrive(0.3, 4) == 0 and monitor.arrive(0.3, 2) == 4 and monitor.arrive(None, 3) == 0
     assert monitor.in_flight == 3 and monitor.rows_at == {0.3: 6} and monitor.last_arrival == 0.02
     assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(500.0) and monitor.oldest_ms(0.6, 0.5) == 0.0
@@ -454,47 +454,6 @@ def test_load_monitor_counts_rows_in_flight_per_budget():
     monitor.leave(None, 3, ticket=3)
     assert monitor.in_flight == 1 and monitor.rows_at == {0.3: 2}
     assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(490.0)  # the second one is the oldest now
-
-
-def test_load_monitor_tells_the_rows_queued_behind_the_batch_a_budget_model_runs():
-    """A request to an idle budget model starts a batch at once; what comes while it runs queues, and is the
-    next batch when the first answer of the running one is back; later answers of that batch change nothing."""
-    now = [0.0]
-    monitor = triton_router.LoadMonitor(clock=lambda: now[0])
-    monitor.arrive(0.6, 1)
-    first = monitor.last_ticket
-    assert monitor.oldest_queued_ms(0.6, 0.0) == 0.0  # it runs
-    now[0] = 0.01
-    monitor.arrive(0.6, 1)
-    second = monitor.last_ticket
-    now[0] = 0.02
-    monitor.arrive(0.6, 1)
-    third = monitor.last_ticket
-    assert monitor.oldest_queued_ms(0.6, 0.05) == pytest.approx(40.0)  # the second, queued 10 ms after the first
-    now[0] = 0.06
-    monitor.leave(0.6, 1, first)  # the batch of one ends: the two queued run now
-    assert monitor.oldest_queued_ms(0.6, 0.07) == 0.0
-    now[0] = 0.08
-    monitor.arrive(0.6, 1)
-    assert monitor.oldest_queued_ms(0.6, 0.1) == pytest.approx(20.0)
-    now[0] = 0.12
-    monitor.leave(0.6, 1, second)  # the first back of the batch of two: the one queued since 0.08 runs now
-    monitor.leave(0.6, 1, third)  # the second of that batch: nothing starts
-    assert monitor.oldest_queued_ms(0.6, 0.13) == 0.0 and monitor.rows_at == {0.6: 1}
-    now[0] = 0.13
-    monitor.arrive(0.6, 1)
-    assert monitor.oldest_queued_ms(0.6, 0.15) == pytest.approx(20.0)
-
-
-def test_admission_bounds_the_batch_a_request_joins():
-    """A request joins the batch of the rows queued at its budget: the oldest of them ends with it. With its
-    own prediction within the SLO, it is refused when that one's wait so far and this prediction are not."""
-    routing, _ = _routing()
-    routing.arrive(1)
-    assert routing.admit(0.0, 1, ahead=10) == pytest.approx(110.0)
-    assert routing.admit(0.0, 1, ahead=10, queued_ms=100.0) == pytest.approx(110.0)  # 210 ms for the oldest queued
-    with pytest.raises(triton_router.Overload, match="predicted 250 ms"):
-        routing.admit(0.0, 1, ahead=10, queued_ms=140.0)
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):

@@ -460,26 +460,16 @@ class AdmissionCorrection:
     quantile of a request's latency. Costs every request pays (the server's, the router's, the client's)
     land in ``o``; slow-downs in proportion to the queued work (cores shared with other processes) in
     ``k``. A multiplicative factor would charge the fixed costs once per queued batch and refuse work
-    that fits. The identity until ``min_samples`` answers are in; ``k`` clamped to ``slope``.
-
-    Where the uncorrected predictions spread by less than ``min_spread`` ms the slope is not in the data:
-    ``k`` is 1 (the model's own) and the rest is offset. Only requests with nothing ahead admitted (a
-    closed loop of clients once admission refused the rest) measure one batch-1 prediction; their ratio
-    to it (fixed costs over a short run: 2.2 here) taken as the slope refused every request with any
-    work ahead, and kept it so. With this and :meth:`ms`'s pivot, a closed loop of 8 clients naming dense
-    through the router was served at 53-54 requests/s, beside 54-56 at the budget model alone (25-27
-    before, hundreds refused a second)."""
+    that fits. The identity until ``min_samples`` answers are in; ``k`` clamped to ``slope``."""
 
     def __init__(self, quantile: float = ADMISSION_QUANTILE, size: int = 200, min_samples: int = 30,
                  slope: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0, refit_every: int = 8,
-                 min_spread: float = 10.0, clock: Optional[Callable[[], float]] = None) -> None:
+                 clock: Optional[Callable[[], float]] = None) -> None:
         self.quantile, self.min_samples, self.slope, self.horizon_s = quantile, min_samples, slope, horizon_s
-        self.min_spread = min_spread
         self.refit_every, self.clock = refit_every, clock or time.monotonic
         self._answers: Deque[Tuple[float, float, float]] = deque(maxlen=size)  # (time, raw, measured)
         self._added = 0
         self.offset, self.k = 0.0, 1.0
-        self.mean_raw = 0.0  # the fit's mean uncorrected prediction (ms): where a steeper slope pivots
 
     def add(self, measured_ms: float, raw_ms: float, now: Optional[float] = None) -> None:
         if not (math.isfinite(raw_ms) and raw_ms > 0 and math.isfinite(measured_ms)):
@@ -495,21 +485,16 @@ class AdmissionCorrection:
 
     def _fit(self) -> None:
         xs, ys = [a[1] for a in self._answers], [a[2] for a in self._answers]
-        k = least_squares_slope(xs, ys) if max(xs) - min(xs) >= self.min_spread else None
-        k = 1.0 if k is None else min(max(k, self.slope[0]), self.slope[1])
+        k = least_squares_slope(xs, ys)
+        k = sum(ys) / max(sum(xs), 1e-9) if k is None else k
+        k = min(max(k, self.slope[0]), self.slope[1])
         residuals = [y - k * x for x, y in zip(xs, ys)]
         self.offset, self.k = max(0.0, quantile_of(residuals, self.quantile)), k
-        self.mean_raw = sum(xs) / len(xs)
 
     def ms(self, raw_ms: float, min_slope: float = 0.0) -> float:
         """The corrected prediction (ms) of a request whose uncorrected one is ``raw_ms``, the slope at
-        least ``min_slope``: a steeper line pivots on the fitted one at the fit's mean prediction. The
-        offset fitted at ``k`` under the steeper slope charged queued work twice: in a closed loop of 8
-        clients, whose requests run in one batch whatever the rows ahead (the fit's slope at its floor), a
-        request behind 7 rows was predicted past the SLO where such requests took 145 ms at the p50."""
-        if min_slope <= self.k:
-            return self.offset + self.k * raw_ms
-        return max(0.0, self.offset - (min_slope - self.k) * self.mean_raw) + min_slope * raw_ms
+        least ``min_slope``."""
+        return self.offset + max(self.k, min_slope) * raw_ms
 
 
 def quantile_of(values: Sequence[float], q: float) -> float:
