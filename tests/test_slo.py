@@ -532,6 +532,31 @@ def test_admission_correction_fits_fixed_costs_and_slow_downs_from_what_admitted
     assert corr.ms(100.0) == 100.0
 
 
+def test_a_slope_floor_keeps_the_admission_line_through_the_answers_quantile():
+    """A closed loop of 8 clients: every admitted request finds about the same work ahead, so the fitted
+    slope is noise (here clamped to 0.5). Raised to the pair's scale (1.15) the line still predicts the
+    answers' p90 at their own predictions, not that plus the slopes' difference times the prediction
+    (about 70 ms here, which put the typical request past the SLO's 237.5 ms and refused it)."""
+    now = [0.0]
+    corr = slo.AdmissionCorrection(min_samples=30, clock=lambda: now[0])
+    rng = np.random.default_rng(1)
+    answers = []
+    for i in range(200):
+        now[0] += 0.01
+        raw, measured = float(rng.uniform(105, 115)), float(rng.uniform(120, 200))
+        if i < 100:
+            measured += 0.3 * (115 - raw)  # flat data whose slope comes out below the clamp
+        corr.add(measured, raw)
+        answers.append((raw, measured))
+    assert corr.k == 0.5
+    p90 = slo.quantile_of([m for _, m in answers], 0.9)
+    assert corr.ms(110.0, 1.15) == pytest.approx(p90, abs=10.0) and corr.ms(110.0, 1.15) < 237.5
+    above = sum(m > corr.ms(r, 1.15) for r, m in answers) / len(answers)
+    assert 0.05 <= above <= 0.15  # the quantile it stands for
+    assert corr.ms(110.0, 1.15) - corr.ms(100.0, 1.15) == pytest.approx(11.5)  # at the floor's slope
+    assert corr.ms(110.0) == pytest.approx(corr.offset + 0.5 * 110.0)  # no floor: the fitted line
+
+
 def test_admission_runs_queued_work_no_faster_than_the_pair_serves():
     now = [0.0]
     policy = _policy(lambda: now[0])

@@ -461,7 +461,16 @@ class AdmissionCorrection:
     quantile of a request's latency. Costs every request pays (the server's, the router's, the client's)
     land in ``o``; slow-downs in proportion to the queued work (cores shared with other processes) in
     ``k``. A multiplicative factor would charge the fixed costs once per queued batch and refuse work
-    that fits. The identity until ``min_samples`` answers are in; ``k`` clamped to ``slope``."""
+    that fits. The identity until ``min_samples`` answers are in; ``k`` clamped to ``slope``.
+
+    A line asked for with a steeper slope than the fitted one (:meth:`ms`'s ``min_slope``: queued work runs
+    no faster than its pair serves) takes its offset from the same answers at that slope, so it still passes
+    through their quantile: raised on the fitted offset instead, it charged the difference in slope on top of
+    every prediction. Where the admitted requests' predictions barely spread (a closed loop of 8 clients: each
+    finds the same 7 ahead) the fitted slope is noise, often the clamp's 0.5, and half of every prediction
+    sat in the offset; the floor then added it back, the typical request was predicted past the SLO, and the
+    refused clients' retries slowed the rest (dense through the router at 26-37 requests/s where it alone
+    served 54-71)."""
 
     def __init__(self, quantile: float = ADMISSION_QUANTILE, size: int = 200, min_samples: int = 30,
                  slope: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0, refit_every: int = 8,
@@ -471,6 +480,8 @@ class AdmissionCorrection:
         self._answers: Deque[Tuple[float, float, float]] = deque(maxlen=size)  # (time, raw, measured)
         self._added = 0
         self.offset, self.k = 0.0, 1.0
+        self._fitted: List[Tuple[float, float]] = []  # the (raw, measured) pairs of the latest fit
+        self._offsets: Dict[float, float] = {}  # per steeper slope asked for, its offset on the latest fit
 
     def add(self, measured_ms: float, raw_ms: float, now: Optional[float] = None) -> None:
         if not (math.isfinite(raw_ms) and raw_ms > 0 and math.isfinite(measured_ms)):
@@ -480,7 +491,7 @@ class AdmissionCorrection:
         _forget_before(self._answers, now - self.horizon_s)
         self._added += 1
         if len(self._answers) < self.min_samples:
-            self.offset, self.k = 0.0, 1.0
+            self.offset, self.k, self._fitted, self._offsets = 0.0, 1.0, [], {}
         elif self._added % self.refit_every == 0 or len(self._answers) == self.min_samples:
             self._fit()
 
@@ -488,14 +499,24 @@ class AdmissionCorrection:
         xs, ys = [a[1] for a in self._answers], [a[2] for a in self._answers]
         k = least_squares_slope(xs, ys)
         k = sum(ys) / max(sum(xs), 1e-9) if k is None else k
-        k = min(max(k, self.slope[0]), self.slope[1])
-        residuals = [y - k * x for x, y in zip(xs, ys)]
-        self.offset, self.k = max(0.0, quantile_of(residuals, self.quantile)), k
+        self.k = min(max(k, self.slope[0]), self.slope[1])
+        self._fitted, self._offsets = list(zip(xs, ys)), {}
+        self.offset = self._offset(self.k)
+
+    def _offset(self, k: float) -> float:
+        """The ``quantile`` of the latest fit's residuals about a line of slope ``k`` (at least 0)."""
+        return max(0.0, quantile_of([y - k * x for x, y in self._fitted], self.quantile)) if self._fitted else 0.0
 
     def ms(self, raw_ms: float, min_slope: float = 0.0) -> float:
         """The corrected prediction (ms) of a request whose uncorrected one is ``raw_ms``, the slope at
-        least ``min_slope``."""
-        return self.offset + max(self.k, min_slope) * raw_ms
+        least ``min_slope`` (its offset then from the same answers at that slope, class docstring)."""
+        if min_slope <= self.k:
+            return self.offset + self.k * raw_ms
+        slope = round(min_slope, 2)  # the pairs' scales move slowly: one offset per hundredth, per fit
+        offset = self._offsets.get(slope)
+        if offset is None:
+            offset = self._offsets[slope] = self._offset(slope)
+        return offset + max(slope, min_slope) * raw_ms
 
 
 def quantile_of(values: Sequence[float], q: float) -> float:
