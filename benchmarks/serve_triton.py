@@ -15,7 +15,8 @@ One ``tritonserver`` (the ``serve`` extra's, loopback only) serves the default M
    direct answered within the SLO.
 4. **Acceptance** (``acceptance``): the closed-loop capacity of every budget model, called directly and
    through the router naming it (served); then seeded
-   Poisson phases of ``--phase-s`` seconds at 0.3x, 0.6x, 1.4x, 0.6x, 0.3x of dense capacity (direct), sent
+   Poisson phases of ``--phase-s`` seconds at 0.3x, 0.6x, 1.4x, 0.6x, 0.3x of dense capacity (served: through
+   the router naming 0), sent
    open loop (each request at its arrival time) once to the
    router naming no sparsity (the policy decides) and once to the dense model (dense-only); then a 3x
    overload burst of 15 s and 10 s at 0.3x. Per phase: offered, answered, refused (UNAVAILABLE), lost
@@ -353,11 +354,10 @@ def _key(k) -> str:
 
 
 def capacity_paths(router: str, by_s: dict) -> dict:
-    """Each budget model called directly (``s``: what its batcher sustains; dense's sets the phases' rates,
-    the load dense-only is measured against) and through the router naming its sparsity (``(s, "served")``:
-    what a client of this server gets at that budget, the router's checks and hand-offs and their CPU on the
-    shared cores included; the oracle's). Through the router a closed loop's excess is refused, not
-    queued: its figure counts answers."""
+    """Each budget model called directly (``s``: what its batcher sustains) and through the router naming its
+    sparsity (``(s, "served")``: what a client of this server gets at that budget, the router's checks and
+    hand-offs and their CPU on the shared cores included; the oracle's, and dense's sets the phases' rates).
+    Through the router a closed loop's excess is refused, not queued: its figure counts answers."""
     paths = {}
     for s in sorted(by_s):
         paths[s] = (by_s[s], None)
@@ -531,7 +531,7 @@ async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, 
                                         args.capacity_seconds, args.capacity_rounds)
     caps = {s: measured[s] for s in sparsities}  # direct: the budget models' own
     served = {s: measured[(s, "served")] for s in sparsities}  # through the router: the oracle's
-    dense = caps[0.0]
+    dense = served[0.0]  # the issue's "dense capacity": a closed loop naming sparsity 0 through the server
     rates = [m * dense for m in PHASES]
     times, idx = phase_times(rates, [args.phase_s] * len(PHASES), args.seed)
     pairs = [(s, "fp32") for s in sparsities]
@@ -777,7 +777,8 @@ def report_lines(out: dict, args) -> list[str]:
     lines = [f"# Real Triton load test ({out['date']})", "", f"Machine: {out['machine']}", "",
              f"SLO p99 {args.slo_ms:g} ms; one {out['tokens']}-token text per request; seeded phases of "
              f"{args.phase_s:g} s (each exactly its rate x span requests at Poisson times) at "
-             f"{', '.join(f'{m:g}x' for m in PHASES)} of dense capacity; seed {args.seed}.", "",
+             f"{', '.join(f'{m:g}x' for m in PHASES)} of dense's served capacity (a closed loop naming sparsity 0 "
+             f"through the router); seed {args.seed}.", "",
              _capacity_line(acc, args), "",
              f"## Elastic router (no sparsity named); quality: {acc['quality_metric']} from `elastic-export eval`", "",
              head + " served quality | oracle (quality) | vs oracle |", "|---" * 13 + "|",
