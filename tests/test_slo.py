@@ -124,6 +124,26 @@ def test_a_step_up_is_seen_at_a_lower_threshold_than_a_step_down():
     assert seen_after(70, 30, 3.5) == seen_after(70, 30, 4.0)  # a step down: the same test as before
 
 
+@pytest.mark.parametrize("pause", [False, True])
+def test_a_burst_goes_straight_to_the_budget_it_needs(pause):
+    """A 3x burst after 0.3x (or after a pause): once the step test sees it, the policy serves the pair the
+    burst needs (the fastest: nothing meets the SLO at 3x), not each pair the young estimate passes on its
+    way up (on the estimate since the test window's start: dense, 0.4, 0.5, then 0.6 within 0.15 s, each
+    given requests that then ran beside the others on the same cores). A client's pause and bunch in a
+    steady load moves no denser (test_a_step_down_stands_only_if_it_holds_a_quarter_second_later)."""
+    for seed in range(6):
+        now = [0.0]
+        policy = _policy(lambda: now[0])
+        phases = [(0.3 * 71, 10.0)] + ([(1e-3, 2.0)] if pause else []) + [(3 * 71, 2.0)]
+        decisions = _run(policy, now, phases, seed=seed)
+        start = sum(s for _, s in phases[:-1])
+        served = [s for t, s in decisions if start <= t < start + 1.0]
+        moves = [s for i, s in enumerate(served) if i == 0 or s != served[i - 1]]
+        assert moves == [0.0, 0.6], (seed, moves)
+        seen = next(t for t, s in decisions if t >= start and s == 0.6) - start
+        assert seen < 0.15 and policy.rate.young_rate(now[0]) is None  # the young rate only while young
+
+
 def test_constant_moderate_load_stays_dense():
     """0.6x of dense capacity (the issue's phase where the old rule served 0.4-0.6): dense throughout."""
     now = [0.0]
