@@ -547,9 +547,14 @@ def test_admission_correction_fits_fixed_costs_and_slow_downs_from_what_admitted
     assert corr.k == pytest.approx(1.5, abs=0.05)
     assert corr.ms(100.0) == pytest.approx(15.0 + 150.0 + 9.0, abs=3.0)  # the p90 of the noise on top
     assert corr.ms(10.0) == pytest.approx(15.0 + 15.0 + 9.0, abs=3.0)  # a fixed cost, not a factor: small ones stay small
-    now[0] += 11.0  # past the horizon: a fresh start forgets the old fit
-    corr.add(30.0, 10.0)
-    assert corr.ms(100.0) == 100.0
+    fitted = corr.ms(100.0)
+    now[0] += 60.0  # a quiet minute: the fit stays until new answers replace it, never the identity again
+    corr.add(40.0 + 2.0 * 10.0, 10.0)  # the new load's first answer
+    assert corr.ms(100.0) == pytest.approx(fitted)
+    for i in range(40):  # past the horizon, min_samples newer answers: the old ones are gone
+        now[0] += 0.01
+        corr.add(40.0 + 2.0 * (30.0 + i), 30.0 + i)
+    assert corr.k == pytest.approx(2.0) and corr.ms(100.0) == pytest.approx(40.0 + 200.0)
 
 
 def test_a_slope_floor_keeps_the_admission_line_through_the_answers_quantile():

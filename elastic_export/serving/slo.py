@@ -91,12 +91,6 @@ def least_squares_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[fl
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 1e-9 else None
 
 
-def _forget_before(answers: Deque[Tuple[float, ...]], cutoff: float) -> None:
-    """Drop the entries of ``answers`` (time first, oldest first) older than ``cutoff``."""
-    while answers and answers[0][0] < cutoff:
-        answers.popleft()
-
-
 class ServiceModel:
     """Service time per pair and batch size: :func:`fit_affine` of each pair's measurements.
 
@@ -490,11 +484,17 @@ class ServiceScale:
 class AdmissionCorrection:
     """An admitted request's measured latency against the admission's uncorrected prediction for it
     (:meth:`SloPolicy.raw_request_ms`): a least-squares line ``measured = o + k·raw`` over the last ``size``
-    answers within ``horizon_s``, raised by the ``quantile`` of its residuals, so :meth:`ms` predicts that
-    quantile of a request's latency. Costs every request pays (the server's, the router's, the client's)
-    land in ``o``; slow-downs in proportion to the queued work (cores shared with other processes) in
-    ``k``. A multiplicative factor would charge the fixed costs once per queued batch and refuse work
-    that fits. The identity until ``min_samples`` answers are in; ``k`` clamped to ``slope``.
+    answers within ``horizon_s`` (older ones too while fewer than ``min_samples`` are newer), raised by the
+    ``quantile`` of its residuals, so :meth:`ms` predicts that quantile of a request's latency. Costs every
+    request pays (the server's, the router's, the client's) land in ``o``; slow-downs in proportion to the
+    queued work (cores shared with other processes) in ``k``. A multiplicative factor would charge the
+    fixed costs once per queued batch and refuse work that fits. The identity until the first
+    ``min_samples`` answers are in; ``k`` clamped to ``slope``.
+
+    After a quiet spell the latest fit stays until new answers replace it: had the horizon emptied it, the
+    first answers after the spell went back to the identity, no fixed costs and no slow-down, and a burst
+    after a pause admitted its first 30 requests on that (the load test's 3x burst: 6-22 answers late, all
+    among its first 0.25 s).
 
     A line asked for with a steeper slope than the fitted one (:meth:`ms`'s ``min_slope``: queued work runs
     no faster than its pair serves) takes its offset from the same answers at that slope, so it still passes
@@ -521,11 +521,10 @@ class AdmissionCorrection:
             return
         now = self.clock() if now is None else now
         self._answers.append((now, raw_ms, measured_ms))
-        _forget_before(self._answers, now - self.horizon_s)
+        while len(self._answers) > self.min_samples and self._answers[0][0] < now - self.horizon_s:
+            self._answers.popleft()  # past the horizon, while min_samples newer ones remain
         self._added += 1
-        if len(self._answers) < self.min_samples:
-            self.offset, self.k, self._fitted, self._offsets = 0.0, 1.0, [], {}
-        elif self._added % self.refit_every == 0 or len(self._answers) == self.min_samples:
+        if len(self._answers) >= self.min_samples and (self._added % self.refit_every == 0 or not self._fitted):
             self._fit()
 
     def _fit(self) -> None:
