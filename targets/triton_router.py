@@ -300,7 +300,8 @@ class LoadMonitor:
         self.rows_at: Dict[float, int] = {}
         self.last_arrival: Optional[float] = None
         self.last_ticket = 0
-        self._since: Dict[float, Dict[int, float]] = {}  # budget -> ticket -> arrival
+        self._since: Dict[float, Dict[int, Tuple[float, int]]] = {}  # budget -> ticket -> (arrival, rows)
+        self._batch_start: Dict[float, float] = {}  # budget -> when its running batch began (as the router sees it)
         self._clock = clock
 
     def arrive(self, budget: Optional[float], rows: int) -> int:
@@ -310,7 +311,10 @@ class LoadMonitor:
         self.last_ticket += 1
         if budget is None:
             return 0
-        self._since.setdefault(budget, {})[self.last_ticket] = now
+        waiting = self._since.setdefault(budget, {})
+        if not waiting:  # nothing in flight there: a batch starts with this one
+            self._batch_start[budget] = now
+        waiting[self.last_ticket] = (now, rows)
         ahead = self.rows_at.get(budget, 0)
         self.rows_at[budget] = ahead + rows
         return ahead
@@ -320,11 +324,20 @@ class LoadMonitor:
         if budget is not None:
             self.rows_at[budget] = self.rows_at.get(budget, 0) - rows
             self._since.get(budget, {}).pop(ticket, None)
+            self._batch_start[budget] = self._clock()  # an answer: the next batch takes what waits, now
 
     def oldest_ms(self, budget: float, now: float) -> float:
         """How long the oldest request in flight at ``budget`` has been waiting (ms; 0 when none)."""
         since = self._since.get(budget)
-        return (now - min(since.values())) * 1e3 if since else 0.0
+        return (now - min(t for t, _ in since.values())) * 1e3 if since else 0.0
+
+    def running(self, budget: float, now: float) -> Tuple[int, float]:
+        """The batch running at ``budget`` as the router sees it: the rows in flight there that arrived by the
+        latest answer there (or by the arrival that found it idle), and the ms since then (0, 0 when none)."""
+        start, since = self._batch_start.get(budget), self._since.get(budget)
+        if start is None or not since:
+            return 0, 0.0
+        return sum(n for t, n in since.values() if t <= start), (now - start) * 1e3
 
 
 class SloRouting:
@@ -356,16 +369,21 @@ class SloRouting:
         return self.last
 
     def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
-              elsewhere: Optional[Dict[float, int]] = None) -> float:
+              elsewhere: Optional[Dict[float, int]] = None, running: Tuple[int, float] = (0, 0.0)) -> float:
         """The request's uncorrected predicted latency (ms) at ``budget`` (what
         :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes back), or :class:`Overload` when it is
         predicted past the policy's admission limit (the SLO less its margin) behind ``ahead`` rows in flight
         there and ``elsewhere`` (rows in flight per other budget: they share the cores), by the model or by
         what they already waited (``waited_ms``: the oldest of them, measured; its own service comes on top).
-        A request with nothing in flight ahead of it always runs."""
+        ``running``: the rows of the batch running there and how long it has run (ms,
+        :meth:`LoadMonitor.running`): past its modelled time, the queued work is predicted at least as slow
+        (:meth:`~elastic_export.serving.slo.SloPolicy.admit`'s ``live_slope``). A request with nothing in
+        flight ahead of it always runs."""
         pair, policy = (budget, self.precision), self.policy
         others = self._others(budget, elsewhere)
-        ok, ms, raw = policy.admit(pair, rows, ahead, others)
+        n_run, ran_ms = running
+        live = ran_ms / policy.service.ms(pair, n_run) if n_run > 0 else 0.0
+        ok, ms, raw = policy.admit(pair, rows, ahead, others, live_slope=live)
         behind = waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
         if (ahead > 0 or others) and (not ok or behind > policy.admission_limit_ms):
             raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
@@ -383,13 +401,15 @@ class SloRouting:
         return self.policy.fastest([(s, self.precision) for s in allowed])[0]
 
     def place(self, budget: float, rows: int, rows_at: Dict[float, int], waited_ms: Callable[[float], float],
-              faster: Sequence[float] = ()) -> Tuple[float, float]:
+              faster: Sequence[float] = (),
+              running: Callable[[float], Tuple[int, float]] = lambda s: (0, 0.0)) -> Tuple[float, float]:
         """Where a request runs and its uncorrected prediction (:meth:`admit`): at ``budget``, else (a request
         the policy routed: ``faster``, the budgets it may move to) at the first of ``faster`` that admits it;
         first at the fastest when it overflows at ``budget`` (:meth:`overflow`: a queue building there), then
         back at ``budget`` and the others, so that a queue at the fastest refuses nothing another budget would
         answer in time. :class:`Overload` when none admits it. ``rows_at``: rows in flight per budget;
-        ``waited_ms``: how long the oldest in flight at a budget has waited."""
+        ``waited_ms``: how long the oldest in flight at a budget has waited; ``running``: its running batch
+        (:meth:`LoadMonitor.running`)."""
         order = [budget, *faster]
         fastest = self.overflow(budget, rows, rows_at.get(budget, 0), rows_at, faster)
         if fastest is not None:
@@ -397,7 +417,7 @@ class SloRouting:
             order.insert(0, fastest)
         for s in order:
             try:
-                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at)
+                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at, running(s))
             except Overload:
                 if s == order[-1]:
                     raise
@@ -816,7 +836,8 @@ class TritonPythonModel:
                   and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
         job.budget, job.admit_raw = self.routing.place(job.budget, job.batch, self.monitor.rows_at,
                                                        lambda s: self.monitor.oldest_ms(s, now),
-                                                       faster if job.routed else ())
+                                                       faster if job.routed else (),
+                                                       lambda s: self.monitor.running(s, now))
         job.served = [job.budget] * job.batch
 
     def _accept(self, request: Any) -> _Job:

@@ -446,14 +446,36 @@ def test_slo_routing_quality_floor_and_budgets_down():
 
 
 def test_load_monitor_counts_rows_in_flight_per_budget():
-    monitor = triton_router.LoadMonitor(clock=iter([0.0, 0.01, 0.02]).__next__)
-    assert monitor.arrive(0.3, 4) == 0 and monitor.arrive(0.3, 2) == 4 and monitor.arrive(None, 3) == 0
+    clock = [0.0]
+    monitor = triton_router.LoadMonitor(clock=lambda: clock[0])
+    assert monitor.arrive(0.3, 4) == 0
+    clock[0] = 0.01
+    assert monitor.arrive(0.3, 2) == 4
+    clock[0] = 0.02
+    assert monitor.arrive(None, 3) == 0
     assert monitor.in_flight == 3 and monitor.rows_at == {0.3: 6} and monitor.last_arrival == 0.02
     assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(500.0) and monitor.oldest_ms(0.6, 0.5) == 0.0
-    monitor.leave(0.3, 4, ticket=1)
+    assert monitor.running(0.3, 0.1) == (4, pytest.approx(100.0))  # the first found it idle: its batch runs
+    clock[0] = 0.2
+    monitor.leave(0.3, 4, ticket=1)  # answered: the next batch takes what waits, now
     monitor.leave(None, 3, ticket=3)
     assert monitor.in_flight == 1 and monitor.rows_at == {0.3: 2}
     assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(490.0)  # the second one is the oldest now
+    assert monitor.running(0.3, 0.5) == (2, pytest.approx(300.0)) and monitor.running(0.6, 0.5) == (0, 0.0)
+    clock[0] = 0.3
+    monitor.arrive(0.3, 5)  # arrived while that batch runs: queued behind it
+    assert monitor.running(0.3, 0.5) == (2, pytest.approx(300.0))
+
+
+def test_a_running_batch_that_overruns_its_modelled_time_slows_the_admissions_predictions():
+    """The batch running at dense (4 rows: 40 ms modelled) has run 120 ms: what queues behind it is predicted
+    at least 3x its modelled time, before the service scale (20 batches) or the admission's correction (30
+    answers) has measured any slow-down; a batch within its modelled time changes nothing."""
+    routing, _ = _routing()
+    routing.arrive(1)
+    assert routing.admit(0.0, 1, ahead=12, running=(4, 30.0)) == pytest.approx(130.0)  # 2 x 0 + 12 x 10 + 10
+    with pytest.raises(triton_router.Overload, match="predicted 390 ms"):
+        routing.admit(0.0, 1, ahead=12, running=(4, 120.0))
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
@@ -479,7 +501,7 @@ def test_a_routed_request_that_would_miss_the_slo_goes_to_a_faster_budget_before
     TR.build_repository(d)
     model, _ = start_router(d / "triton", "elastic", monkeypatch)
     model.monitor.arrive(0.0, 64)  # a long one in flight at dense, arrived 10 s ago
-    model.monitor._since[0.0] = {model.monitor.last_ticket: time.monotonic() - 10.0}
+    model.monitor._since[0.0] = {model.monitor.last_ticket: (time.monotonic() - 10.0, 64)}
     routed = triton_router._Job(None, None, None, 2, [0.0, 0.0], ())
     routed.budget, routed.routed = 0.0, True
     model._admit(routed)

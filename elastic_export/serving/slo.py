@@ -754,14 +754,18 @@ class SloPolicy:
         choice keeps (admitted at the SLO itself, a 3x burst's answers reached a p99 of 250-254 ms)."""
         return self.slo_ms * (1 - self.margin)
 
-    def admit(self, pair: Pair, rows: int, rows_ahead: int,
-              elsewhere: Optional[Mapping[Pair, int]] = None) -> Tuple[bool, float, float]:
+    def admit(self, pair: Pair, rows: int, rows_ahead: int, elsewhere: Optional[Mapping[Pair, int]] = None,
+              live_slope: float = 0.0) -> Tuple[bool, float, float]:
         """Whether to run a request of ``rows`` at ``pair`` with ``rows_ahead`` in flight there and
         ``elsewhere`` at other pairs (its corrected prediction within :attr:`admission_limit_ms`), the
         corrected prediction and the uncorrected one (what :meth:`admitted` takes back with the measured
-        latency)."""
+        latency). ``live_slope``: how much slower than modelled the batch running at ``pair`` has run so far
+        (its time so far over its modelled time): the correction's slope is at least that, as at least the
+        pair's scale. The scale rests on 20 batches and the correction on 30 answers; an overrunning batch
+        is the first sign of a slow-down (a 3x burst's first batches at 0.6 ran about 2.5x their modelled
+        time beside dense's last one, and each took in every request admitted meanwhile)."""
         raw = self.raw_request_ms(pair, rows, rows_ahead, elsewhere)
-        ms = self.admission.ms(raw, self.factor(pair))
+        ms = self.admission.ms(raw, max(self.factor(pair), live_slope))
         return ms <= self.admission_limit_ms, ms, raw
 
     def overflows(self, pair: Pair, rows: int, rows_ahead: int, elsewhere: Optional[Mapping[Pair, int]] = None) -> bool:
