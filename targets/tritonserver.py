@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from elastic_export.core.errors import UserError
-from elastic_export.serving.triton_stats import STATS_URL_ENV
+from elastic_export.serving.api_guard import API_KEY_ENV, Exposure, Limits
+from elastic_export.serving.triton_stats import STATS_HEADER_ENV, STATS_URL_ENV
 
 STUB = "triton_python_backend_stub"
 SHM_REGION = "triton_python_backend_shm_region"  # how the Python backend names a stub's region in /dev/shm
@@ -56,6 +57,9 @@ EXIT_TIMEOUT_S = 10  # how long the server waits for open connections and in-fli
 STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 15.0
 CONTROL_HEADER = "elastic-export-control"  # the model-repository API's header (HTTP); its value: a secret per server
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # Triton 2.51 expects gRPC metadata "triton-grpc-protocol-<header>"
+# Triton's APIs closed to clients without the secret header when its ports leave loopback (--expose-triton);
+# inference, health and metadata stay open, and model-config (the API reads the router's config with it)
+EXPOSED_RESTRICTED = ("model-repository", "logging", "trace", "shared-memory", "statistics")
 POLL_S = 0.25  # serve's supervision: how often it checks the server and the stubs
 INSTALL_HINT = 'pip install -e ".[serve]" (PyPI\'s nvidia-pytriton wheel carries a tritonserver with the Python backend)'
 
@@ -167,15 +171,16 @@ def port_free(host: str, port: int) -> bool:
 PORT_USES = ("HTTP", "gRPC", "metrics", "OpenAI API")  # port, port+1, ...: what serve binds there
 
 
-def check_ports(host: str, port: int) -> None:
-    """Refuse a port block (HTTP ``port``, gRPC ``port+1``, metrics ``port+2``, the OpenAI-style API
-    ``port+3``) that is not free."""
+def check_ports(host: str, port: int, api_host: str | None = None) -> None:
+    """Refuse a port block (HTTP ``port``, gRPC ``port+1``, metrics ``port+2`` on ``host``, the OpenAI-style
+    API ``port+3`` on ``api_host``, default ``host``) that is not free where it binds."""
     if not 1 <= port <= 65536 - len(PORT_USES):
         raise UserError(f"--port {port}: choose 1-{65536 - len(PORT_USES)} (serve uses the port and the next "
                         f"{len(PORT_USES) - 1})")
     for p, what in ((port + i, what) for i, what in enumerate(PORT_USES)):
-        if not port_free(host, p):
-            raise UserError(f"port {p} on {host} ({what}) is in use; choose another --port")
+        where = (api_host or host) if what == "OpenAI API" else host
+        if not port_free(where, p):
+            raise UserError(f"port {p} on {where} ({what}) is in use; choose another --port")
 
 
 def free_port_block(host: str = "127.0.0.1", tries: int = 50) -> int:
@@ -202,21 +207,25 @@ class TritonServer:
         args: extra ``tritonserver`` arguments.
         open_control: leave the model-repository API (load / unload / index) open to every client;
             by default it answers only requests with :meth:`control_headers` (HTTP 403 otherwise).
+        exposed: the server is reachable beyond loopback (``serve --expose-triton``): every API but inference,
+            health, metadata and model-config (:data:`EXPOSED_RESTRICTED`) answers only requests with the
+            secret header (the router reads statistics with it, from its environment).
 
     ``scratch``: a temporary folder for the backends copy (and the default log), removed by
     :meth:`stop`, or by the watchdog when this process dies without stopping the server.
     """
 
     def __init__(self, repository: str | Path, host: str = "127.0.0.1", port: int = 8000, log: str | Path | None = None,
-                 args: Sequence[str] = (), open_control: bool = False):
-        self.repository, self.host, self.port = Path(repository), host, int(port)
+                 args: Sequence[str] = (), open_control: bool = False, exposed: bool = False):
+        self.repository, self.host, self.port, self.exposed = Path(repository), host, int(port), exposed
         self.install = find_server()
         self.scratch = Path(tempfile.mkdtemp(prefix="elastic-export-triton."))
         self.log_path = Path(log) if log else self.scratch / "server.log"
         self.args, self.process = list(args), None
         self._watchdog: subprocess.Popen | None = None
         self._regions: set[str] = set()  # the stubs' shared-memory regions seen (:meth:`stop` removes them)
-        self.secret = None if open_control else secrets.token_urlsafe(24)
+        self.secret = None if open_control and not exposed else secrets.token_urlsafe(24)
+        self.open_control = open_control
 
     def control_headers(self, protocol: str = "http") -> dict[str, str]:
         """The headers the model-repository API asks for (none when it is open); ``protocol="grpc"``:
@@ -244,8 +253,10 @@ class TritonServer:
     def command(self, backends: Path, load: Sequence[str] | None = None) -> list[str]:
         """The command line; ``load``: explicit model control, loading only those models at startup."""
         control = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in load)] if load is not None else []
-        if self.secret is not None:
-            rule = f"model-repository:{CONTROL_HEADER}={self.secret}"
+        apis = [a for a in (EXPOSED_RESTRICTED if self.exposed else ("model-repository",))
+                if not (self.open_control and a == "model-repository")]
+        if self.secret is not None and apis:
+            rule = f"{','.join(apis)}:{CONTROL_HEADER}={self.secret}"
             control += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
         return [str(self.install.binary), *control, f"--model-repository={self.repository}", f"--backend-directory={backends}",
                 f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
@@ -262,6 +273,9 @@ class TritonServer:
         check_ports(self.host, self.port)
         env = server_env(self.install)
         env[STATS_URL_ENV] = f"http://{self.http_url}"  # the router reads its budget models' batch times there
+        env.pop(API_KEY_ENV, None)  # the API's key: serve's alone
+        if self.exposed and self.secret is not None:  # statistics restricted: the router sends the header
+            env[STATS_HEADER_ENV] = f"{CONTROL_HEADER}={self.secret}"
         check_stub_python(env)
         backends = backend_dir(self.install, self.scratch / "backends")
         log = open(self.log_path, "ab")
@@ -627,7 +641,7 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
           policy: str | None = None, slo_ms: float | None = None, slo_quantile: float | None = None,
           max_sparsity: float | None = None, allow_model_control: bool = False,
           ready_timeout_s: float = READY_TIMEOUT_S, echo: Callable[[str], None] = print,
-          wait: Callable[[TritonServer], None] | None = None) -> int:
+          wait: Callable[[TritonServer], None] | None = None, exposure: Exposure | None = None) -> int:
     """Serve ``DIR``'s Triton repository (built when missing) in the foreground until the process is
     interrupted (Ctrl-C / SIGTERM); returns the server's exit code.
 
@@ -635,20 +649,25 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
     model control), so the router is never READY in front of a missing budget model; the search model
     (with an index) loads last, in front of the router. The
     model-repository API is closed to clients unless ``allow_model_control``. While serving
-    (:class:`Supervisor`, unless ``wait`` replaces it) a model whose stub dies is reloaded.
+    (:class:`Supervisor`, unless ``wait`` replaces it) a model whose stub dies is reloaded. ``exposure``: the
+    API's key and limits, and Triton's ports on loopback unless exposed; SIGTERM drains the API first
+    (:func:`shut_down`).
 
     Raises:
         UserError: no server, a busy port, a model that does not load, or a server that dies.
     """
     from elastic_export.core.fileio import existing_dir
 
+    door = exposure or Exposure()
     check_serving_options(slo_ms, slo_quantile, max_sparsity)
+    door.check(host)
     d = existing_dir(directory)
     install = find_server()
-    check_ports(host, port)
+    check_ports(door.triton_host(host), port, api_host=host)
     entry = ensure_repository(d, budget_backend or default_budget_backend(install), policy, slo_ms, echo,
                               slo_quantile=slo_quantile, max_sparsity=max_sparsity)
-    server = TritonServer(d / entry["dir"], host=host, port=port, open_control=allow_model_control)
+    server = TritonServer(d / entry["dir"], host=door.triton_host(host), port=port, open_control=allow_model_control,
+                          exposed=door.expose_triton)
     term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM while starting: stop the server, as Ctrl-C does
     api = None
     search = (entry.get("search") or {}).get("name")
@@ -658,16 +677,29 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
             server.load(search, ready_timeout_s)
         if allow_model_control:
             echo("the model-repository API (load / unload / index) is open to every client (--allow-model-control)")
-        api = start_api(d, server, echo)
+        api = start_api(d, server, echo, host, door.limits)
         echo(ready_line(entry, server, api))
-        (wait or Supervisor(server, entry, echo, ready_timeout_s).run)(server)
+        drain = api.app.state.guard.drain if api is not None else None
+        (wait or Supervisor(server, entry, echo, ready_timeout_s, on_stop=drain).run)(server)
         check_running(server)
     finally:
-        if api is not None:
-            api.stop()
-        code = server.stop()
+        code = shut_down(server, api, door.drain_timeout_s, echo)
         signal.signal(signal.SIGTERM, term)
     return code or 0
+
+
+def shut_down(server: "TritonServer", api, drain_timeout_s: float, echo: Callable[[str], None]) -> int | None:
+    """Drain the API (``/ready`` 503, new requests 503, those in flight answered), then stop it and the
+    server, all within ``drain_timeout_s`` (a server slower than what is left is killed); the server's code."""
+    start = time.monotonic()
+    reserve = min(10.0, drain_timeout_s / 3)  # for the server's own stop
+    if api is not None:
+        guard = api.app.state.guard
+        busy = guard.in_flight
+        idle = api.drain(max(0.0, drain_timeout_s - reserve))
+        echo(f"drained: {busy} requests in flight at the signal, "
+             f"{'all answered' if idle else f'{guard.in_flight} cut off'} in {time.monotonic() - start:.1f} s")
+    return server.stop(max(1.0, drain_timeout_s - (time.monotonic() - start)))
 
 
 def ready_line(entry: dict, server: "TritonServer", api) -> str:
@@ -679,19 +711,20 @@ def ready_line(entry: dict, server: "TritonServer", api) -> str:
             f"http://{server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}{extra} (Ctrl-C stops)")
 
 
-def start_api(directory: Path, server: "TritonServer", echo: Callable[[str], None]):
-    """The OpenAI-style embeddings API (and search, with an index) on port+3, in this process, in front of
-    the router (:mod:`elastic_export.serving.http_api`); None with one line for a model it does not serve
-    (an image encoder, no tokenizer)."""
+def start_api(directory: Path, server: "TritonServer", echo: Callable[[str], None], host: str | None = None,
+              limits: Limits | None = None):
+    """The OpenAI-style embeddings API (and search, with an index) on ``host`` (default: the server's), port+3,
+    in this process, in front of the router (:mod:`elastic_export.serving.http_api`) behind ``limits``' door;
+    None with one line for a model it does not serve (an image encoder, no tokenizer)."""
     from elastic_export.serving.http_api import create_app, run
 
     try:
-        app = create_app(directory, server.grpc_url)
+        app = create_app(directory, server.grpc_url, limits=limits)
     except UserError as e:
         echo(f"no OpenAI embeddings API: {e}")
         return None
     try:
-        return run(app, server.host, server.port + 3)
+        return run(app, host or server.host, server.port + 3)
     except RuntimeError as e:
         raise UserError(f"the OpenAI embeddings API did not start on port {server.port + 3}: {e}") from None
 
@@ -719,8 +752,8 @@ class Supervisor:
     client unloaded (``--allow-model-control``) is left as it is."""
 
     def __init__(self, server: TritonServer, entry: dict, echo: Callable[[str], None],
-                 reload_timeout_s: float = READY_TIMEOUT_S):
-        self.server, self.echo, self.reload_timeout_s = server, echo, reload_timeout_s
+                 reload_timeout_s: float = READY_TIMEOUT_S, on_stop: Callable[[], None] | None = None):
+        self.server, self.echo, self.reload_timeout_s, self.on_stop = server, echo, reload_timeout_s, on_stop
         self.role = {m["name"]: "budget model" for m in entry["models"]}
         self.role[entry["router"]] = "router"
         if (entry.get("search") or {}).get("name"):
@@ -732,6 +765,8 @@ class Supervisor:
         """Watch until SIGINT / SIGTERM (which end the watch normally)."""
         def handler(signum, frame):
             self.stopping = True
+            if self.on_stop is not None:  # at once: the API's /ready turns 503 before anything else
+                self.on_stop()
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -9,7 +9,9 @@ import click
 
 from elastic_export.cli.options import apply_options, echo_err
 from elastic_export.core.manifest import MANIFEST
+from elastic_export.serving.api_guard import API_KEY_ENV, MAX_CONCURRENT, PAYLOAD_LIMIT
 from elastic_export.serving.backends import TRITON_BUDGET_BACKENDS
+from elastic_export.serving.openai_schema import MAX_INPUTS
 from elastic_export.serving.policies import ROUTER_POLICIES
 
 # --- build: `build tensorrt DIR`, `build triton DIR`, and the original `build --target T DIR` ----------
@@ -173,10 +175,56 @@ def build_triton_cmd(directory, **kw):
     _build_triton(directory, **kw)
 
 
+_EXPOSURE = (
+    click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
+                 help="Every /v1 route and /metrics need 'Authorization: Bearer KEY'. Set it through the environment "
+                      "variable or --api-key-file: on the command line it is readable in the process list until serve "
+                      "overwrites it there."),
+    click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+                 help="A file whose first line is the API key."),
+    click.option("--allow-no-api-key", is_flag=True, default=False,
+                 help="Serve a non-loopback --host without an API key (refused otherwise)."),
+    click.option("--expose-triton", is_flag=True, default=False,
+                 help="Bind Triton's HTTP, gRPC and metrics to --host too; every Triton API but inference, health, "
+                      "metadata and model-config then needs serve's secret header."),
+    click.option("--payload-limit", type=int, default=PAYLOAD_LIMIT, show_default=True,
+                 help="Most bytes of a request body (checked while reading; 413 past it)."),
+    click.option("--max-client-batch-size", type=int, default=MAX_INPUTS, show_default=True,
+                 help="Most inputs in one request (413 past it)."),
+    click.option("--max-concurrent-requests", type=int, default=MAX_CONCURRENT, show_default=True,
+                 help="Most /v1 requests in flight (429 with Retry-After past it)."),
+    click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+                 help="SIGTERM: seconds to answer the requests in flight (new ones: 503) and stop."),
+)
+
+
+def _exposure(ctx, api_key, api_key_file, allow_no_api_key, expose_triton, payload_limit, max_client_batch_size,
+              max_concurrent_requests, drain_timeout):
+    """serve's :class:`~elastic_export.serving.api_guard.Exposure` from its options; a key given on the command
+    line is overwritten in the process list at once."""
+    from elastic_export.core.errors import UserError
+    from elastic_export.serving.api_guard import Exposure, Limits, hide_argument
+
+    if api_key_file is not None:
+        if api_key is not None:
+            raise UserError(f"--api-key-file {api_key_file}: give the key one way, not with --api-key or {API_KEY_ENV} too")
+        try:
+            api_key = (Path(api_key_file).read_text().splitlines() or [""])[0].strip()
+        except OSError as e:
+            raise UserError(f"--api-key-file {api_key_file}: {e.strerror or e}") from None
+    elif api_key is not None and ctx.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:
+        hide_argument(api_key)
+    limits = Limits(api_key=api_key, payload_limit=payload_limit, max_client_batch_size=max_client_batch_size,
+                    max_concurrent_requests=max_concurrent_requests)
+    return Exposure(limits, expose_triton=expose_triton, allow_no_api_key=allow_no_api_key, drain_timeout_s=drain_timeout)
+
+
 @click.command("serve", short_help="Run a real Triton server on DIR's repository (built when missing).")
 @click.argument("directory", metavar="DIR")
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP port; gRPC on PORT+1, metrics on PORT+2.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint binds to.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the OpenAI API binds to; Triton's HTTP, gRPC and metrics stay on 127.0.0.1 unless "
+                   "--expose-triton (a loopback --host: every endpoint there).")
 @click.option("--budget-backend", type=click.Choice(TRITON_BUDGET_BACKENDS), default=None,
               help="Backend of the budget models when (re)building the repository [default: python where the server "
                    "has no onnxruntime backend, as PyPI's nvidia-pytriton server has not, else auto].")
@@ -192,15 +240,18 @@ def build_triton_cmd(directory, **kw):
                    "gRPC [default: closed; serve alone holds its key].")
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True,
               help="Seconds to wait for every model to be READY.")
-def serve_cmd(directory, port, host, budget_backend, policy, slo_ms, slo_quantile, max_sparsity, allow_model_control,
-              ready_timeout):
+@apply_options(*_EXPOSURE)
+@click.pass_context
+def serve_cmd(ctx, directory, port, host, budget_backend, policy, slo_ms, slo_quantile, max_sparsity,
+              allow_model_control, ready_timeout, **door):
     """Serve DIR with a real Triton Inference Server in the foreground: the budget models first, then
     the router once every one of them is READY; prints the endpoints when ready; reloads a model whose
     Python backend stub dies; Ctrl-C or SIGTERM stops it (no process left behind, the server never
     outlives serve). The server is the `serve` extra's (pip install -e ".[serve]")."""
     from elastic_export.targets.tritonserver import serve
 
+    exposure = _exposure(ctx, **door)
     serve(directory, port=port, host=host, budget_backend=budget_backend, policy=policy, slo_ms=slo_ms,
           slo_quantile=slo_quantile, max_sparsity=max_sparsity, allow_model_control=allow_model_control,
-          ready_timeout_s=ready_timeout, echo=click.echo)
+          ready_timeout_s=ready_timeout, echo=click.echo, exposure=exposure)
     click.echo("stopped")

@@ -78,7 +78,7 @@ def load_state(directory: str | Path, grpc_url: str, model_name: str | None = No
 
 
 def create_app(directory: str | Path, triton_grpc_url: str, model_name: str | None = None, max_batch: int | None = None,
-               timeout_s: float = 60.0):
+               timeout_s: float = 60.0, limits=None):
     """The FastAPI app serving DIR's model through the router at ``triton_grpc_url`` (``host:port``).
 
     Args:
@@ -87,22 +87,48 @@ def create_app(directory: str | Path, triton_grpc_url: str, model_name: str | No
         model_name: the model id clients name (default: the router's name).
         max_batch: the most rows per router request (default: the router config's ``max_rows``).
         timeout_s: bound of each call to the router.
+        limits: the API key and the limits at the door (:class:`~elastic_export.serving.api_guard.Limits`;
+            default: no key, the default limits). ``app.state.guard`` is the door (:class:`Guard`).
     """
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
 
+    from elastic_export.serving.api_guard import Guard, Limits, TritonReadiness
+
     state = load_state(directory, triton_grpc_url, model_name, max_batch, timeout_s)
+    ready = TritonReadiness(triton_grpc_url, _watched_models(directory))
+    guard = Guard(None, limits or Limits(), ready)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         await state.router.close()
+        await ready.close()
 
     app = FastAPI(title="elastic-export embeddings", lifespan=lifespan)
-    app.state.api = state
+    app.state.api, app.state.guard = state, guard
+    app.add_middleware(_Door, guard=guard)
     _routes(app, state)
     return app
+
+
+class _Door:
+    """Starlette's middleware slot for the :class:`~elastic_export.serving.api_guard.Guard` made before the app."""
+
+    def __init__(self, app, guard):
+        guard.app, self.guard = app, guard
+
+    async def __call__(self, scope, receive, send):
+        await self.guard(scope, receive, send)
+
+
+def _watched_models(directory: str | Path) -> list[str]:
+    """What ``/ready`` asks Triton about: the router and every budget model of DIR's repository."""
+    from elastic_export.core.manifest import Manifest
+
+    triton = Manifest.load(Path(directory)).triton or {}
+    return [m["name"] for m in triton.get("models", [])] + ([triton["router"]] if triton.get("router") else [])
 
 
 def _routes(app, state: ApiState) -> None:
@@ -157,21 +183,22 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None):
 
 
 async def _body(request) -> dict[str, Any]:
-    """The request's JSON object; ApiError 413 above :data:`MAX_BODY_BYTES`, 400 when not a JSON object."""
+    """The request's JSON object, read within the door's limits: ApiError 413 past ``--payload-limit`` bytes
+    (while reading) or ``--max-client-batch-size`` inputs, 400 when not a JSON object."""
     import json
 
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body has {length} bytes, more than {MAX_BODY_BYTES}", None, "request_too_large")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body has {len(raw)} bytes, more than {MAX_BODY_BYTES}", None, "request_too_large")
+    from elastic_export.serving.api_guard import Limits, check_inputs, read_limited
+
+    guard = getattr(request.app.state, "guard", None)
+    limits = guard.limits if guard is not None else Limits(payload_limit=MAX_BODY_BYTES)
+    raw = await read_limited(request, limits.payload_limit, guard)
     try:
         body = json.loads(raw)
     except ValueError as e:
         raise ApiError(400, f"the request body is not JSON ({e})", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    check_inputs(body, limits.max_client_batch_size, guard)
     return body
 
 
@@ -236,7 +263,7 @@ class ApiServer:
     def __init__(self, app, host: str, port: int, log_level: str = "warning"):
         import uvicorn
 
-        self.host, self.port = host, port
+        self.host, self.port, self.app = host, port, app
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, name="http-api", daemon=True)
 
@@ -255,6 +282,17 @@ class ApiServer:
             time.sleep(0.02)
         return self
 
+    def drain(self, timeout_s: float) -> bool:
+        """Drain (``/ready`` 503, new ``/v1`` requests 503 with Retry-After), wait up to ``timeout_s`` for the
+        requests in flight to be answered, then stop; whether every one was."""
+        guard = getattr(self.app.state, "guard", None)
+        idle = True
+        if guard is not None:
+            guard.drain()
+            idle = guard.wait_idle(timeout_s)
+        self.stop(max(1.0, min(10.0, timeout_s)))
+        return idle
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask uvicorn to exit (open connections get ``timeout_s``) and join its thread."""
         self.server.should_exit = True
@@ -272,13 +310,16 @@ def run(app, host: str = "127.0.0.1", port: int = 8003, timeout_s: float = 30.0)
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m elastic_export.serving.http_api DIR --grpc HOST:PORT [--host H] [--port P]``: the API
-    in the foreground (SIGTERM / Ctrl-C stop it); prints one ``ready:`` line."""
+    in the foreground (SIGTERM / Ctrl-C stop it); prints one ``ready:`` line. The API key comes from
+    ``ELASTIC_EXPORT_API_KEY`` (never the command line)."""
     import argparse
+    import os
     import sys
 
     import uvicorn
 
     from elastic_export.core.errors import UserError
+    from elastic_export.serving.api_guard import API_KEY_ENV, Limits, check_exposure
 
     ap = argparse.ArgumentParser(prog="python -m elastic_export.serving.http_api")
     ap.add_argument("directory")
@@ -287,9 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8003)
     ap.add_argument("--model-name", default=None)
     ap.add_argument("--max-batch", type=int, default=None)
+    ap.add_argument("--allow-no-api-key", action="store_true", help=f"serve a non-loopback --host without {API_KEY_ENV}")
     a = ap.parse_args(argv)
     try:
-        app = create_app(a.directory, a.grpc, a.model_name, a.max_batch)
+        limits = Limits(api_key=os.environ.get(API_KEY_ENV) or None)
+        check_exposure(a.host, limits.api_key, a.allow_no_api_key)
+        app = create_app(a.directory, a.grpc, a.model_name, a.max_batch, limits=limits)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

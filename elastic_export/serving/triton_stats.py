@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 STATS_URL_ENV = "ELASTIC_EXPORT_TRITON_HTTP"  # e.g. http://127.0.0.1:8000
+STATS_HEADER_ENV = "ELASTIC_EXPORT_TRITON_HEADER"  # NAME=VALUE: the header a restricted statistics API asks for
 PHASES = ("compute_input", "compute_infer", "compute_output")
 
 Totals = Dict[str, Dict[int, Tuple[int, float]]]  # model -> batch size -> (batches, ms in all)
@@ -20,7 +21,11 @@ Totals = Dict[str, Dict[int, Tuple[int, float]]]  # model -> batch size -> (batc
 
 def fetch(url: str, timeout_s: float = 1.0) -> Dict[str, Any]:
     """Every model's statistics from the server at ``url`` (``http://host:port``)."""
-    with urllib.request.urlopen(f"{url.rstrip('/')}/v2/models/stats", timeout=timeout_s) as response:
+    import os
+
+    name, _, value = os.environ.get(STATS_HEADER_ENV, "").partition("=")
+    request = urllib.request.Request(f"{url.rstrip('/')}/v2/models/stats", headers={name: value} if value else {})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.loads(response.read())
 
 
