@@ -45,7 +45,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 QUICK_START = ['pip install -e . && elastic-export --budgets 0.1..0.6',
-               'pip install -e ".[test]" && python -m pytest']
+               'pip install -c constraints.txt -e ".[test]" && python -m pytest']
 
 # Every python, bash and console block, by (page, its first line), and what runs it: tests as
 # "file.py::test_name" (python blocks are executed literally; shell blocks' commands are run by
@@ -148,6 +148,12 @@ def test_readme_quick_start_is_what_ci_runs():
     assert runs(ci, r'pip install -q -c constraints\.txt -e "\.\[test\]"$'), "CI installs the test extra with the pins"
     assert [line for line in runs(ci, "python -m pytest") if "-ra --strict-markers" in line], "CI runs the suite"
     assert runs(ci, r"python \.ci/check_skips\.py "), "CI checks the skips"
+    golden = runs(ci, r"unset ELASTIC_EXPORT_UPDATE_GOLDEN$")
+    ci_true = runs(ci, r"export .*\bCI=true\b")
+    assert golden and ci_true, "CI neither rewrites the golden file nor lets the golden test do it"
+    lines = ci_commands(ci)
+    pytest_at = lines.index([line for line in runs(ci, "python -m pytest") if "-ra --strict-markers" in line][0])
+    assert lines.index(golden[0]) < pytest_at and lines.index(ci_true[0]) < pytest_at
     assert runs(ci, r'pip"? install -q -e \.(?:\s|$)'), "CI runs the README's plain install"
     plain = runs(ci, r'python"? -m pytest .*tests/test_pipeline\.py::')
     assert plain and all(f"tests/{ref}" in plain[0] for ref in RUN_BY[("README.md", QUICK_START[0])][1:]), plain
@@ -219,7 +225,8 @@ def test_ci_skip_check_allows_only_the_stated_reasons(tmp_path):
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     case = '<testcase classname="tests.t" name="{}"><skipped type="pytest.{}" message="{}">x</skipped></testcase>'
-    allowed = case.format("a", "skip", "needs TensorRT and a CUDA GPU (tensorrt is not installed)")
+    allowed = case.format("a", "skip", "needs TensorRT and a CUDA GPU (TensorRT engines need the tensorrt package and a "
+                          "CUDA GPU: tensorrt is not installed (pip install ...))")
     report = tmp_path / "ok.xml"
     report.write_text(f'<testsuites><testsuite name="pytest">{allowed}<testcase classname="tests.t" name="b"/>'
                       "</testsuite></testsuites>")

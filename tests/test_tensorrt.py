@@ -509,6 +509,48 @@ print('ok')
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+# --- the skip reason CI accepts ---------------------------------------------------------------------
+_BROKEN = {
+    "missing": None,  # sys.modules["tensorrt"] = None: importing it raises ImportError
+    "broken": "raise OSError('libnvinfer.so.10: cannot open shared object file')",
+    "old-api": "class ICudaEngine: pass\nclass IExecutionContext: pass",
+    "no-device": "class ICudaEngine:\n    def get_tensor_name(self): pass\n"
+                 "class IExecutionContext:\n    def execute_async_v3(self): pass",
+}
+
+
+def _skip_reason(tmp_path: Path, case: str) -> str:
+    """This module's GPU skip reason when ``tensorrt`` is as :data:`_BROKEN` says (and no CUDA device is visible)."""
+    pkg = tmp_path / case
+    pkg.mkdir()
+    setup = "sys.modules['tensorrt'] = None"
+    if _BROKEN[case] is not None:
+        (pkg / "tensorrt.py").write_text(_BROKEN[case] + "\n")
+        setup = f"sys.path.insert(0, {str(pkg)!r})"
+    code = f"import sys\n{setup}\nfrom elastic_export.targets import tensorrt as T\nprint(T.tensorrt_unavailable())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**ENV, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    return f"{GPU_REASON} ({r.stdout.strip()})"
+
+
+def test_ci_skip_check_fails_a_broken_tensorrt(tmp_path):
+    """.ci/check_skips.py accepts this module's skip when tensorrt is not installed or no CUDA device is
+    visible, and fails it when tensorrt is installed but broken (its import raises) or too old."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_skips", Path(__file__).parents[1] / ".ci" / "check_skips.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    reasons = {case: _skip_reason(tmp_path, case) for case in _BROKEN}
+    assert "tensorrt is not installed" in reasons["missing"], reasons
+    assert "cannot be imported (libnvinfer.so.10" in reasons["broken"], reasons
+    assert "lacks the named-tensor API" in reasons["old-api"], reasons
+    assert reasons["no-device"].endswith("no CUDA device is visible)"), reasons
+    found = [(f"tests.test_tensorrt::{case}", "skip", why) for case, why in reasons.items()]
+    assert [name for name, _, _ in check.unexpected(found)] == ["tests.test_tensorrt::broken", "tests.test_tensorrt::old-api"]
+
+
 # --- GPU: real engines ----------------------------------------------------------------------------
 _WHY = T.tensorrt_unavailable()
 gpu = pytest.mark.skipif(_WHY is not None, reason=f"{GPU_REASON} ({_WHY})")
