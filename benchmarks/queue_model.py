@@ -18,7 +18,7 @@ This script measures how far each estimate is from the queue itself, and what ea
    (``a + d``, ``c`` as measured) and ``d0 + scale c`` (a fixed 3 ms per batch, the per-row time scaled).
 
 Usage:
-    python benchmarks/queue_model.py [--artifacts DIR] [--runs benchmarks/results/serve_triton_amd.json ...]
+    python benchmarks/queue_model.py [--artifacts DIR] [--runs benchmarks/results/serve_triton.json ...]
 
 Writes benchmarks/results/queue_model.{json,md}. The service times are measured when the script runs, not
 when the runs were recorded: on a host whose speed moves, read part 2 as the shape of each correction's
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
-    ap.add_argument("--runs", type=Path, nargs="*", default=[RESULTS / "serve_triton_amd.json"])
+    ap.add_argument("--runs", type=Path, nargs="*", default=[RESULTS / "serve_triton.json"])
     args = ap.parse_args(argv)
     points = dense_service(args.artifacts)
     f = slo.fit_affine(points)
