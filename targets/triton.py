@@ -12,6 +12,9 @@
   backend, :mod:`elastic_export.targets.triton_search` copied verbatim as its ``model.py``, hard links of
   the index's files in ``1/index/``, the tokenizer in ``1/tokenizer/``): query text in, the dense index's
   top-k ids and scores out, each query encoded by the router (BLS, so search is load like any other);
+* an indexing lane ``<name>_index``: the dense model once more, a model of its own, so that documents
+  (always embedded dense) never wait in the queries' dense queue; a ``python`` one runs its compute at
+  niceness :data:`INDEX_NICE`, so that it takes the cores only while the query models leave them idle;
 * a router model ``<name>`` (Python backend, business-logic scripting): the same inputs plus an
   optional ``sparsity`` input (or a ``sparsity`` request parameter); its ``model.py`` is the module
   :mod:`elastic_export.targets.triton_router`, copied verbatim, which forwards each request to the
@@ -71,6 +74,8 @@ ROUTER_FILE = "triton_router.py"  # this package's router module, copied verbati
 ROUTER_HEADER = '"""elastic-export router'  # how that file starts: marks a triton/ this tool wrote
 SEARCH_FILE = "triton_search.py"  # the search model, copied verbatim as its model.py
 SEARCH_SUFFIX = "_search"  # the search model is <name>_search
+INDEX_SUFFIX = "_index"  # the indexing lane (the dense model for documents) is <name>_index
+INDEX_NICE = 19  # its compute's niceness: the lowest priority, it yields the cores to every query
 _TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
           "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -151,12 +156,12 @@ def _quote(text: str) -> str:
 BUDGET_NICE = 5  # a python budget model's compute yields the cores to the request path (triton_onnx_model)
 
 
-def _session_parameters(ort_threads: int, warmup_tokens: int) -> dict[str, str]:
+def _session_parameters(ort_threads: int, warmup_tokens: int, nice: int = BUDGET_NICE) -> dict[str, str]:
     """The onnxruntime session parameters (:func:`elastic_export.targets.triton_onnx_model.open_session`)
     of a python budget model and of the router's inline sessions: threads, no spinning, warm-up length, and
-    the niceness of their compute (:data:`BUDGET_NICE`)."""
+    the niceness of their compute (:data:`BUDGET_NICE`; the indexing lane's :data:`INDEX_NICE`)."""
     return {ort_model.THREADS_PARAMETER: str(ort_threads), ort_model.WARMUP_PARAMETER: str(warmup_tokens),
-            ort_model.SPIN_PARAMETER: "0", ort_model.NICE_PARAMETER: str(BUDGET_NICE)}
+            ort_model.SPIN_PARAMETER: "0", ort_model.NICE_PARAMETER: str(nice)}
 
 
 def queue_policy(max_batch: int, slo_ms: float | None) -> str:
@@ -176,8 +181,8 @@ def queue_policy(max_batch: int, slo_ms: float | None) -> str:
 
 def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[dict], *, max_batch: int,
                  kind: str, instances: int, queue_delay_us: int, ort_threads: int = 0, warmup_tokens: int = 16,
-                 slo_ms: float | None = None) -> str:
-    """``config.pbtxt`` of one budget model.
+                 slo_ms: float | None = None, nice: int = BUDGET_NICE) -> str:
+    """``config.pbtxt`` of one budget model (or of the indexing lane: ``nice`` :data:`INDEX_NICE`).
 
     Args:
         model: the model.
@@ -190,11 +195,12 @@ def model_config(model: ServedModel, inputs: Sequence[dict], outputs: Sequence[d
         ort_threads: onnxruntime intra-op threads of a ``python`` budget model (0: its default).
         warmup_tokens: free dims of a ``python`` budget model's warm-up runs at load.
         slo_ms: the router's SLO (the queue policy's timeout, :func:`queue_policy`).
+        nice: the niceness of a ``python`` model's compute.
     """
     runs = 'backend: "python"' if model.platform == "python" else f'platform: "{model.platform}"'
     params = {"sparsity": repr(model.sparsity)}
     if model.platform == "python":
-        params.update(_session_parameters(ort_threads, warmup_tokens))
+        params.update(_session_parameters(ort_threads, warmup_tokens, nice))
     return (f'name: "{model.name}"\n{runs}\nmax_batch_size: {max_batch}\n'
             + _tensors("input", inputs) + _tensors("output", outputs)
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n"
@@ -322,6 +328,12 @@ def router_source() -> str:
 
 
 # --- what to serve --------------------------------------------------------------------------------
+def index_model(models: Sequence[ServedModel], name: str) -> ServedModel | None:
+    """The indexing lane: the dense model served once more as ``<name>_index`` (None without a dense model)."""
+    dense = [m for m in models if m.sparsity == 0.0]
+    return None if not dense else ServedModel(f"{name}{INDEX_SUFFIX}", 0.0, dense[0].platform, dense[0].source)
+
+
 def _check_name(name: str) -> None:
     if not name or not set(name) <= _NAME_CHARS or name.startswith("."):
         raise UserError(f"--triton-name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
@@ -537,6 +549,7 @@ class RepositoryPlan:
     tokenizer: Path | None = None  # the folder whose tokenizer files serve the text input
     warmup_tokens: int = 16  # python budget models' warm-up length (the manifest's tokens)
     search: SearchPlan | None = None  # the search model, with an index
+    index: ServedModel | None = None  # the indexing lane: the dense model for documents
 
     @property
     def default(self) -> float:
@@ -551,6 +564,11 @@ class RepositoryPlan:
                                         ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens,
                                         slo_ms=self.router.slo_ms)
                    for m in self.models}
+        if self.index is not None:
+            configs[self.index.name] = model_config(
+                self.index, self.inputs, self.outputs, max_batch=self.max_batch, kind=KINDS[self.kind],
+                instances=1, queue_delay_us=self.queue_delay_us, ort_threads=self.ort_threads,
+                warmup_tokens=self.warmup_tokens, nice=INDEX_NICE)
         configs[self.name] = router_config(self.name, self.models, self.router, self.inputs, self.outputs,
                                            ort_threads=self.ort_threads, warmup_tokens=self.warmup_tokens,
                                            max_batch=self.max_batch)
@@ -582,6 +600,10 @@ class RepositoryPlan:
             "instances": self.instances,
             "max_queue_delay_microseconds": self.queue_delay_us,
             "precision": self.precision,
+            "index": None if self.index is None else {
+                "name": self.index.name, "sparsity": self.index.sparsity, "platform": self.index.platform,
+                "source": self.index.source, "file": f"{TRITON_DIR}/{self.index.name}/1/{self.index.filename}",
+                "nice": INDEX_NICE if self.index.platform == "python" else None},
             "search": None if self.search is None else {"name": self.search.name, "count": self.search.count,
                                                         "index": self.search.entry},
         }
@@ -591,7 +613,7 @@ def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[s
     """Write the repository into ``staging``: model files (hard links or copies), the router's
     ``model.py`` and every ``config.pbtxt``. Returns ``link`` or ``copy`` by budget model."""
     placed = {}
-    for m in plan.models:
+    for m in [*plan.models, *([plan.index] if plan.index is not None else [])]:
         version = staging / m.name / "1"
         version.mkdir(parents=True)
         src = resolve(directory, m.source)
@@ -753,11 +775,13 @@ def build_repository(directory: str | Path, *, name: str = DEFAULT_NAME, max_bat
     profile = d / LATENCY_PROFILE if (d / LATENCY_PROFILE).is_file() else None
     search = plan_search(manifest, name, tokenizer, outputs, max_batch, [m.sparsity for m in models], echo)
     plan = RepositoryPlan(name, models, settings, inputs, outputs, max_batch, kind, instances, queue_delay_us,
-                          precision, ort_threads, profile, tokenizer, int(manifest.tokens or 16), search)
+                          precision, ort_threads, profile, tokenizer, int(manifest.tokens or 16), search,
+                          index_model(models, name))
     placed = write_repository(d, plan, plan.configs())
     links = sum(v == "link" for v in placed.values())
     found = f" + search {search.name!r} ({search.count} documents)" if search is not None else ""
-    echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models ({links} hard links, {len(models) - links} copies) "
+    lane = f" + indexing lane {plan.index.name!r}" if plan.index is not None else ""
+    echo(f"wrote {d / TRITON_DIR}: {len(models)} budget models{lane} ({links} hard links, {len(placed) - links} copies) "
          f"+ router {name!r} (policy {settings.policy}{', text input' if settings.text else ''}){found}")
     manifest.triton = plan.entry()
     write_manifest(d, manifest)

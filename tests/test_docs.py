@@ -83,7 +83,7 @@ RUN_BY = {
     ("docs/embeddings_api.md", "elastic-export index elastic-out corpus.jsonl"):
         ["test_index.py::test_index_is_torch_free_and_matches_brute_force", "test_index.py::test_hnsw_txt_and_overwrite"],
     ("docs/embeddings_api.md", "import numpy as np"): ["test_http_api.py::test_docs_embeddings_api_snippets_run"],
-    ("docs/embeddings_api.md", "from langchain_openai import OpenAIEmbeddings"):
+    ("docs/embeddings_api.md", "from langchain_core.vectorstores import InMemoryVectorStore"):
         ["test_http_api.py::test_docs_embeddings_api_snippets_run"],
     ("docs/embeddings_api.md", "import httpx"): ["test_http_api.py::test_docs_embeddings_api_snippets_run"],
     ("docs/serving.md", 'pip install -e ".[serve]"'): [".ci/run", "test_pipeline.py::test_readme_serve_on_the_default_run"],

@@ -155,10 +155,106 @@ def test_langchain_and_llamaindex_unmodified(live):
     np.testing.assert_allclose(np.array(li.get_query_embedding(TEXTS[1])), live.encode(TEXTS[1:2], 0.5)[0], atol=1e-5)
 
 
+def test_langchain_and_llamaindex_stores_dense_documents_and_elastic_queries(live):
+    """docs/embeddings_api.md's mapping, with the libraries' own stores and public APIs: the store is filled
+    through ``elastic:document`` (dense, the indexing lane: Triton counts its rows), queries go through
+    ``elastic:query`` (the router's budget, never the lane) and find their documents."""
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from langchain_openai import OpenAIEmbeddings
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.schema import TextNode
+    from llama_index.embeddings.openai import OpenAIEmbedding
+
+    texts = [d["text"] for d in live.docs[:40]]
+    common = {"base_url": live.url + "/v1", "api_key": "x", "check_embedding_ctx_length": False, "max_retries": 0}
+    before = _lane_count(live)
+    store = InMemoryVectorStore.from_texts(texts, OpenAIEmbeddings(model="elastic:document", **common))
+    stored = np.array([store.store[k]["vector"] for k in sorted(store.store, key=lambda k: texts.index(
+        store.store[k]["text"]))])
+    np.testing.assert_allclose(stored, live.encode(texts, 0.0), atol=1e-5)
+    queries = OpenAIEmbeddings(model="elastic:query", **common)
+    assert store.similarity_search_by_vector(queries.embed_query(texts[7]), k=1)[0].page_content == texts[7]
+    assert _lane_count(live) - before == len(texts)  # the documents, not the query
+    li = {"api_base": live.url + "/v1", "api_key": "x", "max_retries": 0}
+    index = VectorStoreIndex([TextNode(text=t, id_=f"n{i}") for i, t in enumerate(texts)],
+                             embed_model=OpenAIEmbedding(model_name="elastic:document", **li))
+    retriever = index.as_retriever(similarity_top_k=1, embed_model=OpenAIEmbedding(model_name="elastic:query", **li))
+    assert retriever.retrieve(texts[11])[0].node.get_content() == texts[11]
+    assert _lane_count(live) - before == 2 * len(texts)
+
+
+def _lane_count(live) -> int:
+    """How many rows the indexing lane's model has run (Triton's own statistics)."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(live.grpc) as c:
+        stats = c.get_inference_statistics("elastic_index", as_json=True)["model_stats"][0]
+    return int(stats.get("inference_count", 0))
+
+
+def test_documents_are_dense_through_the_indexing_lane(live):
+    """A request that states no type, ``input_type: document`` and the model id ``elastic:document`` are
+    embedded dense by the indexing lane's model (Triton counts its rows), in input order, equal to the
+    dense runtime; queries get their budget; a sparse document is a 400."""
+    texts = [d["text"] for d in live.docs] + TEXTS * 10  # 250 rows of many lengths: sorted, batched, restored
+    before = _lane_count(live)
+    for extra in ({}, {"input_type": "document"}, {"model": "elastic:document"}, {"input_type": "search_document"}):
+        r = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic", "input": texts, **extra},
+                       timeout=TIMEOUT_S)
+        body = r.json()
+        assert r.status_code == 200 and body["served_sparsity"] == 0.0 and body["input_type"] == "document", r.text
+        np.testing.assert_allclose(np.array([e["embedding"] for e in body["data"]]), live.encode(texts, 0.0),
+                                   atol=1e-5)
+    assert _lane_count(live) - before == 4 * len(texts)  # every document row ran in the lane
+    r = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic:query", "input": TEXTS, "sparsity": 0.5},
+                   timeout=TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["served_sparsity"] == 0.5 and r.json()["input_type"] == "query"
+    assert _lane_count(live) - before == 4 * len(texts)  # queries never run there
+    r = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic@0.5", "input": "a", "input_type": "document"},
+                   timeout=TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "sparse_document"
+    r = httpx.post(live.url + "/v1/search", json={"query": "a", "input_type": "document"}, timeout=TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_type"
+
+
+def test_queries_are_answered_while_a_corpus_is_indexed(live):
+    """One client embeds 1,500 documents in one request; queries sent one after another meanwhile (at
+    most 40, each bounded) are all answered, none refused: the lane runs beside the query models at the
+    lowest priority instead of ahead of them. The documents come back dense and complete."""
+    import threading
+
+    docs = [f"{d['text']} {d['text']}" for d in live.docs] * 8
+    done: dict = {}
+    base = _lane_count(live)
+
+    def index():
+        done["r"] = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic", "input": docs[:1500],
+                                                                   "input_type": "document"}, timeout=TIMEOUT_S * 3)
+
+    worker = threading.Thread(target=index)
+    worker.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while _lane_count(live) == base and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the lane has run its first batch
+    statuses = []
+    while worker.is_alive() and len(statuses) < 40:
+        q = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic", "input": TEXTS[0], "input_type": "query"},
+                       timeout=TIMEOUT_S)
+        statuses.append((q.status_code, q.json().get("served_sparsity")))
+    worker.join(TIMEOUT_S * 3)
+    assert statuses and all(code == 200 for code, _ in statuses), statuses
+    r = done["r"]
+    assert r.status_code == 200 and r.json()["served_sparsity"] == 0.0 and len(r.json()["data"]) == 1500
+    np.testing.assert_allclose(np.array([e["embedding"] for e in r.json()["data"][:200]]),
+                               live.encode(docs[:200], 0.0), atol=1e-5)
+
+
 def test_models_list_every_budget(live):
     models = _client(live).models.list()
     ids = [m.id for m in models.data]
-    assert ids == ["elastic", "elastic@0", "elastic@0.1", "elastic@0.5"]
+    assert ids == ["elastic", "elastic:query", "elastic:document", "elastic@0", "elastic@0.1", "elastic@0.5"]
+    types = {m.id: (m.input_type, m.sparsity) for m in models.data}
+    assert types["elastic:document"] == ("document", 0.0) and types["elastic@0.5"] == ("query", 0.5)
     one = httpx.get(live.url + "/v1/models/elastic@0.5", timeout=TIMEOUT_S).json()
     assert one["sparsity"] == 0.5 and one["dimensions"] == 384 and one["object"] == "model"
     assert httpx.get(live.url + "/v1/models/other", timeout=TIMEOUT_S).status_code == 404
@@ -253,6 +349,7 @@ def test_docs_embeddings_api_snippets_run(live, capsys):
         block = block.replace("http://127.0.0.1:8003/v1", live.url + "/v1").replace("127.0.0.1:8001", live.grpc)
         exec(compile(block, "embeddings_api.md", "exec"), {})
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("(2, 384) 0.5 ") and out[1] == "384 384" and out[2].startswith("0")
+    assert out[0].startswith("(2, 384) 0.5 ") and out[1] == out[2] == "The cat sat on the mat."
+    assert out[3].startswith("0")
     ids = {d["id"] for d in live.docs}  # the Triton search model on the same server: 5 ids of the index, at 0.5
-    assert out[3].endswith(" [0.5]") and all(x in ids for x in ast.literal_eval(out[3].rsplit(" [", 1)[0]))
+    assert out[4].endswith(" [0.5]") and all(x in ids for x in ast.literal_eval(out[4].rsplit(" [", 1)[0]))

@@ -79,7 +79,7 @@ def repo(art) -> Path:
 
 
 def test_repository_layout_and_configs_parse(art, repo):
-    names = ["elastic", "elastic_s000", "elastic_s010", "elastic_s050"]
+    names = ["elastic", "elastic_index", "elastic_s000", "elastic_s010", "elastic_s050"]
     assert sorted(p.name for p in repo.iterdir()) == names
     m = load_manifest(art)
     for name in names[1:]:
@@ -87,7 +87,7 @@ def test_repository_layout_and_configs_parse(art, repo):
         assert cfg.name == name and cfg.max_batch_size == 16
         assert cfg.dynamic_batching.max_queue_delay_microseconds == TR.DEFAULT_QUEUE_DELAY_US
         assert [g.kind for g in cfg.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
-        assert [g.count for g in cfg.instance_group] == [2]
+        assert [g.count for g in cfg.instance_group] == [1 if name == "elastic_index" else 2]  # the lane: one
         ins = {t.name: t for t in cfg.input}
         outs = {t.name: t for t in cfg.output}
         for spec in m["inputs"]:
@@ -116,6 +116,8 @@ def test_repository_layout_and_configs_parse(art, repo):
     for name in names[1:]:
         cfg = _parse(repo / name / "config.pbtxt")
         assert cfg.platform == "onnxruntime_onnx" and cfg.backend == ""
+        if name in ("elastic_index", "elastic_s000"):  # the lane is the dense model
+            assert cfg.parameters["sparsity"].string_value == "0.0"
         assert sorted(p.name for p in (repo / name).rglob("*")) == ["1", "config.pbtxt", "model.onnx"]
 
 
@@ -139,6 +141,11 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, repo, tm
     assert cfg.HasField("dynamic_batching") and cfg.parameters["intra_op_threads"].string_value == "1"
     assert cfg.parameters["allow_spinning"].string_value == "0"  # see test_python_budget_model_session_options
     assert cfg.parameters["nice"].string_value == str(TR.BUDGET_NICE)  # its compute yields to the request path
+    lane = _parse(d / "triton" / "elastic_index" / "config.pbtxt")  # documents: dense, the lowest priority
+    assert lane.backend == "python" and lane.parameters["nice"].string_value == str(TR.INDEX_NICE) == "19"
+    assert [g.count for g in lane.instance_group] == [1] and lane.max_batch_size == 16
+    lane_file, dense_file = (d / "triton" / n / "1" / "model.onnx" for n in ("elastic_index", "elastic_s000"))
+    assert os.path.samefile(lane_file, dense_file)
     assert not cfg.dynamic_batching.HasField("default_queue_policy")  # Triton 2.51's python backend: see queue_policy
     policy = onnx_flavor.dynamic_batching.default_queue_policy  # other backends: bounded, late work rejected
     assert policy.max_queue_size == TR.QUEUE_BATCHES * 16 and policy.timeout_action == policy.REJECT
@@ -237,7 +244,7 @@ def test_served_files_are_the_budget_onnx(art, repo):
 
     m = load_manifest(art)
     sources = {"elastic_s000": m["dense"]["onnx"], "elastic_s010": m["budgets"][0]["onnx"],
-               "elastic_s050": m["budgets"][1]["onnx"]}
+               "elastic_s050": m["budgets"][1]["onnx"], "elastic_index": m["dense"]["onnx"]}
     for name, src in sources.items():
         served, orig = repo / name / "1" / "model.onnx", art / src
         assert os.path.samefile(served, orig)  # a hard link: same filesystem, no copy
@@ -254,6 +261,9 @@ def test_manifest_records_the_repository(art, repo):
         ("elastic_s000", 0.0, "onnxruntime_onnx"), ("elastic_s010", 0.1, "onnxruntime_onnx"),
         ("elastic_s050", 0.5, "onnxruntime_onnx")]
     assert all((art / x["file"]).is_file() for x in t["models"])
+    assert t["index"] == {"name": "elastic_index", "sparsity": 0.0, "platform": "onnxruntime_onnx",
+                          "source": load_manifest(art)["dense"]["onnx"],
+                          "file": "triton/elastic_index/1/model.onnx", "nice": None}  # niceness: python models only
     assert t["max_batch_size"] == 16 and t["instances"] == 2 and t["instance_kind"] == "cpu"
 
 
@@ -264,7 +274,8 @@ def test_rerun_replaces_the_repository(art, repo, tmp_path):
     sh.copytree(art, d, copy_function=os.link)  # cheap: hard links
     (d / "triton" / "stale_model").mkdir()
     TR.build_repository(d, name="minilm", dense=False, kind="auto")
-    assert sorted(p.name for p in (d / "triton").iterdir()) == ["minilm", "minilm_s010", "minilm_s050"]
+    assert sorted(p.name for p in (d / "triton").iterdir()) == ["minilm", "minilm_s010", "minilm_s050"]  # no dense: no lane
+    assert load_manifest(d)["triton"]["index"] is None
     assert not [p.name for p in d.iterdir() if p.name.startswith(".triton")]  # no temporary left behind
     cfg = _parse(d / "triton" / "minilm_s050" / "config.pbtxt")
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO

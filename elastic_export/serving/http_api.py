@@ -9,8 +9,12 @@ Entry points (``serve`` calls them once the Triton server is READY)::
 
 or a process of its own: ``python -m elastic_export.serving.http_api DIR --grpc 127.0.0.1:8001 --port 8003``.
 
-Extensions: the body field ``sparsity`` and model ids ``NAME@S`` (listed by ``/v1/models``) name a
-budget; the served one is in the ``x-elastic-served-sparsity`` header and the body's ``served_sparsity``.
+Extensions: the body field ``input_type`` (``query`` / ``document``, as Cohere, Voyage and Jina spell it;
+model ids ``NAME:query`` / ``NAME:document`` for clients that cannot add a field): documents are embedded
+dense through the indexing lane, queries at the budget the load allows; a request that states no type is a
+document unless it names a budget. The body field ``sparsity`` and model ids ``NAME@S`` (listed by
+``/v1/models``) name a query's budget; the served one is in the ``x-elastic-served-sparsity`` header and the
+body's ``served_sparsity``.
 FastAPI and uvicorn are imported by :func:`create_app` / :func:`run` only.
 """
 
@@ -72,7 +76,8 @@ def load_state(directory: str | Path, grpc_url: str, model_name: str | None = No
     triton = manifest.triton or {}
     router_name = triton.get("router", "elastic")
     pad_id = (encoder.tokenizer.padding or {}).get("pad_id", 0)
-    client = RouterClient(grpc_url, router_name, inputs, output, pad_id, max_batch, timeout_s)
+    lane = (triton.get("index") or {}).get("name")
+    client = RouterClient(grpc_url, router_name, inputs, output, pad_id, max_batch, timeout_s, lane)
     return ApiState(model_name or router_name, encoder, encoder.max_len, encoder.tokenizer.get_vocab_size(), dims,
                     client, DenseIndex.load(root))
 
@@ -158,7 +163,7 @@ def _routes(app, state: ApiState) -> None:
         return found[0]
 
     async def embeddings(request):
-        return await _embeddings(state, await _body(request))
+        return await _embeddings(state, await _body(request), request.is_disconnected)
 
     async def search(request):
         return await _search(state, await _body(request))
@@ -205,34 +210,45 @@ async def _body(request) -> dict[str, Any]:
 async def _models(state: ApiState) -> list[dict[str, Any]]:
     info = await state.router.info()
     own = {"object": "model", "created": state.created, "owned_by": "elastic-export", "dimensions": state.dims}
-    listed = [{"id": state.name, **own, "sparsity": None}]
-    return listed + [{"id": f"{state.name}{oa.SEP}{s:g}", **own, "sparsity": s} for s in info.sparsities]
+    listed = [{"id": state.name, **own, "sparsity": None, "input_type": None}]
+    listed += [{"id": f"{state.name}{oa.TYPE_SEP}{t}", **own, "sparsity": 0.0 if t == oa.DOCUMENT else None,
+                "input_type": t} for t in (oa.QUERY, oa.DOCUMENT)]
+    return listed + [{"id": f"{state.name}{oa.SEP}{s:g}", **own, "sparsity": s, "input_type": oa.QUERY}
+                     for s in info.sparsities]
 
 
-async def _encode(state: ApiState, body: dict[str, Any], field_name: str):
-    """(served embeddings, prompt tokens) of ``body[field_name]`` at the budget ``model`` / ``sparsity`` name."""
+async def _encode(state: ApiState, body: dict[str, Any], field_name: str, gone=None, search: bool = False):
+    """(served embeddings, prompt tokens, input type) of ``body[field_name]``: a query at the budget ``model`` /
+    ``sparsity`` name (else the router's pick), a document dense through the indexing lane
+    (:func:`~elastic_export.serving.openai_schema.resolve_request`); a search's text is a query."""
     if field_name not in body:
         raise ApiError(400, f"'{field_name}' is required", field_name, "missing_required_parameter")
-    sparsity = oa.parse_sparsity(body.get("sparsity"), "sparsity")
-    sparsity = oa.resolve_model(body.get("model", state.name), state.name, sparsity)
+    asked = oa.resolve_request(body.get("model", state.name), state.name, body.get("sparsity"), body.get("input_type"),
+                               oa.QUERY if search else None)
+    if search and asked.input_type != oa.QUERY:
+        raise ApiError(400, "a search's text is a query: 'input_type' must be 'query' or absent", "input_type",
+                       "invalid_input_type")
     items = oa.input_items(body[field_name], field_name)
     rows = oa.tokenize(state.encoder, items, state.max_len, state.vocab)
-    served = await state.router.embed(rows, sparsity)
-    return served, sum(len(r.ids) for r in rows)
+    if asked.input_type == oa.DOCUMENT:
+        served = await state.router.embed_documents(rows, gone)
+    else:
+        served = await state.router.embed(rows, asked.sparsity)
+    return served, sum(len(r.ids) for r in rows), asked.input_type
 
 
 def _served_headers(served) -> dict[str, str]:
     return {SPARSITY_HEADER: f"{served.sparsity:g}", PRECISION_HEADER: served.precision}
 
 
-async def _embeddings(state: ApiState, body: dict[str, Any]):
+async def _embeddings(state: ApiState, body: dict[str, Any], gone=None):
     fmt = oa.encoding_format(body.get("encoding_format"))
     oa.check_dimensions(body.get("dimensions"), state.dims)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise ApiError(400, "'user' must be a string", "user", "invalid_user")
-    served, tokens = await _encode(state, body, "input")
+    served, tokens, kind = await _encode(state, body, "input", gone)
     out = {"object": "list", "data": oa.embedding_data(served.vectors, fmt), "model": body.get("model", state.name),
-           "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "input_type": kind,
            "served_sparsity": served.sparsity, "served_precision": served.precision}
     return _json(out, 200, _served_headers(served))
 
@@ -247,7 +263,7 @@ async def _search(state: ApiState, body: dict[str, Any]):
     with_text = body.get("return_text", False)
     if not isinstance(with_text, bool):
         raise ApiError(400, "'return_text' must be true or false", "return_text", "invalid_return_text")
-    served, tokens = await _encode(state, body, "query")
+    served, tokens, _ = await _encode(state, body, "query", search=True)
     scores, positions = await asyncio.to_thread(state.index.search, served.vectors, top_k)
     hits = state.index.hits(scores, positions, with_text)
     out = {"object": "list", "data": [{"object": "search_result", "index": i, **h} for i, h in enumerate(hits)],

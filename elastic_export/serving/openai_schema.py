@@ -75,6 +75,60 @@ def resolve_model(model: Any, name: str, sparsity: float | None) -> float | None
     return named
 
 
+QUERY, DOCUMENT = "query", "document"
+TYPE_SEP = ":"  # model ids NAME:query / NAME:document name an input type
+# input_type as OpenAI-compatible clients of Cohere, Voyage and Jina spell it
+INPUT_TYPES = {"query": QUERY, "search_query": QUERY, "retrieval.query": QUERY,
+               "document": DOCUMENT, "search_document": DOCUMENT, "retrieval.passage": DOCUMENT,
+               "passage": DOCUMENT, "classification": DOCUMENT, "clustering": DOCUMENT}
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks for: its input type (``query`` / ``document``) and the sparsity it names."""
+
+    input_type: str
+    sparsity: float | None
+
+
+def resolve_request(model: Any, name: str, sparsity: Any, input_type: Any, default: str | None = None) -> Asked:
+    """The input type and sparsity of a request from ``model`` (NAME, NAME@S, NAME:query, NAME:document),
+    ``sparsity`` and ``input_type``.
+
+    Documents are embedded dense: the index is dense, only queries are elastic. A request that states no
+    type is a document unless it names a sparsity, so that a vector store filled through a client that
+    knows nothing of input types holds dense vectors only (a wrong guess costs capacity, never the index).
+    ``default`` replaces that rule (search: a query).
+
+    Raises:
+        ApiError: 400 for an unknown input type, a type or sparsity that conflicts with the model id, or a
+            sparsity named for documents; 404 for a model id this server does not serve.
+    """
+    base, sep, kind = (model.partition(TYPE_SEP) if isinstance(model, str) else (model, "", ""))
+    if sep and kind not in (QUERY, DOCUMENT):
+        raise ApiError(404, f"The model '{model}' does not exist; GET /v1/models lists the served ones",
+                       "model", "model_not_found")
+    named = resolve_model(base, name, parse_sparsity(sparsity, "sparsity"))
+    asked = _input_type(input_type)
+    if asked is not None and sep and asked != kind:
+        raise ApiError(400, f"model '{model}' names input type {kind}, 'input_type' {input_type!r}", "input_type",
+                       "conflicting_input_type")
+    kind = asked or kind or default or (QUERY if named is not None else DOCUMENT)
+    if kind == DOCUMENT and named is not None and named > 0:
+        raise ApiError(400, f"documents are embedded dense (the index is dense, only queries are elastic): name "
+                            f"sparsity {named:g} only with input_type 'query'", "sparsity", "sparse_document")
+    return Asked(kind, named)
+
+
+def _input_type(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in INPUT_TYPES:
+        raise ApiError(400, f"'input_type' must be one of {', '.join(sorted(INPUT_TYPES))}, got {value!r}",
+                       "input_type", "invalid_input_type")
+    return INPUT_TYPES[value]
+
+
 def _is_tokens(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 

@@ -1,18 +1,22 @@
-"""The HTTP API's way to the Triton router: tritonclient's asyncio gRPC client, the router's limits
-read from its config, a request of any size split into batches the router takes (sent concurrently,
-answered in order), and gRPC errors turned into OpenAI-shaped ones."""
+"""The HTTP API's way to the Triton server: tritonclient's asyncio gRPC client, the router's limits
+read from its config, queries sent through the router (split into batches it takes), documents sent
+dense through the indexing lane (sorted by length into token-bounded batches, a few in flight, answered
+in order), and gRPC errors turned into OpenAI-shaped ones."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
 from elastic_export.serving.openai_schema import ApiError, Tokens, feeds
 
 DEFAULT_MAX_ROWS = 128
+INDEX_BATCH_TOKENS = 4096  # padded tokens in one indexing-lane batch (TEI's --max-batch-tokens)
+INDEX_IN_FLIGHT = 2  # indexing-lane batches in flight at once, over every request: one runs, one is ready
 SPARSITY_INPUT, SERVED, PRECISION = "sparsity", "served_sparsity", "served_precision"
 
 
@@ -31,6 +35,27 @@ class RouterInfo:
 
     max_rows: int
     sparsities: list[float]
+    precision: str = "fp32"
+
+
+def document_batches(lengths: Sequence[int], max_rows: int, max_tokens: int = INDEX_BATCH_TOKENS) -> list[list[int]]:
+    """Row indices in batches for the indexing lane: longest first, so that rows of similar length pad
+    together; each batch at most ``max_rows`` rows and ``max_tokens`` padded tokens (a row longer than
+    that alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
+    """The fraction of the padded tokens of ``batches`` that are padding."""
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return 1.0 - sum(lengths) / padded if padded else 0.0
 
 
 class RouterClient:
@@ -44,14 +69,16 @@ class RouterClient:
         pad_id: the tokenizer's padding id.
         max_rows: the largest batch to send (None: the router config's ``max_rows``).
         timeout_s: the bound on each gRPC call.
+        index_model: the indexing lane's model (None: documents go through the router at sparsity 0).
     """
 
     def __init__(self, url: str, router: str, input_names: Sequence[str], output: str, pad_id: int,
-                 max_rows: int | None = None, timeout_s: float = 60.0):
+                 max_rows: int | None = None, timeout_s: float = 60.0, index_model: str | None = None):
         self.url, self.router, self.input_names, self.output = url, router, list(input_names), output
-        self.pad_id, self.timeout_s, self._max_rows = pad_id, timeout_s, max_rows
+        self.pad_id, self.timeout_s, self._max_rows, self.index_model = pad_id, timeout_s, max_rows, index_model
         self._client: Any = None
         self._info: RouterInfo | None = None
+        self._lane: asyncio.Semaphore | None = None
 
     def _grpc(self):
         if self._client is None:  # created on the serving loop: grpc.aio channels belong to one loop
@@ -75,7 +102,7 @@ class RouterClient:
             params = {k: v.get("string_value") for k, v in cfg.get("parameters", {}).items()}
             rows = self._max_rows or int(params.get("max_rows") or DEFAULT_MAX_ROWS)
             models = json.loads(params.get("budget_models") or "[]")
-            self._info = RouterInfo(rows, sorted(float(s) for s, _ in models))
+            self._info = RouterInfo(rows, sorted(float(s) for s, _ in models), params.get("precision") or "fp32")
         return self._info
 
     async def embed(self, rows: Sequence[Tokens], sparsity: float | None) -> Served:
@@ -90,7 +117,40 @@ class RouterClient:
         vectors = np.concatenate([first.vectors, *(r.vectors for r in rest)]) if rest else first.vectors
         return Served(vectors, first.sparsity, first.precision)
 
-    async def _infer(self, rows: Sequence[Tokens], sparsity: float | None) -> Served:
+    async def embed_documents(self, rows: Sequence[Tokens],
+                              gone: Callable[[], Awaitable[bool]] | None = None) -> Served:
+        """Every row's embedding, dense, through the indexing lane: rows sorted by length into batches of
+        at most :data:`INDEX_BATCH_TOKENS` padded tokens, at most :data:`INDEX_IN_FLIGHT` batches in flight
+        over every request (the lane's model runs at the lowest priority: queries come first). A batch
+        whose client has gone (``gone()``) is not sent: ApiError 499."""
+        info = await self.info()
+        if self.index_model is None:
+            return await self.embed(rows, 0.0)
+        if self._lane is None:  # created on the serving loop
+            self._lane = asyncio.Semaphore(INDEX_IN_FLIGHT)
+        out: list[Any] = [None] * len(rows)
+
+        async def run(batch: list[int]) -> None:
+            async with self._lane:
+                if gone is not None and await gone():
+                    raise ApiError(499, "the client closed the request; its remaining documents were not run",
+                                   None, "client_closed")
+                got = await self._infer([rows[i] for i in batch], None, self.index_model)
+            for i, v in zip(batch, got.vectors):
+                out[i] = v
+
+        tasks = [asyncio.ensure_future(run(b)) for b in document_batches([len(r.ids) for r in rows], info.max_rows)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # the first failure (or the client's cancellation) cancels the rest
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return Served(np.stack(out), 0.0, info.precision)
+
+    async def _infer(self, rows: Sequence[Tokens], sparsity: float | None, model: str | None = None) -> Served:
+        """One batch through the router (``model`` None) or straight to ``model`` (dense, no sparsity)."""
         import tritonclient.grpc as grpcclient
 
         arrays = feeds(rows, self.input_names, self.pad_id)
@@ -101,9 +161,10 @@ class RouterClient:
             t = grpcclient.InferInput(name, list(a.shape), "FP32" if a.dtype == np.float32 else "INT64")
             t.set_data_from_numpy(a)
             inputs.append(t)
-        outputs = [grpcclient.InferRequestedOutput(n) for n in (self.output, SERVED, PRECISION)]
+        wanted = (self.output,) if model is not None else (self.output, SERVED, PRECISION)
+        outputs = [grpcclient.InferRequestedOutput(n) for n in wanted]
         try:
-            got = await self._grpc().infer(self.router, inputs, outputs=outputs, client_timeout=self.timeout_s)
+            got = await self._grpc().infer(model or self.router, inputs, outputs=outputs, client_timeout=self.timeout_s)
         except Exception as e:
             raise _api_error(e) from None
         vectors = got.as_numpy(self.output)
@@ -111,9 +172,12 @@ class RouterClient:
             from elastic_export.models.text import mean_pool
 
             vectors = mean_pool(vectors, arrays["attention_mask"])
+        vectors = np.asarray(vectors, dtype=np.float32)
+        if model is not None:
+            return Served(vectors, 0.0, "")
         served, precision = got.as_numpy(SERVED).reshape(-1), got.as_numpy(PRECISION).reshape(-1)
         p = precision[0].decode() if isinstance(precision[0], bytes) else str(precision[0])
-        return Served(np.asarray(vectors, dtype=np.float32), float(served[0]), p)
+        return Served(vectors, float(served[0]), p)
 
 
 def _api_error(e: Exception) -> ApiError:
