@@ -1,38 +1,23 @@
 """The served router's objective: the best-quality (budget, precision) pair whose predicted latency
 quantile at the observed load meets the SLO.
 
-Everything here is plain Python with an injected clock (the Triton router only calls it):
+Plain Python with an injected clock (the Triton router only calls it):
 
 * :class:`ServiceModel`: service time of a batch of ``n`` rows at a pair, ``S(n) = a + c·n`` ms, fitted
-  from measurements at two or more batch sizes (the router measures its budgets at start-up on the
-  serving machine, or reads the directory's latency profile).
-* :class:`RateEstimator`: the arrival rate since the load last changed (a two-sample Poisson test on the
-  last 0.5 s and its latest half against what came before), over at most a sliding window (8 s).
-* :func:`predict_quantile_ms`: the latency quantile of a dynamic-batching server with Poisson arrivals
-  (a bulk-service queue: when the server frees it takes every row waiting), read from a seeded simulation
-  of that queue tabulated once over its two shape parameters (:func:`queue_table`). A mean-value estimate
-  (each batch holds the previous cycle's arrivals) left the queue's fluctuations out: at 60 % of a
-  MiniLM budget's capacity it gave a p99 of 34 ms where the queue has 122 ms.
-* :class:`ServiceScale`: what the server observes refreshes the model: per budget, the measured time of
-  the batches its budget model ran, each weighted by its age (10 s time constant; the server's per-batch
-  statistics), over the model's ``S(n)`` for the same batch sizes: contention on shared cores is
-  measured where it happens and moves the load at which a budget saturates. A budget not served for 2 s
-  takes the scale of the one served now, or its own aged one when lower (not its own from a spike).
-  What a request spends outside its budget model (the router's checks, tokens and hand-offs) is
-  measured per answer and added once (:meth:`SloPolicy.overhead_ms`).
-* :class:`SloPolicy`: the decision. Candidates run best quality first (never past ``max_sparsity``);
-  the served pair is the best one whose corrected prediction meets ``SLO x (1 - margin)``; a pair better
-  than the current one must meet it with ``hysteresis`` more slack (so the choice does not flap), and
-  it goes denser as soon as one does (at most ``max_step`` pairs per move, past those measured just
-  now, except once the estimate has settled on a step down); after a step down the pair served is judged
-  a standard error below the estimated rate (``stay_spread``). :meth:`SloPolicy.admit`: a request whose
-  own predicted latency (the rows in flight ahead of it at its pair drained first, and those at the
-  other pairs, which share the cores; corrected by :class:`AdmissionCorrection`, a line fitted to what
-  admitted requests measured) exceeds the SLO is refused rather than queued; one the policy routed
-  whose prediction at the served pair exceeds ``overflow`` x the SLO (less during a surge in the arrivals)
-  goes to the fastest pair
-  (:meth:`SloPolicy.overflows`).
-"""
+  from start-up measurements on the serving machine or the directory's latency profile.
+* :class:`RateEstimator`: the arrival rate since the load last changed (a two-sample Poisson step test),
+  over at most a sliding window.
+* :func:`predict_quantile_ms`: the latency quantile of a dynamic-batching server under Poisson arrivals,
+  read from a seeded simulation of that bulk-service queue (:func:`queue_table`); a mean-value estimate
+  leaves the queue's fluctuations out and understates the tail several-fold.
+* :class:`ServiceScale`: per budget, the measured time of its batches over ``S(n)``, so contention on
+  shared cores is read where it happens; time spent outside the budget model is added once
+  (:meth:`SloPolicy.overhead_ms`).
+* :class:`SloPolicy`: the decision (best pair meeting ``SLO x (1 - margin)``, with hysteresis, a dwell and
+  a bounded step), admission (:meth:`SloPolicy.admit`: refuse rather than queue a request predicted past
+  the limit) and the overflow to the fastest pair (:meth:`SloPolicy.overflows`).
+
+Why each part is there, with the measurements: docs/design.md, "How the serving policy was chosen"."""
 
 from __future__ import annotations
 
@@ -112,48 +97,27 @@ class ServiceModel:
 class RateEstimator:
     """Rows arriving per second since the load last changed, over at most a sliding window.
 
-    The estimate counts the rows since the *origin*: the window's start, or the latest detected step
-    in the load, whichever is later. A step is detected when the last ``short_s`` (or its latest half,
-    for a sudden step) holds a rate that differs from the one before it, since the origin, by more than
-    ``sigmas`` standard deviations of the two Poisson counts (``sigmas_up`` for a step up); the origin
-    then moves to that window's start. So a step, up or down, moves the estimate within about half a second, and the estimate then
-    grows more stable as the new load lasts, where a window that straddles the step would mix both
-    loads for its whole length (measured: a step from 1.4x down to 0.6x took the two-second window
-    1.8 s to follow).
+    The estimate counts the rows since the *origin*: the window's start or the latest detected step,
+    whichever is later. A step is detected when the last ``short_s`` (or its latest half) holds a rate
+    that differs from the one before it by more than ``sigmas`` standard deviations of the two Poisson
+    counts (``sigmas_up`` for a step up); the origin then moves there. A step moves the estimate within
+    about half a second, where a window straddling the step would mix both loads for its whole length.
 
     Args:
         window_s: the longest window (stable at a constant load).
         short_s: the test window (and its latest half).
-        sigmas: the test's threshold in standard deviations for a step down (3.5: with the pooled rate's
-            variance a dip's count cannot shrink its own, and, replayed on 24 seeds of the load test's
-            schedule, 3.5 reads no dip of a steady 1.4x as a step down and sees the step down to 0.6x
-            0.52 s after it on average, where the count's own variance at 4 read a dip in 12 seeds of 24
-            and saw the step in 0.57 s).
-        sigmas_up: the threshold for a step up: a step up left unseen fills the served budget's queue
-            (replayed on the load test's arrivals: the step up to 1.4x seen 0.19-0.27 s after it at 3.5,
-            0.30-0.46 s at 4), while a false one only serves sparser for a moment.
-        undo_s: a step up within this long of a step down that is no step up over the load before the
-            step down (the same test from the origin before it) undoes the step down: the origin goes back.
-            A steady load's lull read as a step down otherwise makes its return a step up over the lull
-            alone, an estimate from a quarter second of arrivals (80 requests/s for 47 at the load test's
-            second 0.6x, dense predicted past the SLO, 0.4 served).
-        hold_s, confirm_sigmas: a step down stands only if, ``hold_s`` after it was seen, the rate since it is
-            still ``confirm_sigmas`` standard deviations below the load before it; else it is undone (the
-            origin goes back), and until then it is pending (:meth:`fall_pending`: the policy goes no
-            denser on it). The live load test's arrivals are not the client's Poisson times: the client's
-            own pauses and the server's hold them back and bunch them (a 162 ms garbage collection of the
-            client in a 3x burst read as a step down: 0.6 -> 0.5, 9 answers late); a real step down is
-            as far below a quarter second later. A dip that lasts does stand: the load test's seeded 1.4x
-            holds one of about 0.4 s at 40 % of its rate, 3.2 standard deviations below 0.25 s after it
-            is seen (2.6 at 0.5 s).
+        sigmas: the threshold for a step down, high enough that a dip of a steady load is not read as one.
+        sigmas_up: the threshold for a step up: an unseen step up fills the served budget's queue, while
+            a false one only serves sparser for a moment.
+        undo_s: a step up within this long of a step down that only returns to the load before it undoes
+            the step down (a lull's return is not a step up).
+        hold_s, confirm_sigmas: a step down stands only if, ``hold_s`` after it was seen, the rate since it
+            is still ``confirm_sigmas`` below the load before it, else it is undone; until then it is
+            pending (:meth:`fall_pending`). Pauses of the client or the server bunch arrivals; a real step
+            down is still there a quarter second later.
         young_s: for this long after a step up :meth:`young_rate` reads the rate since where the step most
-            likely began (:meth:`_step_start`), not since the test window's start (the estimate's origin,
-            which keeps the window's share from before the step: placed at the likeliest start instead, a
-            client's pause and the bunch after it read as a step up to the bunch's rate that outlasts them).
-            A 3x burst after a light load is seen about 60 ms in, when the estimate reads a quarter of its
-            rate, and the policy on the estimate moved through 0.4 and 0.5 to 0.6 over the next 0.1 s.
-        clock: seconds (monotonic).
-    """
+            likely began (:meth:`_step_start`), so the policy reaches the new load's budget at once.
+        clock: seconds (monotonic)."""
 
     def __init__(self, window_s: float = 8.0, short_s: float = 0.5, sigmas: float = 3.5, sigmas_up: float = 3.5,
                  undo_s: float = 2.0, hold_s: float = 0.25, confirm_sigmas: float = 2.5, young_s: float = 0.5,
@@ -201,10 +165,8 @@ class RateEstimator:
     def _z(self, now: float, origin: float, width: float) -> float:
         """How many standard deviations of the two Poisson counts the rate of the rows of the last ``width`` s
         lies above (negative: below) the rate of those between ``origin`` and it (0 when that earlier part is
-        shorter than ``short_s``). Each count's variance is the larger of its own and what the two counts'
-        pooled rate gives it: a dip's own low count cannot shrink its variance (with it alone, replayed on
-        the load test's seeded 1.4x, half the seeds read a dip as a step down, and the router moved from
-        0.6 to 0.3 on one in run 81), nor a rise's high count shrink the variance of the load before it."""
+        shorter than ``short_s``). Each count's variance is at least what the pooled rate gives it, so a dip's
+        low count cannot shrink its own variance, nor a rise's high count that of the load before it."""
         before_s = now - width - origin
         if before_s < self.short_s:
             return 0.0
@@ -374,11 +336,9 @@ def queue_latencies(a: float, c: float, rate: float, n: int = 40000, seed: int =
 def queue_table() -> Any:
     """The simulated bulk-service queue (:func:`_bulk_latencies`): latency quantiles (units of ``S(1)``)
     indexed ``[shape, load, quantile]`` over :data:`SHAPES` x :data:`LOADS` x ``0, 1/QUANTILE_STEPS, ..., 1``,
-    non-decreasing in the load. Every cell serves the same seeded Poisson stream of
-    :data:`QUEUE_ARRIVALS` (common random numbers: the cells differ by their parameters, not by their
-    noise); batches are as large as the queue (the budget models' ``max_batch_size`` of 128 is past any
-    batch at a load the SLO allows). About 1.4 s once per process on a 2-CPU machine: :class:`SloPolicy`
-    builds it when it is made, never on a request's path."""
+    non-decreasing in the load. Every cell serves the same seeded Poisson stream (common random numbers);
+    batches are as large as the queue. Built once per process (about a second and a half on 2 CPUs):
+    :class:`SloPolicy` builds it when it is made, never on a request's path."""
     import numpy as np
 
     shape = np.repeat(np.asarray(SHAPES), len(LOADS) - 1)  # one cell per (shape, load > 0)
@@ -420,23 +380,16 @@ def predict_quantile_ms(service: Affine, rate: float, quantile: float = DEFAULT_
 
 class ServiceScale:
     """How much slower than the service model a pair's budget model runs its batches now: the measured
-    time of the batches it ran (the server's own per-batch statistics) over what the model gives for the
-    same batch sizes, each batch weighted by ``exp(-age / memory_s)``, within ``bounds``.
+    time of the batches it ran (the server's per-batch statistics) over what the model gives for the same
+    batch sizes, each batch weighted by ``exp(-age / memory_s)``, within ``bounds``.
 
-    Measured on the batches themselves, not fitted to the answers' latencies through the queueing model:
-    what slows a batch on shared cores (the server's, the router's and the clients' work) is read where it
-    happens, and the queue's share of a latency is left to the queue (a scale fitted to latencies through
-    a queueing estimate carried that estimate's errors: 1.5-1.7 where the batches ran 1.2-1.3x slower).
+    Measured on the batches, not fitted to answer latencies through the queueing model, so the queue's
+    share of a latency is left to the queue. Weighted by age, a pair served again after a pause starts
+    from its own earlier scale rather than from its first few batches alone.
 
-    Weighted by age rather than counted over a fixed window, a pair served again after a pause starts from
-    its own earlier scale, worth what its age leaves of it, instead of from its first few batches alone:
-    dense's scale at the load test's second 0.6x read within 0.04 of its scale at the first, 20 s before,
-    where its first batches after the step down (beside the 1.4x phase's last work) read 1.26-1.34 for a
-    steady 1.12-1.2, enough to predict it past the SLO.
-
-    :meth:`recent` while the weight of its batches is worth ``min_batches``; :meth:`ready` when recent and
-    the latest batch came within ``fresh_s``: a pair that stopped being served does not keep the scale
-    of a spike; the policy then uses the served pair's."""
+    :meth:`recent` while its batches weigh ``min_batches``; :meth:`ready` when recent and the latest batch
+    came within ``fresh_s`` (a pair no longer served does not keep a spike's scale; the policy then lends it
+    the served pair's)."""
 
     def __init__(self, min_batches: int = 20, bounds: Tuple[float, float] = (0.5, 4.0), memory_s: float = 10.0,
                  fresh_s: float = 2.0, clock: Optional[Callable[[], float]] = None) -> None:
@@ -485,26 +438,13 @@ class AdmissionCorrection:
     """An admitted request's measured latency against the admission's uncorrected prediction for it
     (:meth:`SloPolicy.raw_request_ms`): a least-squares line ``measured = o + k·raw`` over the last ``size``
     answers within ``horizon_s`` (older ones too while fewer than ``min_samples`` are newer), raised by the
-    ``quantile`` of its residuals, so :meth:`ms` predicts that quantile of a request's latency. Costs every
-    request pays (the server's, the router's, the client's) land in ``o``; slow-downs in proportion to the
-    queued work (cores shared with other processes) in ``k``. A multiplicative factor would charge the
-    fixed costs once per queued batch and refuse work that fits. The identity until the first
-    ``min_samples`` answers are in; ``k`` clamped to ``slope``.
+    ``quantile`` of its residuals, so :meth:`ms` predicts that quantile of a request's latency.
 
-    After a quiet spell the latest fit stays until new answers replace it: had the horizon emptied it, the
-    first 30 answers after the spell went back to the identity, no fixed costs and no slow-down. (It is
-    not what makes the load test's 3x burst, sent after a pause, answer 0-22 requests late in its first
-    0.25 s: run 99 had 21 with the fit kept. There the first batches at 0.6 ran about 2.5x their modelled
-    time beside dense's last batch, and each took in every request admitted while the one before ran.)
-
-    A line asked for with a steeper slope than the fitted one (:meth:`ms`'s ``min_slope``: queued work runs
-    no faster than its pair serves) takes its offset from the same answers at that slope, so it still passes
-    through their quantile: raised on the fitted offset instead, it charged the difference in slope on top of
-    every prediction. Where the admitted requests' predictions barely spread (a closed loop of 8 clients: each
-    finds the same 7 ahead) the fitted slope is noise, often the clamp's 0.5, and half of every prediction
-    sat in the offset; the floor then added it back, the typical request was predicted past the SLO, and the
-    refused clients' retries slowed the rest (dense through the router at 26-37 requests/s where it alone
-    served 54-71)."""
+    Costs every request pays land in ``o``, slow-downs in proportion to the queued work in ``k`` (a factor
+    alone would charge the fixed costs once per queued batch). The identity until ``min_samples`` answers are
+    in; ``k`` clamped to ``slope``; after a quiet spell the latest fit stays until new answers replace it. A
+    line asked for with a steeper slope (:meth:`ms`'s ``min_slope``) takes its offset from the same answers at
+    that slope, so it still passes through their quantile."""
 
     def __init__(self, quantile: float = ADMISSION_QUANTILE, size: int = 200, min_samples: int = 30,
                  slope: Tuple[float, float] = (0.5, 4.0), horizon_s: float = 10.0, refit_every: int = 8,
@@ -579,48 +519,27 @@ class SloPolicy:
         quantile: which quantile (0.99: p99).
         margin: fraction of the SLO a prediction must leave free.
         hysteresis: extra fraction a pair better than the current one must leave free.
-        dwell_s: a better pair only once the current one has served this long, or the load has
-            stepped down since it was chosen (:attr:`RateEstimator.fell_at`: a detected step is not the
-            noise the dwell keeps from flapping the choice) (seconds; going to a faster pair is never
-            delayed).
-        max_step: a move to a better pair goes at most this many pairs up the list, except to a pair
-            whose own scale is current (:meth:`ServiceScale.ready`): the others are predicted with the
-            served pair's scale, which may misjudge a denser pair's per-batch costs, so it steps up and
-            measures each on the way (a move to a faster pair is never limited). Neither this nor the
-            dwell holds in the 2 s after the estimate has settled on a step down
-            (:meth:`RateEstimator.settled_fall`): the served pair's scale was then measured at the higher
-            load, on busier cores, so it errs on the safe side.
+        dwell_s: a better pair only once the current one has served this long, or the load has stepped
+            down since it was chosen (seconds; going to a faster pair is never delayed).
+        max_step: a move to a better pair goes at most this many pairs up the list, except to a pair whose
+            own scale is current (:meth:`ServiceScale.ready`): the others are predicted on a lent scale, so
+            it steps up and measures each on the way. Neither this nor the dwell holds once the estimate has
+            settled on a step down (:meth:`RateEstimator.settled_fall`).
         max_sparsity: never serve a pair sparser than this (a quality floor); None: no floor.
-        overflow: the fraction of the SLO past which a request the policy routes, predicted behind the
-            work in flight at the served pair, goes to the fastest allowed pair instead
-            (:meth:`overflows`): a queue that builds there is the first sign of a step up in the load,
-            seen before the rate's test can tell it from noise, and what queues meanwhile at a dense
-            pair is what the faster one must later wait behind.
-        lent_margin: a pair better than the current one whose own scale is not current (:meth:`ServiceScale.ready`)
-            is judged with the scale it borrows (:meth:`factor`) this much slower, except after a step down (a
-            scale lent then was measured at the higher load, on busier cores). Near saturation the predicted
-            p99 is steep in the service time, and pairs' scales differ by 10-15 % under the same load: at the
-            load test's 1.4x the router moved from 0.6 to 0.5 on 0.6's scale, within the move's slack, and
-            0.5's first batches ran up to twice that (runs 73, 75, 79: 10-29 requests late each time).
-        stay_spread: once the load has stepped down (until it steps up again), the pair served now is
-            judged at the estimated rate less this many of the estimate's standard errors
-            (:meth:`RateEstimator.spread`), the others at the estimate: hysteresis in the estimate's own
-            uncertainty, wide just after the step (an estimate 1 s old has 14 % at 0.6x of dense's
-            capacity, and the load test's second 0.6x read 48-50 requests/s for 44-48 offered, enough to
-            send dense's prediction past the SLO) and narrowing as the load lasts (5 % over 8 s). A load
-            that does exceed what the pair carries builds a queue there, which the overflow moves to the
-            fastest pair. Not after a step up, where a pair held on below a young estimate is the one
-            whose queue grows.
+        overflow: the fraction of the SLO past which a request the policy routes, predicted behind the work
+            in flight at the served pair, goes to the fastest allowed pair (:meth:`overflows`): a queue
+            building there is the first sign of a step up, before the rate's test can tell it from noise.
+        lent_margin: a better pair judged on a lent scale is judged this much slower (not after a step
+            down): near saturation the p99 is steep in the service time, and pairs' scales differ by
+            10-15 % under the same load.
+        stay_spread: once the load has stepped down, the pair served now is judged at the estimated rate
+            less this many standard errors (:meth:`RateEstimator.spread`), the others at the estimate:
+            hysteresis in the estimate's own uncertainty, wide just after the step.
         surge_sigmas, surge_overflow: while the latest arrivals run ``surge_sigmas`` standard deviations
-            above the estimate (:attr:`RateEstimator.surge`: a step up the test cannot yet tell from noise),
-            the overflow's fraction of the SLO is ``surge_overflow``. At the load test's step up to 1.4x the
-            test fires 0.2-0.25 s after the step, when some 20 requests have reached dense; 2.5 standard
-            deviations are passed sooner (the arrivals that then queue at dense were answered late). At a
-            steady 0.6x, 2.3 % of arrivals pass 2.5 (7.2 % pass 2: the requests with a queue ahead among
-            them moved, most of what that phase served sparser).
+            above the estimate (:attr:`RateEstimator.surge`), the overflow's fraction of the SLO is
+            ``surge_overflow``: a step up is seen sooner than by the step test.
         rate: the arrival-rate estimator (its clock is the policy's).
-        clock: seconds (monotonic; default: the rate estimator's).
-    """
+        clock: seconds (monotonic; default: the rate estimator's)."""
 
     def __init__(self, pairs: Sequence[Pair], service: ServiceModel, slo_ms: float, *,
                  quantile: float = DEFAULT_QUANTILE, margin: float = DEFAULT_MARGIN,
@@ -672,13 +591,10 @@ class SloPolicy:
 
     def factor(self, pair: Pair) -> float:
         """The scale of ``pair``'s service times: its own while it has recent batches, else that of the
-        pair served now (else the latest fitted to any, :class:`ServiceScale`), or its own, aged, while
-        it still weighs ``min_batches`` (:meth:`ServiceScale.recent`) when that is lower. A sparser pair's
-        scale reads higher than a denser one's under the same load (0.2 at 1.3 where dense had measured
-        1.17 seconds before, enough to keep dense away at 0.6x); a spike's scale of its own
-        is the higher one, so it is still forgotten. A lent scale is at least 1: below 1 it says the
-        lender's start-up measurement ran slow, which says nothing of the borrower's (dense at 0.90 lent
-        to 0.4 at a step up to 1.4x predicted 164 ms where 0.4's answers took up to 506 ms)."""
+        pair served now (else the latest fitted to any, :class:`ServiceScale`), or its own, aged, while it still
+        weighs ``min_batches`` (:meth:`ServiceScale.recent`) when that is lower: a sparser pair's scale reads
+        higher than a denser one's under the same load, and a spike's own scale is forgotten. A lent scale is at
+        least 1: a lender's scale below 1 says its start-up measurement ran slow, nothing of the borrower's."""
         own = self.scales.get(pair)
         if own is not None and own.ready():
             return own.factor
@@ -751,19 +667,17 @@ class SloPolicy:
     @property
     def admission_limit_ms(self) -> float:
         """The latest a request with work ahead of it is admitted at (ms): the SLO less the margin every
-        choice keeps (admitted at the SLO itself, a 3x burst's answers reached a p99 of 250-254 ms)."""
+        choice keeps (admitted at the SLO itself, a burst's answers end just past it)."""
         return self.slo_ms * (1 - self.margin)
 
     def admit(self, pair: Pair, rows: int, rows_ahead: int, elsewhere: Optional[Mapping[Pair, int]] = None,
               live_slope: float = 0.0) -> Tuple[bool, float, float]:
         """Whether to run a request of ``rows`` at ``pair`` with ``rows_ahead`` in flight there and
-        ``elsewhere`` at other pairs (its corrected prediction within :attr:`admission_limit_ms`), the
-        corrected prediction and the uncorrected one (what :meth:`admitted` takes back with the measured
-        latency). ``live_slope``: how much slower than modelled the batch running at ``pair`` has run so far
-        (its time so far over its modelled time): the correction's slope is at least that, as at least the
-        pair's scale. The scale rests on 20 batches and the correction on 30 answers; an overrunning batch
-        is the first sign of a slow-down (a 3x burst's first batches at 0.6 ran about 2.5x their modelled
-        time beside dense's last one, and each took in every request admitted meanwhile)."""
+        ``elsewhere`` at other pairs (its corrected prediction within :attr:`admission_limit_ms`), the corrected
+        prediction and the uncorrected one (what :meth:`admitted` takes back with the measured latency).
+        ``live_slope``: the running batch's time so far over its modelled time; the correction's slope is at
+        least that, as at least the pair's scale. An overrunning batch is the first sign of a slow-down, long
+        before the scale (20 batches) or the correction (30 answers) can see it."""
         raw = self.raw_request_ms(pair, rows, rows_ahead, elsewhere)
         ms = self.admission.ms(raw, max(self.factor(pair), live_slope))
         return ms <= self.admission_limit_ms, ms, raw
