@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from elastic_export.core.errors import UserError
-from elastic_export.serving.api_guard import API_KEY_ENV, Exposure, Limits
+from elastic_export.serving.api_guard import API_KEY_ENV, Exposure, Limits, hide_argument
 from elastic_export.serving.triton_stats import STATS_HEADER_ENV, STATS_URL_ENV
 
 STUB = "triton_python_backend_stub"
@@ -225,7 +225,7 @@ class TritonServer:
         self._watchdog: subprocess.Popen | None = None
         self._regions: set[str] = set()  # the stubs' shared-memory regions seen (:meth:`stop` removes them)
         self.secret = None if open_control and not exposed else secrets.token_urlsafe(24)
-        self.open_control = open_control
+        self.open_control, self._hidden = open_control, False
 
     def control_headers(self, protocol: str = "http") -> dict[str, str]:
         """The headers the model-repository API asks for (none when it is open); ``protocol="grpc"``:
@@ -274,7 +274,7 @@ class TritonServer:
         env = server_env(self.install)
         env[STATS_URL_ENV] = f"http://{self.http_url}"  # the router reads its budget models' batch times there
         env.pop(API_KEY_ENV, None)  # the API's key: serve's alone
-        if self.exposed and self.secret is not None:  # statistics restricted: the router sends the header
+        if self.secret is not None:  # for the router (statistics restricted when exposed); the same user reads it
             env[STATS_HEADER_ENV] = f"{CONTROL_HEADER}={self.secret}"
         check_stub_python(env)
         backends = backend_dir(self.install, self.scratch / "backends")
@@ -312,10 +312,19 @@ class TritonServer:
             if self.process is None or self.process.poll() is not None:
                 raise UserError(f"tritonserver exited ({self.process.returncode if self.process else '-'}): "
                                 f"{self.failure()}")
-            if self._get("/v2/health/ready") == 200 and all(self._get(f"/v2/models/{m}/ready") == 200 for m in models):
+            status = self._get("/v2/health/ready")
+            if status:  # it answers: its options are parsed
+                self.hide_secret()
+            if status == 200 and all(self._get(f"/v2/models/{m}/ready") == 200 for m in models):
                 return
             time.sleep(0.25)
         raise UserError(f"tritonserver not ready after {timeout_s:g} s: {self.failure()}")
+
+    def hide_secret(self) -> None:
+        """Overwrite the restricted APIs' secret in the server's command line (readable by every local user
+        in ``/proc/PID/cmdline`` from its start until the server first answers), once."""
+        if self.secret is not None and self.process is not None and not self._hidden:
+            self._hidden = hide_argument(self.secret, self.process.pid)
 
     def load(self, model: str, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Load ``model`` (explicit model control) and wait until it is READY.
@@ -617,8 +626,7 @@ def ensure_repository(directory: Path, budget_backend: str, policy: str | None, 
     same = (bool(models) and (directory / entry.get("dir", "triton")).is_dir()
             and (platform is None or all(m.get("platform") == platform for m in models))
             and all(v is None or entry.get(k) == v for k, v in asked.items())
-            and (entry.get("search") or {}).get("index") == (manifest.index or None)
-            and "index" in entry)  # built before the indexing lane: build it anew
+            and (entry.get("search") or {}).get("index") == (manifest.index or None))
     if same:
         echo(f"serving the existing {directory / entry['dir']}")
         return entry
@@ -673,7 +681,7 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
     api = None
     search = (entry.get("search") or {}).get("name")
     try:
-        server.start_routed(served_models(entry), entry["router"], ready_timeout_s)
+        server.start_routed([m["name"] for m in entry["models"]], entry["router"], ready_timeout_s)
         if search:  # it encodes through the router: loaded once the router is READY
             server.load(search, ready_timeout_s)
         if allow_model_control:
@@ -701,11 +709,6 @@ def shut_down(server: "TritonServer", api, drain_timeout_s: float, echo: Callabl
         echo(f"drained: {busy} requests in flight at the signal, "
              f"{'all answered' if idle else f'{guard.in_flight} cut off'} in {time.monotonic() - start:.1f} s")
     return server.stop(max(1.0, drain_timeout_s - (time.monotonic() - start)))
-
-
-def served_models(entry: dict) -> list[str]:
-    """The models that load before the router: the budget models and the indexing lane (documents)."""
-    return [m["name"] for m in entry["models"]] + ([entry["index"]["name"]] if entry.get("index") else [])
 
 
 def ready_line(entry: dict, server: "TritonServer", api) -> str:
@@ -761,8 +764,6 @@ class Supervisor:
                  reload_timeout_s: float = READY_TIMEOUT_S, on_stop: Callable[[], None] | None = None):
         self.server, self.echo, self.reload_timeout_s, self.on_stop = server, echo, reload_timeout_s, on_stop
         self.role = {m["name"]: "budget model" for m in entry["models"]}
-        if entry.get("index"):
-            self.role[entry["index"]["name"]] = "indexing lane"
         self.role[entry["router"]] = "router"
         if (entry.get("search") or {}).get("name"):
             self.role[entry["search"]["name"]] = "search model"

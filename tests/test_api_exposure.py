@@ -58,12 +58,23 @@ def gone(pid: int | None) -> bool:
     return pid is None or not TS.alive(pid)
 
 
+def group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = TS._stat(int(entry.name))
+            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return found
+
+
 def assert_nothing_left(p) -> None:
-    """serve, its tritonserver, the server's group (stubs) and serve's children (the watchdog) are gone."""
+    """serve, its tritonserver, the server's group (its stubs, killed by serve: polled until reaped) and
+    serve's children (the watchdog) are gone."""
     assert p.poll() is not None
     assert gone(p.server_pid), p.server_pid
-    with pytest.raises(ProcessLookupError):
-        os.killpg(p.server_pid, 0)
+    poll(lambda: not group(p.server_pid), 10, f"tritonserver's group {group(p.server_pid)} gone")
     assert not TS.children(p.pid)
 
 
@@ -325,3 +336,71 @@ def test_sigterm_drains_answers_in_flight_refuses_new_and_leaves_nothing(guarded
     assert set(outcomes) <= {200, 503} and outcomes.count(200) >= 5, outcomes
     assert any(x.startswith("drained: ") and "all answered" in x for x in guarded.lines), guarded.lines[-5:]
     assert_nothing_left(guarded)
+
+
+# --- --expose-triton: Triton on the host too, everything but inference, health and metadata restricted ------
+@pytest.fixture(scope="module")
+def exposed(art):
+    """serve --expose-triton with the key on its command line (overwritten there at once)."""
+    p, port = start_serve(art, "--host", HOST, "--expose-triton", "--api-key", KEY2)
+    p.port, p.api = port, f"http://{HOST}:{port + 3}"
+    try:
+        yield p
+    finally:
+        stop_process(p)
+
+
+def triton_secret(server_pid: int) -> tuple[str, str]:
+    env = dict(x.split(b"=", 1) for x in open(f"/proc/{server_pid}/environ", "rb").read().split(b"\0") if b"=" in x)
+    name, _, value = env[TS.STATS_HEADER_ENV.encode()].decode().partition("=")
+    return name, value
+
+
+def test_expose_triton_restricts_all_but_inference_health_and_metadata(exposed):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    base = f"http://{HOST}:{exposed.port}"
+    for path in ("/v2/health/ready", "/v2", "/v2/models/elastic", "/v2/models/elastic/ready"):
+        assert httpx.get(base + path, timeout=TIMEOUT_S).status_code == 200, path
+    refused = [("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/elastic/unload"), ("GET", "/v2/logging"),
+               ("POST", "/v2/logging"), ("GET", "/v2/trace/setting"), ("POST", "/v2/trace/setting"),
+               ("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/systemsharedmemory/region/x/unregister"),
+               ("GET", "/v2/models/stats")]
+    for method, path in refused:
+        r = httpx.request(method, base + path, json={}, timeout=TIMEOUT_S)
+        assert r.status_code == 403 and "restricted" in r.text, (method, path, r.status_code, r.text)
+    name, secret = triton_secret(exposed.server_pid)
+    assert httpx.get(base + "/v2/models/stats", headers={name: secret}, timeout=TIMEOUT_S).status_code == 200
+    with grpcclient.InferenceServerClient(f"{HOST}:{exposed.port + 1}") as c:
+        assert c.is_model_ready("elastic")
+        for call in (c.get_log_settings, c.get_model_repository_index, c.get_system_shared_memory_status,
+                     c.get_trace_settings):
+            with pytest.raises(InferenceServerException):
+                call()
+    r = embed(exposed, key=KEY2)  # inference through the router (whose statistics carry the header) still works
+    assert r.status_code == 200 and len(r.json()["data"]) == 1
+    found = [pid for pid, line in all_cmdlines().items() if KEY2.encode() in line or secret.encode() in line]
+    assert not found, found  # the key given on serve's command line, and Triton's secret, are overwritten there
+
+
+def test_ready_turns_503_when_triton_is_killed_and_serve_exits(exposed):
+    assert httpx.get(exposed.api + "/ready", timeout=TIMEOUT_S).status_code == 200
+    t0 = time.monotonic()
+    os.kill(exposed.server_pid, signal.SIGKILL)
+
+    def not_ready():
+        try:
+            r = httpx.get(exposed.api + "/ready", timeout=5)
+            return r.status_code != 200 and ("503" if r.status_code == 503 else str(r.status_code))
+        except httpx.TransportError:
+            return "gone"
+
+    how = poll(not_ready, 10, "/ready not 200")
+    ready_s = time.monotonic() - t0
+    code = exposed.wait(60)
+    exposed.follower.join(30)
+    print(f"/ready {how} {ready_s:.2f} s after SIGKILL of tritonserver; serve exited {code}")
+    assert how == "503" and ready_s < 1.0, (how, ready_s)
+    assert code == 2 and any("tritonserver" in x and "died" in x for x in exposed.lines), exposed.lines[-5:]
+    assert_nothing_left(exposed)

@@ -110,10 +110,12 @@ def _scratch(server_pid: int) -> Path:
 
 
 def _control_headers(server_pid: int, protocol: str = "http") -> dict[str, str]:
-    """The model-repository API's header, read from the server's command line (as serve set it)."""
-    rule = next(a for a in TS.cmdline(server_pid) if a.startswith("--http-restricted-api="))
-    key, _, secret = rule.split(":", 1)[1].partition("=")
+    """The model-repository API's header, read from the server's environment (readable by its own user
+    only; serve overwrites it in the server's command line once the server answers)."""
+    env = dict(x.split(b"=", 1) for x in Path(f"/proc/{server_pid}/environ").read_bytes().split(b"\0") if b"=" in x)
+    key, _, secret = env[TS.STATS_HEADER_ENV.encode()].decode().partition("=")
     assert key == TS.CONTROL_HEADER and secret
+    assert not any(secret in a for a in TS.cmdline(server_pid))
     return {(key if protocol == "http" else TS.GRPC_HEADER_PREFIX + key): secret}
 
 

@@ -236,25 +236,25 @@ async def read_limited(request, limit: int, guard: "Guard | None" = None) -> byt
     return b"".join(chunks)
 
 
-def count_inputs(body: dict[str, Any], fields: Sequence[str] = ("input", "query")) -> int:
-    """How many inputs a request carries: a list of strings or of token lists counts each; a string or
-    one token list counts one."""
+def count_inputs(body: dict[str, Any], fields: Sequence[str] = ("input", "query")) -> tuple[str, int]:
+    """(the field, how many inputs it carries): a list of strings or of token lists counts each; a string
+    or one token list counts one."""
     for name in fields:
         value = body.get(name)
         if isinstance(value, list) and value and any(isinstance(v, (str, list)) for v in value):
-            return len(value)
+            return name, len(value)
         if value is not None:
-            return 1
-    return 0
+            return name, 1
+    return fields[0], 0
 
 
 def check_inputs(body: dict[str, Any], limit: int, guard: "Guard | None" = None) -> None:
     """ApiError 413 for more inputs than ``limit`` (``--max-client-batch-size``)."""
-    n = count_inputs(body)
+    name, n = count_inputs(body)
     if n > limit:
         _refused(guard, "too_many_inputs")
-        raise ApiError(413, f"{n} inputs in one request, more than {limit} (--max-client-batch-size); split it",
-                       None, "too_many_inputs")
+        raise ApiError(413, f"'{name}' has {n} items, more than {limit} in one request (--max-client-batch-size); "
+                            "split it", name, "too_many_inputs")
 
 
 def _refused(guard: "Guard | None", reason: str) -> None:
@@ -324,15 +324,15 @@ class Exposure:
         return host if self.expose_triton else "127.0.0.1"
 
 
-def hide_argument(secret: str) -> bool:
-    """Overwrite ``secret`` in this process's own command line (``/proc/self/cmdline``, what ``ps`` shows)
-    with ``*``: Linux only; whether it was there and is gone. Before the call it was readable (the
-    environment variable or a key file never is)."""
+def hide_argument(secret: str, pid: int | str = "self") -> bool:
+    """Overwrite ``secret`` in the command line of process ``pid`` (this one, or a child: what ``ps`` and
+    ``/proc/PID/cmdline`` show) with ``*``: Linux only; whether it was there and is gone. Before the call it
+    was readable (an environment variable or a key file never is)."""
     try:
-        with open("/proc/self/stat", "rb") as f:
+        with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49
-        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
             mem.seek(start)
             args = mem.read(end - start)
             needle = secret.encode()
@@ -342,5 +342,5 @@ def hide_argument(secret: str) -> bool:
             mem.write(args.replace(needle, b"*" * len(needle)))
     except (OSError, ValueError, IndexError):
         return False
-    with open("/proc/self/cmdline", "rb") as f:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
         return secret.encode() not in f.read()
