@@ -287,3 +287,22 @@ def minilm_small(tmp_path_factory):
     pipeline.run(pipeline.Options(budgets=(0.1, 0.5), out=str(out), method="magnitude", verify=False,
                                   elastic_graph=False, seq_len=32), echo=lambda s: None)
     return out
+
+
+@pytest.fixture
+def routers(monkeypatch) -> Callable[..., Any]:
+    """``_triton_fake.start_router`` for this test: every router it starts is finalized at teardown, as
+    Triton does when it unloads the model, and its prober thread must have ended by then."""
+    from _triton_fake import start_router
+
+    started = []
+
+    def start(repository, name: str):
+        model, server = start_router(repository, name, monkeypatch)
+        started.append(model)
+        return model, server
+
+    yield start
+    for model in started:
+        model.finalize()
+        assert not model._prober.is_alive(), "finalize left the router's prober thread running"

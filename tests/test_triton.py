@@ -219,13 +219,13 @@ def test_service_times_measure_the_budgets_in_turn(art):
     assert order == turn * 4  # a warm-up run each, then three rounds in turn
 
 
-def test_router_model_routes_on_the_built_repository(art, repo, monkeypatch):
+def test_router_model_routes_on_the_built_repository(art, repo, monkeypatch, routers):
     """The router's model.py as written, initialised from its config.pbtxt's JSON, forwarding to the real budget ONNX."""
-    from _triton_fake import Request, execute, start_router
+    from _triton_fake import Request, execute
 
     from elastic_export.targets.onnxruntime import make_session
 
-    model, server = start_router(repo, "elastic", monkeypatch)
+    model, server = routers(repo, "elastic")
     assert model.config.models == {0.0: "elastic_s000", 0.1: "elastic_s010", 0.5: "elastic_s050"}
     assert model.config.default == 0.1 and "sparsity" not in model.config.inputs
     ids = np.random.default_rng(0).integers(1000, 20000, (2, 12)).astype(np.int64)

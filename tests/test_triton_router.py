@@ -99,10 +99,10 @@ def _feeds(batch: int = 2) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
 
 
-def test_router_initialises_from_the_built_config(tmp_path, monkeypatch):
+def test_router_initialises_from_the_built_config(tmp_path, monkeypatch, routers):
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d, default_sparsity=0.3)  # mapped as a request is: 0.5
-    model, _ = start_router(d / "triton", "elastic", monkeypatch)
+    model, _ = routers(d / "triton", "elastic")
     c = model.config
     assert c.models == {0.0: "elastic_s000", 0.25: "elastic_s025", 0.5: "elastic_s050"}
     assert c.sparsities == [0.0, 0.25, 0.5] and c.default == 0.5
@@ -110,10 +110,10 @@ def test_router_initialises_from_the_built_config(tmp_path, monkeypatch):
     assert not c.inline and model.sessions is None  # onnxruntime budget models: the router only forwards
 
 
-def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch):
+def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch, routers):
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d, dense=False)
-    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    model, server = routers(d / "triton", "elastic")
     server.barrier = threading.Barrier(4)  # every call waits until all four are in progress: no serialising
     feeds = _feeds()
     requests = [Request({**feeds, "sparsity": np.full((2, 1), 0.5, np.float32)}),  # the input
@@ -134,13 +134,13 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch)
     assert sorted(responses[3].as_dict()) == ["served_sparsity"]  # only what was asked for
 
 
-def test_an_idle_router_runs_a_request_itself_on_the_budget_models_file(tmp_path, monkeypatch):
+def test_an_idle_router_runs_a_request_itself_on_the_budget_models_file(tmp_path, monkeypatch, routers):
     """Python budget models: the router holds a session on each one's ``model.onnx`` and runs a request
     itself when nothing else is in flight (no round trip); with others in flight it forwards (the budget
     model's dynamic batcher gathers them). Both answer what the budget model does."""
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d, platform="python", dense=False)
-    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    model, server = routers(d / "triton", "elastic")
     assert model.config.inline and sorted(model.sessions) == [0.25, 0.5]
     feeds = _feeds()
     (alone,) = execute(model, [Request(feeds, {"sparsity": 0.5})])
@@ -169,10 +169,10 @@ def test_an_idle_router_runs_a_request_itself_on_the_budget_models_file(tmp_path
     ({"drop": "attention_mask"}, "missing input 'attention_mask'"),
     ({"short": "attention_mask"}, "input 'attention_mask' has batch 1, input 'input_ids' has batch 2"),
 ])
-def test_router_refuses_bad_requests(tmp_path, monkeypatch, request_kw, message):
+def test_router_refuses_bad_requests(tmp_path, monkeypatch, request_kw, message, routers):
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
-    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    model, server = routers(d / "triton", "elastic")
     feeds = _feeds()
 
     def bad_request() -> Request:
@@ -194,11 +194,11 @@ def test_router_refuses_bad_requests(tmp_path, monkeypatch, request_kw, message)
 
 
 @pytest.mark.parametrize("rows,message", [(0, "no rows (batch size 0)"), (129, "129 rows, more than the 128")])
-def test_empty_and_oversized_requests_are_refused_and_change_nothing(tmp_path, monkeypatch, rows, message):
+def test_empty_and_oversized_requests_are_refused_and_change_nothing(tmp_path, monkeypatch, rows, message, routers):
     """0 rows or more than the budget models' max_batch_size: a 400 before anything is counted or run."""
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
-    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    model, server = routers(d / "triton", "elastic")
     ids = np.ones((rows, 4), np.int64)
     (response,) = execute(model, [Request({"input_ids": ids, "attention_mask": ids})])
     assert response.has_error() and message in response.error().message()
@@ -208,14 +208,14 @@ def test_empty_and_oversized_requests_are_refused_and_change_nothing(tmp_path, m
     assert not ok.has_error() and model.monitor.in_flight == 0
 
 
-def test_a_budget_model_that_is_gone_is_routed_around_and_used_again_when_back(tmp_path, monkeypatch):
+def test_a_budget_model_that_is_gone_is_routed_around_and_used_again_when_back(tmp_path, monkeypatch, routers):
     """Found by the worker after ``execute`` returned: the rows go to the nearest budget up (served_sparsity
     says so), the budget is down until the probe finds it answering again."""
     import shutil
 
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
-    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    model, server = routers(d / "triton", "elastic")
     gone = d / "triton" / "elastic_s050"
     shutil.move(gone, tmp_path / "away")  # unloaded after the router loaded: the fake server answers "not found"
     (response,) = execute(model, [Request(_feeds(), {"sparsity": 0.5})])
@@ -233,10 +233,10 @@ def test_a_budget_model_that_is_gone_is_routed_around_and_used_again_when_back(t
     assert back.as_dict()["served_sparsity"].ravel().tolist() == [0.5, 0.5]
 
 
-def test_a_budget_model_error_is_an_error_response(tmp_path, monkeypatch):
+def test_a_budget_model_error_is_an_error_response(tmp_path, monkeypatch, routers):
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
-    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    model, server = routers(d / "triton", "elastic")
     server.fail = "onnxruntime: invalid dims"
     (response,) = execute(model, [Request(_feeds(), {"sparsity": 0.5})])
     assert response.has_error() and response.error().message() == "router: onnxruntime: invalid dims"
@@ -331,11 +331,11 @@ def test_router_config_errors(parameters, message):
 
 
 # --- rows of one request on several budgets, readiness, load adaptation ---------------------------
-def test_each_row_may_name_its_own_budget(tmp_path, monkeypatch):
+def test_each_row_may_name_its_own_budget(tmp_path, monkeypatch, routers):
     """Rows grouped per budget, each group one call, the outputs back in row order."""
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
-    model, server = start_router(d / "triton", "elastic", monkeypatch)
+    model, server = routers(d / "triton", "elastic")
     feeds = _feeds(batch=3)
     rows = np.array([[0.5], [0.0], [0.5]], np.float32)
     (response,) = execute(model, [Request({**feeds, "sparsity": rows})])
@@ -494,12 +494,12 @@ def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
     assert triton_router.service_points(config, None, str(tmp_path / "none.json"), 16) is None
 
 
-def test_a_routed_request_that_would_miss_the_slo_goes_to_a_faster_budget_before_it_is_refused(tmp_path, monkeypatch):
+def test_a_routed_request_that_would_miss_the_slo_goes_to_a_faster_budget_before_it_is_refused(tmp_path, monkeypatch, routers):
     """Rows in flight at dense that have waited past the SLO: the policy's pick moves to the next budget with
     nothing ahead; a request naming dense is refused (503) instead."""
     d = _fake_dir(tmp_path / "a")
     TR.build_repository(d)
-    model, _ = start_router(d / "triton", "elastic", monkeypatch)
+    model, _ = routers(d / "triton", "elastic")
     model.monitor.arrive(0.0, 64)  # a long one in flight at dense, arrived 10 s ago
     model.monitor._since[0.0] = {model.monitor.last_ticket: (time.monotonic() - 10.0, 64)}
     routed = triton_router._Job(None, None, None, 2, [0.0, 0.0], ())
