@@ -626,7 +626,8 @@ def ensure_repository(directory: Path, budget_backend: str, policy: str | None, 
     same = (bool(models) and (directory / entry.get("dir", "triton")).is_dir()
             and (platform is None or all(m.get("platform") == platform for m in models))
             and all(v is None or entry.get(k) == v for k, v in asked.items())
-            and (entry.get("search") or {}).get("index") == (manifest.index or None))
+            and (entry.get("search") or {}).get("index") == (manifest.index or None)
+            and "index" in entry)  # built before the indexing lane: build it anew
     if same:
         echo(f"serving the existing {directory / entry['dir']}")
         return entry
@@ -681,7 +682,7 @@ def serve(directory: str | Path, *, port: int = 8000, host: str = "127.0.0.1", b
     api = None
     search = (entry.get("search") or {}).get("name")
     try:
-        server.start_routed([m["name"] for m in entry["models"]], entry["router"], ready_timeout_s)
+        server.start_routed(served_models(entry), entry["router"], ready_timeout_s)
         if search:  # it encodes through the router: loaded once the router is READY
             server.load(search, ready_timeout_s)
         if allow_model_control:
@@ -709,6 +710,11 @@ def shut_down(server: "TritonServer", api, drain_timeout_s: float, echo: Callabl
         echo(f"drained: {busy} requests in flight at the signal, "
              f"{'all answered' if idle else f'{guard.in_flight} cut off'} in {time.monotonic() - start:.1f} s")
     return server.stop(max(1.0, drain_timeout_s - (time.monotonic() - start)))
+
+
+def served_models(entry: dict) -> list[str]:
+    """The models that load before the router: the budget models and the indexing lane (documents)."""
+    return [m["name"] for m in entry["models"]] + ([entry["index"]["name"]] if entry.get("index") else [])
 
 
 def ready_line(entry: dict, server: "TritonServer", api) -> str:
@@ -764,6 +770,8 @@ class Supervisor:
                  reload_timeout_s: float = READY_TIMEOUT_S, on_stop: Callable[[], None] | None = None):
         self.server, self.echo, self.reload_timeout_s, self.on_stop = server, echo, reload_timeout_s, on_stop
         self.role = {m["name"]: "budget model" for m in entry["models"]}
+        if entry.get("index"):
+            self.role[entry["index"]["name"]] = "indexing lane"
         self.role[entry["router"]] = "router"
         if (entry.get("search") or {}).get("name"):
             self.role[entry["search"]["name"]] = "search model"
