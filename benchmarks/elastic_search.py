@@ -393,7 +393,7 @@ def report_lines(out: dict, args) -> list[str]:
 
 def write(out: dict, args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "elastic_search.json").write_text(json.dumps(out, indent=1) + "\n")
+    (args.out / "elastic_search.json").write_text(ST.results_json(out))
     plot(args.out / "elastic_search.png", out["spike"], args.slo_ms, args.phase_s)
     lines = report_lines(out, args)
     (args.out / "elastic_search.md").write_text("\n".join(lines))

@@ -816,10 +816,29 @@ def report_lines(out: dict, args) -> list[str]:
     return lines + ["![load test](serve_triton.png)", ""]
 
 
+def _significant(value, digits: int = 7):
+    """``value`` with every float cut to ``digits`` significant digits (microseconds at a minute's arrival
+    times; the per-request records stay the bulk of a run's file)."""
+    if isinstance(value, dict):
+        return {k: _significant(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_significant(v, digits) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(f"{float(value):.{digits}g}")
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def results_json(out: dict) -> str:
+    """A results file's JSON: compact, floats to 7 significant digits (:func:`_significant`)."""
+    return json.dumps(_significant(out), separators=(",", ":"), default=float) + "\n"
+
+
 def write_results(name: str, out: dict, text: str) -> None:
-    """``results/NAME.json`` (``out``) and ``results/NAME.md`` (``text``), and the text printed."""
+    """``results/NAME.json`` (``out``, :func:`results_json`) and ``results/NAME.md`` (``text``), and the text printed."""
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
+    (RESULTS / f"{name}.json").write_text(results_json(out))
     (RESULTS / f"{name}.md").write_text(text)
     print(text)
 
