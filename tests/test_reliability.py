@@ -141,8 +141,10 @@ def test_lock_waits_for_the_parent_directory(tmp_path):
 
 
 # --- faults: a killed ranking resumes to the identical file ------------------------------------
+# --ranking-compute fp32: the processes compared byte for byte run the same arithmetic on any CPU
+# (`auto` picks bf16 products only where the CPU has them)
 RANK = ["rank", "--seq-len", "16", "--calib-size", "16", "--batch-size", "4", "--steps", "48",
-        "--targets-per-step", "2"]
+        "--targets-per-step", "2", "--ranking-compute", "fp32"]
 
 
 @pytest.fixture(scope="module")
