@@ -361,10 +361,12 @@ class SloRouting:
         self.precision, self._clock = config.precision, clock
         self.last = None  # the latest decision
 
-    def arrive(self, rows: int) -> Any:
-        """Count an arrival; the decision (pair, prediction, rate) for it."""
+    def arrive(self, rows: int, work: Optional[float] = None) -> Any:
+        """Count an arrival of ``rows`` rows costing ``work`` rows of the nominal length (default: ``rows``);
+        the decision (pair, prediction, rate) for it."""
         now = self._clock()
         self.policy.rate.arrive(now, rows)
+        self.policy.note_rows(rows, rows if work is None else work)
         self.last = self.policy.decide(now)
         return self.last
 
@@ -433,7 +435,7 @@ class SloRouting:
         return self.rate() * self.policy.service.ms((budget, self.precision), 1) / 1e3 < INLINE_MAX_LOAD
 
     def rate(self) -> float:
-        """The arrival rate the latest decision assumed (rows/s; 0 before the first)."""
+        """The arrival rate the latest decision assumed (rows of the nominal length a second; 0 before the first)."""
         return self.last.rate if self.last is not None else 0.0
 
     def set_down(self, down: Sequence[float]) -> None:
@@ -676,6 +678,38 @@ def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sle
         sleep(0.2)
 
 
+def length_cost(config: RouterConfig, sessions: Optional[Dict[float, Any]],
+                points: Optional[Dict[float, Dict[int, float]]]) -> Any:
+    """What a row costs by its padded length (:mod:`elastic_export.serving.cost`), for token inputs only
+    (None: every row costs one row): measured on the densest budget's inline session at batch 8 and the
+    lengths :data:`~elastic_export.serving.cost.MEASURED_LENGTHS`, beside its nominal-length time in
+    ``points``; without sessions, proportional to the tokens."""
+    if "input_ids" not in config.inputs:
+        return None
+    from elastic_export.serving import cost
+
+    dense = config.sparsities[0]
+    if not sessions or not points or 8 not in points.get(dense, {}):
+        return cost.linear_cost(config.tokens)
+    from elastic_export.targets.triton_onnx_model import service_times
+
+    ms = {n: service_times({dense: sessions[dense]}, n, (8,), repeats=5)[dense][8]
+          for n in cost.MEASURED_LENGTHS if n < config.tokens}
+    ms[config.tokens] = points[dense][8]
+    fitted = cost.fit_length_cost(config.tokens, ms)
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is not None:
+        logger.log_info("router: a row's cost by its padded length (rows of " + str(config.tokens) + " tokens): "
+                        + ", ".join(f"{n}: {w:.3f}" for n, w in fitted.points))
+    return fitted
+
+
+def _padded_length(shapes: Sequence[Sequence[int]]) -> int:
+    from elastic_export.serving.cost import padded_length
+
+    return padded_length(shapes)
+
+
 def _log_service_times(points: Dict[float, Dict[int, float]], how: str) -> None:
     """One line in the server's log: the service times the policy starts from."""
     logger = getattr(pb_utils, "Logger", None)
@@ -703,7 +737,7 @@ class _Job:
     router runs it itself (``inline``) and its admission's uncorrected predicted latency (``admit_raw``)."""
 
     __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "arrived", "routed", "budget",
-                 "inline", "admit_raw", "model_ms", "counted", "ticket")
+                 "inline", "admit_raw", "model_ms", "counted", "ticket", "feeds", "work")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Optional[List[str]], batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
@@ -713,6 +747,8 @@ class _Job:
         self.admit_raw: Optional[float] = None  # the admission's uncorrected prediction (ms)
         self.model_ms: Optional[float] = None  # of its latency, the time in the budget model (or inline run)
         self.counted, self.ticket = None, 0  # the budget the monitor counted it at (None: several or not yet)
+        self.feeds: Optional[Dict[str, np.ndarray]] = None  # the tokenized text
+        self.work = float(batch)  # its cost in rows of the nominal length (its padded shape)
 
 
 class TritonPythonModel:
@@ -753,6 +789,7 @@ class TritonPythonModel:
         self.routing = SloRouting(config, points) if points is not None else None
         if points is not None:
             _log_service_times(points, "measured on the router's sessions" if self.sessions else "from the profile")
+        self.cost = length_cost(config, self.sessions, points)
         self._calibrating = config.policy == "adaptive" and points is None  # measured by the probe thread
         self._precision = np.array([[config.precision]], dtype=object)
         self._lock = threading.Lock()  # the monitor, the policy and the health table, shared by the threads
@@ -778,7 +815,7 @@ class TritonPythonModel:
                 if last is not None:
                     rate = policy.rate.rate()
                     snap.update(arrival_rate=rate, predicted_latency_ms=last.predicted_ms,
-                                densest_predicted_latency_ms=policy.predict(policy.pairs[0], rate))
+                                densest_predicted_latency_ms=policy.predict(policy.pairs[0], rate * policy.row_weight))
         return snap
 
     def execute(self, requests: List[Any]) -> None:
@@ -808,7 +845,7 @@ class TritonPythonModel:
         :class:`Overload`) and count it in flight."""
         with self._lock:
             switches = self.routing.policy.switches if self.routing is not None else 0
-            decision = self.routing.arrive(job.batch) if self.routing is not None else None
+            decision = self.routing.arrive(job.batch, job.work) if self.routing is not None else None
             if decision is not None and self.routing.policy.switches != switches and self.metrics is not None:
                 self.metrics.event("switch")
             if job.served is None:
@@ -825,7 +862,7 @@ class TritonPythonModel:
                 self._admit(job)
             job.inline = (self.sessions is not None and self.monitor.in_flight == 0 and job.budget is not None
                           and (self.routing is None or self.routing.light(job.budget)))
-            self.monitor.arrive(job.budget, job.batch)
+            self.monitor.arrive(job.budget, job.work)
             job.arrived, job.counted, job.ticket = self.monitor.last_arrival, job.budget, self.monitor.last_ticket
 
     def _admit(self, job: _Job) -> None:
@@ -834,7 +871,7 @@ class TritonPythonModel:
         now = time.monotonic()
         faster = [s for s in self.config.sparsities if s > job.budget and s not in self.health.down
                   and (self.config.max_sparsity is None or s <= self.config.max_sparsity + TOLERANCE)]
-        job.budget, job.admit_raw = self.routing.place(job.budget, job.batch, self.monitor.rows_at,
+        job.budget, job.admit_raw = self.routing.place(job.budget, job.work, self.monitor.rows_at,
                                                        lambda s: self.monitor.oldest_ms(s, now),
                                                        faster if job.routed else (),
                                                        lambda s: self.monitor.running(s, now))
@@ -869,7 +906,12 @@ class TritonPythonModel:
         rows = row_sparsities(values, params, batch)
         served = None if rows is None else self.config.route(rows)
         wanted = request.requested_output_names() if hasattr(request, "requested_output_names") else ()
-        return _Job(request, None if text is not None else model_inputs, texts, batch, served, wanted)
+        job = _Job(request, None if text is not None else model_inputs, texts, batch, served, wanted)
+        if texts is not None:
+            job.feeds = self.tokenizer.encode(texts)
+        shapes = [a.shape for a in job.feeds.values()] if job.feeds is not None else [t.shape() for t in model_inputs]
+        job.work = self.cost.work(batch, _padded_length(shapes)) if self.cost is not None else float(batch)
+        return job
 
     def _batch_of(self, tensors: Dict[str, Any], model_inputs: List[Any]) -> int:
         missing = [n for n in self.config.inputs if n not in tensors]
@@ -898,7 +940,7 @@ class TritonPythonModel:
             response, outcome = _error_response(f"router: {e}", "INTERNAL"), "failed"
         ms = (time.monotonic() - job.arrived) * 1e3
         with self._lock:
-            self.monitor.leave(job.counted, job.batch, job.ticket)
+            self.monitor.leave(job.counted, job.work, job.ticket)
             if outcome == "served" and self.routing is not None:
                 self.routing.policy.answered(ms, job.model_ms)
                 if job.admit_raw is not None:
@@ -908,7 +950,7 @@ class TritonPythonModel:
             self.metrics.count(outcome, detail)
 
     def _answer(self, job: _Job) -> Any:
-        feeds = self.tokenizer.encode(job.text) if job.text is not None else None
+        feeds = job.feeds
         wanted = job.wanted
         names = [n for n in self.config.outputs if not wanted or n in wanted]
         start = time.monotonic()
@@ -1050,9 +1092,11 @@ class TritonPythonModel:
             return
         ran, now = triton_stats.batch_deltas(before, totals), time.monotonic()
         with self._lock:
+            weight = self.routing.policy.row_weight  # the batches' rows, in rows of the nominal length
             for s, name in self.config.models.items():
                 if name in ran:
-                    self.routing.policy.served_batches((s, self.config.precision), ran[name], now)
+                    batches = [(rows * weight, count, ms) for rows, count, ms in ran[name]]
+                    self.routing.policy.served_batches((s, self.config.precision), batches, now)
 
     def _probe(self, feeds: Dict[str, np.ndarray], stats: Optional[Dict[str, Any]]) -> None:
         """Budgets down that are ready and answer are up; budgets up that are not ready are down. Ready: in

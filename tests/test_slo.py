@@ -711,3 +711,39 @@ def test_a_dip_of_a_steady_high_load_is_not_a_step_down():
     dip's low count (the step test with it alone read a dip in 12 of 24 replayed 1.4x phases); with the
     pooled rate's as its floor, none of 24 seeds of a steady 1.4x holds a step down."""
     assert sum(_falls(seed) for seed in range(24)) == 0
+
+
+def _run_weighted(policy: slo.SloPolicy, now: list, rate: float, seconds: float, weight: float) -> list[float]:
+    """Seeded Poisson arrivals of one row each costing ``weight`` rows of the nominal length; served sparsities."""
+    rng, out, end = np.random.default_rng(3), [], now[0] + seconds
+    while now[0] + 1.0 / rate < end:
+        now[0] += rng.exponential(1.0 / rate)
+        policy.rate.arrive(now[0])
+        policy.note_rows(1, weight)
+        out.append(policy.decide(now[0]).pair[0])
+    return out
+
+
+def test_short_rows_are_charged_their_padded_length_not_the_nominal_one():
+    """1.4x dense's capacity in rows of the nominal length needs a sparse budget; the same row rate of rows a
+    quarter as long (each a quarter of the cost) is a 0.35x load, served dense. Rows of the nominal length
+    leave the weight at exactly 1 (the 128-token trace is served as before)."""
+    now = [0.0]
+    long = _policy(lambda: now[0])
+    assert np.mean([s > 0 for s in _run_weighted(long, now, 1.4 * 71, 10.0, 1.0)[-200:]]) == 1.0
+    assert long.row_weight == 1.0
+    now = [0.0]
+    short = _policy(lambda: now[0])
+    served = _run_weighted(short, now, 1.4 * 71, 10.0, 0.25)
+    assert short.row_weight == pytest.approx(0.25, abs=0.01) and np.mean([s == 0.0 for s in served[-200:]]) >= 0.99
+
+
+def test_the_row_weight_follows_the_latest_rows():
+    policy = _policy(lambda: 0.0)
+    for _ in range(200):
+        policy.note_rows(8, 2.0)  # rows a quarter of the nominal cost
+    assert policy.row_weight == pytest.approx(0.25, abs=0.01)
+    policy.note_rows(400, 400.0)  # a request of more rows than it remembers: its weight alone
+    assert policy.row_weight == 1.0
+    policy.note_rows(0, 0.0)
+    assert policy.row_weight == 1.0

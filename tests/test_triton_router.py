@@ -81,7 +81,7 @@ def test_model_py_is_the_module_file_verbatim(tmp_path):
     TR.build_repository(d)
     assert (d / "triton" / "elastic" / "1" / "model.py").read_text() == src
     TR.build_repository(d, name="again")  # the repository it wrote is recognised and replaced
-    assert sorted(p.name for p in (d / "triton").iterdir()) == ["again", "again_s000", "again_s025", "again_s050"]
+    assert sorted(p.name for p in (d / "triton").iterdir()) == ["again", "again_index", "again_s000", "again_s025", "again_s050"]
 
 
 def test_outside_a_server_the_module_imports_and_the_model_refuses(tmp_path, monkeypatch):
@@ -132,6 +132,29 @@ def test_router_forwards_each_request_to_its_budget_model(tmp_path, monkeypatch,
     want = server.run("elastic_s050", requests[0].tensors[:2], ["last_hidden_state"]).as_dict()["last_hidden_state"]
     np.testing.assert_array_equal(responses[0].as_dict()["last_hidden_state"], want)
     assert sorted(responses[3].as_dict()) == ["served_sparsity"]  # only what was asked for
+
+
+def test_a_request_costs_its_padded_shape_in_rows_of_the_nominal_length(tmp_path, monkeypatch, routers):
+    """The adaptive router measures a row's cost at a short length beside the nominal one (its inline
+    session of the densest budget) and charges each request rows x the weight of its padded length: what
+    the policy's rate and the admission's rows in flight count."""
+    from elastic_export.serving.cost import LengthCost
+
+    d = _fake_dir(tmp_path / "a")  # nominal tokens: 16
+    TR.build_repository(d, platform="python", policy="adaptive")
+    model, _ = routers(d / "triton", "elastic")
+    assert isinstance(model.cost, LengthCost) and model.cost.nominal == 16
+    assert [n for n, _ in model.cost.points] == [8, 16] and model.cost.points[-1][1] == 1.0
+    assert 0 < model.cost.points[0][1] <= 1.0  # measured, never above the longer row's
+    for length in (5, 16, 40):
+        ids = np.ones((3, length), dtype=np.int64)
+        job = model._accept(Request({"input_ids": ids, "attention_mask": ids}))
+        assert job.work == pytest.approx(3 * model.cost.weight(length))
+    assert model._accept(Request(_feeds(4))).work == pytest.approx(4 * model.cost.weight(5))
+    ids = np.ones((2, 16), dtype=np.int64)
+    before = model.routing.policy.row_weight
+    execute(model, [Request({"input_ids": ids, "attention_mask": ids})])
+    assert model.routing.policy.row_weight == pytest.approx(before)  # nominal rows leave the weight at 1
 
 
 def test_an_idle_router_runs_a_request_itself_on_the_budget_models_file(tmp_path, monkeypatch, routers):
@@ -537,7 +560,8 @@ def test_batch_totals_and_what_ran_between_two_reads():
 
 def test_the_router_gives_the_batches_it_reads_to_the_policy(monkeypatch):
     """Two reads of the server's statistics: what ran between them goes to the policy's service scale of
-    the budget that ran it, at the router's precision; the first read only sets the baseline."""
+    the budget that ran it, at the router's precision, its rows in rows of the nominal length (the mean
+    row weight lately: short rows cost less); the first read only sets the baseline."""
     from elastic_export.serving import triton_stats as ts
 
     got = []
@@ -545,14 +569,15 @@ def test_the_router_gives_the_batches_it_reads_to_the_policy(monkeypatch):
     monkeypatch.setenv(ts.STATS_URL_ENV, "http://127.0.0.1:1")
     monkeypatch.setattr(ts, "fetch", lambda url, timeout_s=1.0: next(reads))
     model = types.SimpleNamespace(
-        routing=types.SimpleNamespace(policy=types.SimpleNamespace(served_batches=lambda pair, b, now: got.append((pair, b)))),
+        routing=types.SimpleNamespace(policy=types.SimpleNamespace(served_batches=lambda pair, b, now: got.append((pair, b)),
+                                                                   row_weight=0.25)),
         config=types.SimpleNamespace(models={0.0: "m0", 0.5: "m5"}, precision="fp32"),
         _batches_before=None, _lock=threading.Lock())
     read = triton_router.TritonPythonModel
     read._read_batches(model, read._statistics(model))
     assert got == []
     read._read_batches(model, read._statistics(model))
-    assert got == [((0.0, "fp32"), [(1, 4, pytest.approx(80.0)), (2, 1, pytest.approx(35.0))])]
+    assert got == [((0.0, "fp32"), [(0.25, 4, pytest.approx(80.0)), (0.5, 1, pytest.approx(35.0))])]
 
 
 def test_a_budget_model_missing_from_the_servers_statistics_is_down_and_nothing_asks_the_backend(monkeypatch):

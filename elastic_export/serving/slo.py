@@ -31,6 +31,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 Pair = Tuple[float, str]
 DEFAULT_QUANTILE = 0.99
+ROW_WEIGHT_MEMORY = 200.0  # rows the mean row weight follows (SloPolicy.note_rows)
 DEFAULT_MARGIN = 0.05  # the prediction must leave this fraction of the SLO free
 DEFAULT_HYSTERESIS = 0.05  # and a denser pair this much more
 DEFAULT_DWELL_S = 1.0  # and the current pair must have served this long
@@ -575,6 +576,14 @@ class SloPolicy:
         self.current = self.pairs[0]
         self.switches = 0
         self.unavailable: set = set()
+        self.row_weight = 1.0  # a row's mean cost lately, in rows of the nominal length (note_rows)
+
+    def note_rows(self, rows: int, work: float, memory_rows: float = ROW_WEIGHT_MEMORY) -> None:
+        """An arrival of ``rows`` rows that cost ``work`` rows of the nominal length (their padded shape,
+        :mod:`elastic_export.serving.cost`): the mean weight the rate is scaled by, over about the latest
+        ``memory_rows`` rows. Rows of the nominal length leave it at 1."""
+        if rows > 0:
+            self.row_weight += (work / rows - self.row_weight) * min(1.0, rows / memory_rows)
 
     def predict(self, pair: Pair, rate: float, slower: float = 0.0) -> float:
         """Predicted latency quantile (ms) at ``pair`` under ``rate``: the budget model's queue and service,
@@ -611,7 +620,7 @@ class SloPolicy:
         now = self.rate.clock() if now is None else now
         rate = self.rate.rate(now)
         young = self.rate.young_rate(now)
-        rate = rate if young is None else max(rate, young)
+        rate = (rate if young is None else max(rate, young)) * self.row_weight  # in rows of the nominal length
         stay = self.slo_ms * (1 - self.margin)
         move = self.slo_ms * (1 - self.margin - self.hysteresis)
         usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
