@@ -1,0 +1,129 @@
+"""``benchmarks/serve_traffic.py``'s pure parts, without a server: traces built from real text (lengths in the
+model's tokens, seeded), the oracle's rule, a step's figures and issue 53's verdicts on scripted steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).parents[1] / "benchmarks" / "serve_traffic.py"
+    spec = importlib.util.spec_from_file_location("serve_traffic", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_traffic"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    from elastic_export.models.text import TextEncoder, model_folder
+
+    folder = model_folder("all-MiniLM-L6-v2", None)  # the embedded default model's tokenizer
+    return TextEncoder.from_dir(folder, ["input_ids", "attention_mask", "token_type_ids"])
+
+
+@pytest.fixture(scope="module")
+def corpus(bench, encoder):
+    return bench.build_corpus(encoder)
+
+
+def _lengths(bench, encoder, texts):
+    return [len(e.ids) for e in bench._raw_tokenizer(encoder).encode_batch(texts)]
+
+
+def test_texts_have_the_lengths_each_trace_promises_in_model_tokens(bench, encoder, corpus):
+    """Short queries 5-30 tokens, documents up to the context (and not all one length), 128-token texts exactly
+    128: counted by re-encoding each text with the model's tokenizer, specials included."""
+    assert len(corpus.queries) > 1000 and len(corpus.documents) > 200 and len(corpus.long) > 200
+    q = _lengths(bench, encoder, corpus.queries)
+    assert q == corpus.query_tokens and min(q) >= 5 and max(q) <= 30
+    d = _lengths(bench, encoder, corpus.documents)
+    assert d == corpus.document_tokens and min(d) >= bench.MIN_DOC_TOKENS and max(d) <= encoder.max_len
+    assert max(d) > encoder.max_len - 16 and min(d) < encoder.max_len // 2  # realistic: up to the context, varied
+    assert set(_lengths(bench, encoder, corpus.long)) == {128}
+
+
+def test_traces_are_seeded_and_mix_sends_one_document_in_five(bench, corpus):
+    for trace in ("short", "mix", "t128"):
+        a = bench.trace_requests(corpus, trace, 500, 0)
+        assert a == bench.trace_requests(corpus, trace, 500, 0) and a != bench.trace_requests(corpus, trace, 500, 1)
+    short = bench.trace_requests(corpus, "short", 500, 0)
+    assert {k for _, k, _ in short} == {"query"} and all(5 <= n <= 30 for _, _, n in short)
+    assert all(k == "query" and n == 128 for _, k, n in bench.trace_requests(corpus, "t128", 200, 0))
+    mix = bench.trace_requests(corpus, "mix", 2000, 0)
+    docs = [n for _, k, n in mix if k == "document"]
+    assert 0.17 < len(docs) / len(mix) < 0.23 and all(n >= bench.MIN_DOC_TOKENS for n in docs)
+    assert all(5 <= n <= 30 for _, k, n in mix if k == "query")
+    idx = bench.index_requests(corpus, 3, 0)
+    assert [len(b) for b in idx] == [64] * 3 and idx == bench.index_requests(corpus, 3, 0)
+    assert set(idx[0]) <= set(corpus.documents) and idx != bench.index_requests(corpus, 3, 1)
+
+
+def test_ideal_batches_hold_texts_of_about_one_length(bench):
+    lengths = [30, 5, 17, 5, 29, 12, 8, 30, 6]
+    batches = bench.ideal_batches(lengths, size=4)
+    assert [len(b) for b in batches] == [4, 4, 1] and sorted(sum(batches, [])) == list(range(9))
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(lengths)
+
+
+def test_the_oracle_is_the_densest_budget_whose_compute_and_cpu_fit_in_80_percent(bench):
+    """rate x (1/ref(s) + 2 ms / cores) <= 0.8; the sparsest when none fits."""
+    ref = {0.0: 100.0, 0.3: 150.0, 0.6: 250.0}
+    # 2 cores: 1 ms of CPU per request. dense at 72/s: 72 x (0.01 + 0.001) = 0.792 fits; at 73/s 0.803 does not
+    assert bench.oracle_budget(72.0, ref, 2) == 0.0
+    assert bench.oracle_budget(73.0, ref, 2) == 0.3
+    assert bench.oracle_budget(107.0, ref, 2) == 0.6  # 107 x (1/150 + 0.001) = 0.820
+    assert bench.oracle_budget(400.0, ref, 2) == 0.6  # nothing fits: the sparsest
+    assert bench.oracle_budget(72.0, ref, 1) == 0.3  # one core: 72 x 0.012 = 0.864
+
+
+def _rec(kind="query", outcome="ok", ms=10.0, sparsity=0.0):
+    return {"type": kind, "outcome": outcome, "ms": ms, "sparsity": sparsity if outcome == "ok" else None}
+
+
+def test_a_step_counts_refusals_as_misses_and_quality_over_answered_queries(bench):
+    quality = {0.0: 0.70, 0.6: 0.60}
+    recs = ([_rec(ms=20.0)] * 6 + [_rec(ms=300.0, sparsity=0.6)] * 2 + [_rec(outcome="refused", ms=3.0)]
+            + [_rec(outcome="lost", ms=30000.0)])
+    s = bench.summarise(recs, 250.0, quality, 0.0)
+    assert (s["offered"], s["answered"], s["refused"], s["lost"]) == (10, 8, 1, 1)
+    assert s["slo_attainment"] == pytest.approx(0.6) and s["refusal_p99_ms"] == pytest.approx(3.0)
+    assert s["dense_share"] == pytest.approx(0.75) and s["mean_sparsity"] == pytest.approx(0.15)
+    assert s["served_quality"] == pytest.approx(0.675) and s["quality_vs_oracle"] == pytest.approx(-0.025)
+    mixed = bench.summarise([_rec()] * 4 + [_rec("document", ms=400.0)], 250.0, quality, 0.0)
+    assert mixed["documents"]["all_dense"] and mixed["documents"]["slo_attainment"] == 0.0
+    assert mixed["slo_attainment"] == pytest.approx(0.8) and mixed["query_slo_attainment"] == 1.0
+
+
+def _step(m, slo=1.0, p99=100.0, refusal=None, q=0.70, oracle_q=0.70, dense=1.0):
+    return {"multiple": m, "slo_attainment": slo, "p99_ms": p99, "refusal_p99_ms": refusal, "served_quality": q,
+            "oracle_quality": oracle_q, "dense_share": dense, "refused": 0}
+
+
+def test_verdicts_as_issue_53_states_them(bench):
+    good = [_step(0.25), _step(0.5), _step(1.0, q=0.696, dense=0.2), _step(1.25, slo=0.995, dense=0.0),
+            _step(2.0, slo=0.6, refusal=12.0, p99=240.0, q=0.5, oracle_q=0.6)]
+    assert all(bench.verdict("short", good, 250.0).values())
+    v = bench.verdict("mix", good, 250.0)  # mix promises 99 % only up to 1x: 1.25x is judged as past it
+    assert all(v.values())
+    bad = {"short: >= 99 % within the SLO up to 1.25x": [_step(1.25, slo=0.98)],
+           "short: past 1.25x refusals' p99 < 50 ms": [_step(1.5, refusal=60.0)],
+           "short: past 1.25x answered p99 <= SLO": [_step(1.5, p99=300.0)],
+           "short: quality within 0.005 of the oracle up to 1x": [_step(0.75, q=0.69)],
+           "short: >= 90 % dense at <= 0.5x": [_step(0.5, dense=0.85)]}
+    for key, steps in bad.items():
+        v = bench.verdict("short", good + steps, 250.0)
+        assert v[key] is False and sum(x is False for x in v.values()) == 1, key
+    assert bench.verdict("short", [_step(2.0, refusal=10.0)], 250.0)["short: >= 90 % dense at <= 0.5x"] is None
+    idx = {**_step(0.25, slo=0.995), "index": {"refused": 0, "fraction_of_reference": 0.4, "all_dense": True}}
+    assert all(bench.verdict("index", [idx], 250.0).values())
+    for change in ({"refused": 1}, {"fraction_of_reference": 0.3}, {"all_dense": False}):
+        assert not all(bench.verdict("index", [{**idx, "index": {**idx["index"], **change}}], 250.0).values())
+    assert not all(bench.verdict("index", [{**idx, "refused": 2}], 250.0).values())
