@@ -138,6 +138,15 @@ def test_every_v1_route_needs_the_key_and_the_openai_client_sends_it(guarded):
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=guarded.api + "/v1", api_key="wrong", timeout=TIMEOUT_S, max_retries=0).embeddings.create(
             model="elastic", input="hello")
+    from langchain_openai import OpenAIEmbeddings
+    from llama_index.embeddings.openai import OpenAIEmbedding
+
+    lc = OpenAIEmbeddings(base_url=guarded.api + "/v1", api_key=KEY, model="elastic", check_embedding_ctx_length=False,
+                          timeout=TIMEOUT_S, max_retries=0)
+    assert len(lc.embed_documents(["hello", "world"])) == 2
+    li = OpenAIEmbedding(api_base=guarded.api + "/v1", api_key=KEY, model_name="elastic", timeout=TIMEOUT_S,
+                         max_retries=0)
+    assert len(li.get_text_embedding("hello")) == 384
 
 
 def all_cmdlines() -> dict[int, bytes]:
