@@ -147,17 +147,23 @@ def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[
                               "--ready-timeout", str(READY_S),
                               *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd,
                              start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        lines = []
+        # a reader thread from the start: the deadline holds even while serve prints nothing
+        p.lines = lines = []
+        p.follower = threading.Thread(target=_follow, args=(p, lines), daemon=True)
+        p.follower.start()
         deadline = time.monotonic() + READY_S + 120
-        for line in p.stdout:  # serve prints a line at a time; ends when the process does
-            lines.append(line.rstrip())
-            if line.startswith("ready:") or time.monotonic() > deadline:
+        while (ready := next((i for i, x in enumerate(lines) if x.startswith("ready:")), None)) is None:
+            if p.poll() is not None:  # ended: the reader gets its last lines
+                p.follower.join(timeout=30)
+                if not any(x.startswith("ready:") for x in lines):
+                    break
+            elif time.monotonic() > deadline:
                 break
-        if lines and lines[-1].startswith("ready:"):
+            else:
+                time.sleep(0.05)
+        if ready is not None:
             p.server_pid = tritonserver_of(p.pid)
-            p.lines, p.follower = lines, threading.Thread(target=_follow, args=(p, lines), daemon=True)
-            p.follower.start()
-            return p, port, list(lines)
+            return p, port, list(lines[:ready + 1])
         stop_process(p)
         if not any("in use" in x for x in lines):
             raise AssertionError("serve did not become ready:\n" + "\n".join(lines[-20:]))
