@@ -213,7 +213,8 @@ def _exposure(ctx, api_key, api_key_file, allow_no_api_key, expose_triton, paylo
         except OSError as e:
             raise UserError(f"--api-key-file {api_key_file}: {e.strerror or e}") from None
     elif api_key is not None and ctx.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:
-        hide_argument(api_key)
+        if not hide_argument(api_key):
+            echo_err(f"warning: --api-key stays readable in the process list here; use {API_KEY_ENV} or --api-key-file")
     limits = Limits(api_key=api_key, payload_limit=payload_limit, max_client_batch_size=max_client_batch_size,
                     max_concurrent_requests=max_concurrent_requests)
     return Exposure(limits, expose_triton=expose_triton, allow_no_api_key=allow_no_api_key, drain_timeout_s=drain_timeout)
@@ -224,7 +225,7 @@ def _exposure(ctx, api_key, api_key_file, allow_no_api_key, expose_triton, paylo
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP port; gRPC on PORT+1, metrics on PORT+2.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address the OpenAI API binds to; Triton's HTTP, gRPC and metrics stay on 127.0.0.1 unless "
-                   "--expose-triton (a loopback --host: every endpoint there).")
+                   "--expose-triton. Not loopback: an API key is required (docs/deploy.md).")
 @click.option("--budget-backend", type=click.Choice(TRITON_BUDGET_BACKENDS), default=None,
               help="Backend of the budget models when (re)building the repository [default: python where the server "
                    "has no onnxruntime backend, as PyPI's nvidia-pytriton server has not, else auto].")
