@@ -65,6 +65,7 @@ except ImportError:  # outside a Triton server (the builder, the tests): no mode
 
 TOLERANCE = 1e-6
 PARAMETER = "sparsity"
+QUEUED_PARAMETER = "queued_ms"  # request parameter: the ms its oldest row waited before it was sent
 SPARSITY_INPUT = "sparsity"
 TEXT_INPUT = "text"
 SERVED_OUTPUT = "served_sparsity"
@@ -174,6 +175,18 @@ def row_sparsities(values: Optional[Sequence[Any]], parameters: Optional[str], b
     if not isinstance(params, dict) or params.get(PARAMETER) is None:
         return None
     return [_number(params[PARAMETER], "sparsity parameter")] * batch
+
+
+def queued_ms(parameters: Optional[str]) -> float:
+    """How long the request's oldest row waited before it was sent (ms; the API's ``queued_ms`` parameter,
+    :mod:`elastic_export.serving.coalesce`); 0 when absent or not a non-negative number."""
+    if not parameters or QUEUED_PARAMETER not in parameters:
+        return 0.0
+    try:
+        value = float(json.loads(parameters).get(QUEUED_PARAMETER))
+    except (ValueError, TypeError, AttributeError):
+        return 0.0
+    return value if math.isfinite(value) and value > 0 else 0.0
 
 
 def _listing(values: Sequence[float]) -> str:
@@ -371,7 +384,8 @@ class SloRouting:
         return self.last
 
     def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
-              elsewhere: Optional[Dict[float, int]] = None, running: Tuple[int, float] = (0, 0.0)) -> float:
+              elsewhere: Optional[Dict[float, int]] = None, running: Tuple[int, float] = (0, 0.0),
+              queued_ms: float = 0.0) -> float:
         """The request's uncorrected predicted latency (ms) at ``budget`` (what
         :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes back), or :class:`Overload` when it is
         predicted past the policy's admission limit (the SLO less its margin) behind ``ahead`` rows in flight
@@ -379,14 +393,17 @@ class SloRouting:
         what they already waited (``waited_ms``: the oldest of them, measured; its own service comes on top).
         ``running``: the rows of the batch running there and how long it has run (ms,
         :meth:`LoadMonitor.running`): past its modelled time, the queued work is predicted at least as slow
-        (:meth:`~elastic_export.serving.slo.SloPolicy.admit`'s ``live_slope``). A request with nothing in
-        flight ahead of it always runs."""
+        (:meth:`~elastic_export.serving.slo.SloPolicy.admit`'s ``live_slope``). ``queued_ms``: what the request
+        waited before it reached the router (the API merging it with others), on top of every prediction. A
+        request with nothing in flight ahead of it always runs."""
         pair, policy = (budget, self.precision), self.policy
         others = self._others(budget, elsewhere)
         n_run, ran_ms = running
         live = ran_ms / policy.service.ms(pair, n_run) if n_run > 0 else 0.0
         ok, ms, raw = policy.admit(pair, rows, ahead, others, live_slope=live)
-        behind = waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its own run
+        ms += queued_ms
+        ok = ok and ms <= policy.admission_limit_ms
+        behind = queued_ms + waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its run
         if (ahead > 0 or others) and (not ok or behind > policy.admission_limit_ms):
             raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
                            f"of {policy.slo_ms:g} ms less its {policy.margin:.0%} margin; retry later", "overload")
@@ -404,7 +421,8 @@ class SloRouting:
 
     def place(self, budget: float, rows: int, rows_at: Dict[float, int], waited_ms: Callable[[float], float],
               faster: Sequence[float] = (),
-              running: Callable[[float], Tuple[int, float]] = lambda s: (0, 0.0)) -> Tuple[float, float]:
+              running: Callable[[float], Tuple[int, float]] = lambda s: (0, 0.0),
+              queued_ms: float = 0.0) -> Tuple[float, float]:
         """Where a request runs and its uncorrected prediction (:meth:`admit`): at ``budget``, else (a request
         the policy routed: ``faster``, the budgets it may move to) at the first of ``faster`` that admits it;
         first at the fastest when it overflows at ``budget`` (:meth:`overflow`: a queue building there), then
@@ -419,7 +437,7 @@ class SloRouting:
             order.insert(0, fastest)
         for s in order:
             try:
-                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at, running(s))
+                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at, running(s), queued_ms)
             except Overload:
                 if s == order[-1]:
                     raise
@@ -737,7 +755,7 @@ class _Job:
     router runs it itself (``inline``) and its admission's uncorrected predicted latency (``admit_raw``)."""
 
     __slots__ = ("request", "tensors", "text", "batch", "served", "wanted", "arrived", "routed", "budget",
-                 "inline", "admit_raw", "model_ms", "counted", "ticket", "feeds", "work")
+                 "inline", "admit_raw", "model_ms", "counted", "ticket", "feeds", "work", "queued_ms")
 
     def __init__(self, request: Any, tensors: Optional[List[Any]], text: Optional[List[str]], batch: int,
                  served: Optional[List[float]], wanted: Sequence[str]):
@@ -749,6 +767,7 @@ class _Job:
         self.counted, self.ticket = None, 0  # the budget the monitor counted it at (None: several or not yet)
         self.feeds: Optional[Dict[str, np.ndarray]] = None  # the tokenized text
         self.work = float(batch)  # its cost in rows of the nominal length (its padded shape)
+        self.queued_ms = 0.0  # how long it waited before it was sent (the API's merging)
 
 
 class TritonPythonModel:
@@ -874,7 +893,7 @@ class TritonPythonModel:
         job.budget, job.admit_raw = self.routing.place(job.budget, job.work, self.monitor.rows_at,
                                                        lambda s: self.monitor.oldest_ms(s, now),
                                                        faster if job.routed else (),
-                                                       lambda s: self.monitor.running(s, now))
+                                                       lambda s: self.monitor.running(s, now), job.queued_ms)
         job.served = [job.budget] * job.batch
 
     def _accept(self, request: Any) -> _Job:
@@ -911,6 +930,7 @@ class TritonPythonModel:
             job.feeds = self.tokenizer.encode(texts)
         shapes = [a.shape for a in job.feeds.values()] if job.feeds is not None else [t.shape() for t in model_inputs]
         job.work = self.cost.work(batch, _padded_length(shapes)) if self.cost is not None else float(batch)
+        job.queued_ms = queued_ms(request.parameters() if hasattr(request, "parameters") else None)
         return job
 
     def _batch_of(self, tensors: Dict[str, Any], model_inputs: List[Any]) -> int:

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
+from elastic_export.serving.coalesce import QUEUED_PARAMETER
 from elastic_export.serving.openai_schema import ApiError, Tokens, feeds
 
 DEFAULT_MAX_ROWS = 128
@@ -79,6 +80,7 @@ class RouterClient:
         self._client: Any = None
         self._info: RouterInfo | None = None
         self._lane: asyncio.Semaphore | None = None
+        self._batcher: Any = None  # QueryBatcher, made on the serving loop
 
     def _grpc(self):
         if self._client is None:  # created on the serving loop: grpc.aio channels belong to one loop
@@ -111,6 +113,8 @@ class RouterClient:
         holds embeddings of one budget (one after another: sent at once, each would queue behind the
         others and the router's admission would refuse them as late)."""
         size = (await self.info()).max_rows
+        if len(rows) < size:  # a query: merged with the others waiting (coalesce.QueryBatcher)
+            return await self.batcher(size).embed(rows, sparsity)
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
         first = await self._infer(chunks[0], sparsity)
         rest = [await self._infer(c, first.sparsity) for c in chunks[1:]]
@@ -149,8 +153,19 @@ class RouterClient:
             raise
         return Served(np.stack(out), 0.0, info.precision)
 
-    async def _infer(self, rows: Sequence[Tokens], sparsity: float | None, model: str | None = None) -> Served:
-        """One batch through the router (``model`` None) or straight to ``model`` (dense, no sparsity)."""
+    def batcher(self, max_rows: int) -> Any:
+        """The :class:`~elastic_export.serving.coalesce.QueryBatcher` that merges concurrent queries."""
+        if self._batcher is None:
+            from elastic_export.serving.coalesce import QueryBatcher
+
+            self._batcher = QueryBatcher(lambda rows, sparsity, queued_ms: self._infer(rows, sparsity, None, queued_ms),
+                                         max_rows)
+        return self._batcher
+
+    async def _infer(self, rows: Sequence[Tokens], sparsity: float | None, model: str | None = None,
+                     queued_ms: float = 0.0) -> Served:
+        """One batch through the router (``model`` None) or straight to ``model`` (dense, no sparsity);
+        ``queued_ms``: how long its oldest query waited in the API (the router's admission counts it)."""
         import tritonclient.grpc as grpcclient
 
         arrays = feeds(rows, self.input_names, self.pad_id)
@@ -164,7 +179,9 @@ class RouterClient:
         wanted = (self.output,) if model is not None else (self.output, SERVED, PRECISION)
         outputs = [grpcclient.InferRequestedOutput(n) for n in wanted]
         try:
-            got = await self._grpc().infer(model or self.router, inputs, outputs=outputs, client_timeout=self.timeout_s)
+            params = {QUEUED_PARAMETER: round(queued_ms, 3)} if queued_ms > 0 and model is None else None
+            got = await self._grpc().infer(model or self.router, inputs, outputs=outputs, client_timeout=self.timeout_s,
+                                           parameters=params)
         except Exception as e:
             raise _api_error(e) from None
         vectors = got.as_numpy(self.output)

@@ -1,0 +1,136 @@
+"""Concurrent queries merged into one router request before they reach Triton.
+
+Every request that reaches the router costs the API, the gRPC hop, the router and the server a few
+milliseconds of CPU whatever its rows; short queries arrive far faster than that leaves room for on a
+CPU. :class:`QueryBatcher` keeps at most ``max_in_flight`` router requests outstanding (a query that
+finds fewer is sent at once: no wait at a light load); the queries that arrive meanwhile wait here and
+go together in the next request: those that ask for the same budget (or none), oldest first, up to
+``max_rows`` rows and ``max_tokens`` padded tokens, shorter ones first where the oldest leaves room, so
+that a request pads little. Each waits at most until a slot frees: the time it waited here travels with
+the request (:data:`QUEUED_PARAMETER`), and the router's admission counts it. Plain asyncio with an
+injected clock; the router call is injected too (:class:`~elastic_export.serving.router_client.RouterClient`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+QUEUED_PARAMETER = "queued_ms"  # the request parameter: how long its oldest query waited in the API
+MAX_TOKENS = 4096  # padded tokens in one merged request (TEI's --max-batch-tokens)
+MAX_IN_FLIGHT = 2  # merged requests outstanding: one runs, one is ready behind it
+
+Send = Callable[[Sequence[Any], "float | None", float], Awaitable[Any]]  # (rows, sparsity, queued_ms) -> Served
+
+
+@dataclass
+class _Item:
+    rows: Sequence[Any]  # Tokens
+    sparsity: float | None
+    arrived: float
+    future: asyncio.Future = field(repr=False)
+
+    @property
+    def length(self) -> int:
+        return max(len(r.ids) for r in self.rows)
+
+
+@dataclass
+class BatchStats:
+    """What the batcher sent: router requests, the queries in them, and padded against real tokens."""
+
+    requests: int = 0
+    queries: int = 0
+    tokens: int = 0
+    padded: int = 0
+
+    @property
+    def padding_waste(self) -> float:
+        return 1.0 - self.tokens / self.padded if self.padded else 0.0
+
+
+class QueryBatcher:
+    """Queries of one or a few rows merged into router requests (module docstring).
+
+    Args:
+        send: the router call, ``await send(rows, sparsity, queued_ms)`` -> an object with ``vectors``
+            (one per row, in order), ``sparsity`` and ``precision``.
+        max_rows: the most rows in one router request.
+        max_tokens: the most padded tokens (rows x the longest) in one router request.
+        max_in_flight: router requests outstanding at once.
+        clock: seconds (monotonic).
+    """
+
+    def __init__(self, send: Send, max_rows: int, max_tokens: int = MAX_TOKENS, max_in_flight: int = MAX_IN_FLIGHT,
+                 clock: Callable[[], float] = time.monotonic):
+        self.send, self.max_rows, self.max_tokens, self.max_in_flight = send, max_rows, max_tokens, max_in_flight
+        self.clock, self.in_flight, self.stats = clock, 0, BatchStats()
+        self._waiting: list[_Item] = []
+
+    async def embed(self, rows: Sequence[Any], sparsity: float | None) -> Any:
+        """The query's answer (a ``Served`` of its own rows), from whichever merged request carried it."""
+        item = _Item(rows, sparsity, self.clock(), asyncio.get_running_loop().create_future())
+        self._waiting.append(item)
+        self._dispatch()
+        return await item.future
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _dispatch(self) -> None:
+        while self._waiting and self.in_flight < self.max_in_flight:
+            batch = self.take()
+            if not batch:
+                return
+            self.in_flight += 1
+            asyncio.ensure_future(self._run(batch))
+
+    def take(self) -> list[_Item]:
+        """The next merged request: the oldest waiting query, then the others asking for its budget, shortest
+        first, while rows and padded tokens fit (the oldest always goes)."""
+        self._waiting = [i for i in self._waiting if not i.future.done()]  # clients gone: never sent
+        if not self._waiting:
+            return []
+        first = self._waiting[0]
+        same = sorted((i for i in self._waiting[1:] if i.sparsity == first.sparsity), key=lambda i: i.length)
+        batch, rows, longest = [first], len(first.rows), first.length
+        for item in same:
+            width = max(longest, item.length)
+            if rows + len(item.rows) > self.max_rows or (rows + len(item.rows)) * width > self.max_tokens:
+                continue
+            batch.append(item)
+            rows, longest = rows + len(item.rows), width
+        taken = {id(i) for i in batch}
+        self._waiting = [i for i in self._waiting if id(i) not in taken]
+        return batch
+
+    async def _run(self, batch: list[_Item]) -> None:
+        rows = [r for item in batch for r in item.rows]
+        queued_ms = (self.clock() - batch[0].arrived) * 1e3
+        self._count(batch, rows)
+        try:
+            served = await self.send(rows, batch[0].sparsity, queued_ms)
+        except BaseException as e:  # the router's refusal (or a failure) is every merged query's
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(e)
+        else:
+            start = 0
+            for item in batch:
+                n = len(item.rows)
+                if not item.future.done():
+                    item.future.set_result(type(served)(served.vectors[start:start + n], served.sparsity, served.precision))
+                start += n
+        finally:
+            self.in_flight -= 1
+            self._dispatch()
+
+    def _count(self, batch: list[_Item], rows: Sequence[Any]) -> None:
+        width = max(item.length for item in batch)
+        self.stats.requests += 1
+        self.stats.queries += len(batch)
+        self.stats.tokens += sum(len(r.ids) for r in rows)
+        self.stats.padded += len(rows) * width

@@ -1,0 +1,118 @@
+"""Concurrent queries merged into one router request (``elastic_export.serving.coalesce``), with the router
+call injected and a manual clock: sent at once when a slot is free, merged while the slots are busy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from elastic_export.serving.coalesce import QUEUED_PARAMETER, QueryBatcher
+from elastic_export.serving.openai_schema import Tokens
+from elastic_export.serving.router_client import Served
+from elastic_export.targets import triton_router
+
+
+class Router:
+    """The injected router call: records each request, answers when released (row i's vector is [id]),
+    or refuses when told to."""
+
+    def __init__(self):
+        self.sent, self.gates, self.refuse = [], [], None
+
+    async def __call__(self, rows, sparsity, queued_ms):
+        gate = asyncio.Event()
+        self.sent.append(([r.ids[0] for r in rows], sparsity, queued_ms))
+        self.gates.append(gate)
+        await gate.wait()
+        if self.refuse is not None:
+            raise self.refuse
+        return Served(np.array([[r.ids[0]] for r in rows], dtype=np.float32), sparsity or 0.3, "fp32")
+
+
+def _q(i: int, length: int = 5) -> list[Tokens]:
+    return [Tokens([i] + [0] * (length - 1), [0] * length)]
+
+
+async def _settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_query_that_finds_a_free_slot_goes_at_once_and_busy_slots_merge_the_rest():
+    async def go():
+        now, router = [10.0], Router()
+        b = QueryBatcher(router, max_rows=64, clock=lambda: now[0])
+        first = [asyncio.ensure_future(b.embed(_q(i), None)) for i in (1, 2)]  # two slots: two requests
+        await _settle()
+        assert [ids for ids, _, _ in router.sent] == [[1], [2]] and router.sent[0][2] == 0.0
+        rest = [asyncio.ensure_future(b.embed(_q(i), None)) for i in range(3, 8)]
+        await _settle()
+        assert len(router.sent) == 2 and b.waiting == 5  # both slots busy: they wait
+        now[0] += 0.040
+        router.gates[0].set()
+        await _settle()
+        assert sorted(router.sent[2][0]) == [3, 4, 5, 6, 7] and router.sent[2][2] == pytest.approx(40.0)
+        for g in router.gates[1:]:
+            g.set()
+        got = await asyncio.gather(*first, *rest)
+        assert [float(s.vectors[0, 0]) for s in got] == [1, 2, 3, 4, 5, 6, 7]  # each its own rows
+        assert all(s.sparsity == 0.3 and s.vectors.shape == (1, 1) for s in got)
+        assert (b.stats.requests, b.stats.queries, b.in_flight) == (3, 7, 0)
+    asyncio.run(go())
+
+
+def test_only_queries_asking_for_the_same_budget_merge_within_the_row_and_token_bounds():
+    async def go():
+        router = Router()
+        b = QueryBatcher(router, max_rows=4, max_tokens=40, max_in_flight=1)
+        tasks = [asyncio.ensure_future(b.embed(_q(0), None))]
+        await _settle()
+        tasks += [asyncio.ensure_future(b.embed(q, s)) for q, s in
+                  [(_q(1, 20), None), (_q(2), 0.5), (_q(3), None), (_q(4), None), (_q(5), None), (_q(6), None)]]
+        await _settle()
+        router.gates[0].set()
+        await _settle()
+        # the oldest (20 tokens) first; shorter ones while 40 padded tokens allow: one more (2 x 20)
+        assert router.sent[1][0] == [1, 3] and router.sent[1][1] is None
+        router.gates[1].set()
+        await _settle()
+        assert router.sent[2][0] == [2] and router.sent[2][1] == 0.5  # its own budget: alone
+        router.gates[2].set()
+        await _settle()
+        assert router.sent[3][0] == [4, 5, 6]
+        router.gates[3].set()
+        await asyncio.gather(*tasks)
+        assert b.stats.padding_waste == pytest.approx(1 - (5 + 20 + 5 + 5 + 15) / (5 + 40 + 5 + 15))
+    asyncio.run(go())
+
+
+def test_a_refusal_is_every_merged_querys_and_a_query_whose_client_left_is_never_sent():
+    async def go():
+        router = Router()
+        b = QueryBatcher(router, max_rows=64, max_in_flight=1)
+        t0 = asyncio.ensure_future(b.embed(_q(0), None))
+        await _settle()
+        gone = asyncio.ensure_future(b.embed(_q(1), None))
+        merged = [asyncio.ensure_future(b.embed(_q(i), None)) for i in (2, 3)]
+        await _settle()
+        gone.cancel()  # the client went away while it waited
+        router.refuse = RuntimeError("overloaded")
+        router.gates[0].set()
+        await _settle()
+        assert router.sent[1][0] == [2, 3]
+        router.gates[1].set()
+        for t in (t0, *merged):
+            with pytest.raises(RuntimeError, match="overloaded"):
+                await t
+        assert b.in_flight == 0 and b.waiting == 0
+    asyncio.run(go())
+
+
+def test_the_router_reads_the_wait_before_it_was_sent():
+    assert QUEUED_PARAMETER == triton_router.QUEUED_PARAMETER  # one name on both sides
+    assert triton_router.queued_ms('{"queued_ms": 12.5}') == 12.5
+    assert triton_router.queued_ms('{"sparsity": 0.5}') == 0.0 and triton_router.queued_ms(None) == 0.0
+    for bad in ('{"queued_ms": "x"}', '{"queued_ms": -3}', '{"queued_ms": NaN}', "[1]", "not json queued_ms"):
+        assert triton_router.queued_ms(bad) == 0.0
