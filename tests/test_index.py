@@ -154,9 +154,12 @@ BAD = {
 def test_bad_corpus_is_one_line_exit_2_nothing_written(art, tmp_path, capsys, case):
     name, data, message = BAD[case]
     d = link_copy(art, tmp_path / "art", ignore=("triton", "index"))
+    shared = (art / MANIFEST).read_bytes()
     manifest = json.loads((d / MANIFEST).read_text())
     manifest.pop("index", None)
+    (d / MANIFEST).unlink()  # a hard link to art's: replaced, never written into
     (d / MANIFEST).write_text(json.dumps(manifest))
+    assert (art / MANIFEST).read_bytes() == shared
     before = (d / MANIFEST).read_bytes()
     (tmp_path / name).write_bytes(data)
     code, out, err = _cli(["index", d, tmp_path / name], capsys)
