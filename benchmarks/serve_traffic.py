@@ -214,22 +214,22 @@ def _timed(rt, feeds: list, sparsity: float) -> float:
     return time.perf_counter() - t0
 
 
-def reference_rates(rt, encoder, requests: list, sparsities: list[float]) -> dict[float, float]:
+def reference_rates(rt, encoder, requests: list, sparsities: list[float], rounds: int = REF_ROUNDS) -> dict[float, float]:
     """Requests/s of ``requests`` in process per budget: queries at the budget, documents dense, ideal
-    batches; the median of :data:`REF_ROUNDS` rounds interleaved over the budgets (order reversed every other)."""
+    batches; the median of ``rounds`` rounds interleaved over the budgets (order reversed every other)."""
     work = _workload(encoder, requests)
     for f in work["query"][:1] + work["document"][:1]:
         for s in sparsities:
             rt.run(f, sparsity=s)  # warm every session
-    docs_s = [_timed(rt, work["document"], 0.0) for _ in range(REF_ROUNDS)]
+    docs_s = [_timed(rt, work["document"], 0.0) for _ in range(rounds)]
     times = {s: [] for s in sparsities}
-    for r in range(REF_ROUNDS):
+    for r in range(rounds):
         for s in (sparsities if r % 2 == 0 else sparsities[::-1]):
             times[s].append(_timed(rt, work["query"], s))
     return {s: len(requests) / (float(np.median(times[s])) + float(np.median(docs_s))) for s in sparsities}
 
 
-def index_reference(rt, encoder, batches: list[list[str]]) -> float:
+def index_reference(rt, encoder, batches: list[list[str]], rounds: int = REF_ROUNDS) -> float:
     """Documents/s of dense 64-document requests in process (each request sorted into ideal batches)."""
     tok = _raw_tokenizer(encoder)
     feeds = []
@@ -237,12 +237,12 @@ def index_reference(rt, encoder, batches: list[list[str]]) -> float:
         lens = [min(len(e.ids), encoder.max_len) for e in tok.encode_batch(docs)]
         feeds += [encoder.encode([docs[i] for i in b]) for b in ideal_batches(lens)]
     rt.run(feeds[0], sparsity=0.0)
-    runs = [_timed(rt, feeds, 0.0) for _ in range(REF_ROUNDS)]
+    runs = [_timed(rt, feeds, 0.0) for _ in range(rounds)]
     return sum(map(len, batches)) / float(np.median(runs))
 
 
 def measure_references(directory: Path, encoder, corpus: Corpus, traces: list[str], sparsities: list[float],
-                       seed: int) -> dict:
+                       seed: int, rounds: int = REF_ROUNDS) -> dict:
     """Every trace's reference rates per budget (short's too where index runs) and the indexing reference."""
     from elastic_export.serving.runtime import ElasticRuntime
 
@@ -251,10 +251,10 @@ def measure_references(directory: Path, encoder, corpus: Corpus, traces: list[st
         out = {}
         for trace in dict.fromkeys(["short" if t == "index" else t for t in traces]):
             req = trace_requests(corpus, trace, REF_SAMPLE[trace], seed + 7)
-            out[trace] = reference_rates(rt, encoder, req, sparsities)
+            out[trace] = reference_rates(rt, encoder, req, sparsities, rounds)
             print(f"reference {trace}: " + ", ".join(f"{s:g} {r:.1f}/s" for s, r in out[trace].items()), flush=True)
         if "index" in traces:
-            out["index_docs_per_s"] = index_reference(rt, encoder, index_requests(corpus, 2, seed + 7))
+            out["index_docs_per_s"] = index_reference(rt, encoder, index_requests(corpus, 2, seed + 7), rounds)
             print(f"reference index: dense {INDEX_BATCH}-document requests {out['index_docs_per_s']:.1f} documents/s")
         return out
     finally:
@@ -575,7 +575,7 @@ def report_lines(out: dict) -> list[str]:
              f"{SHORT_TOKENS[0]}-{SHORT_TOKENS[1]} tokens, documents {MIN_DOC_TOKENS}-{out['max_len']} tokens "
              f"(the context), {LONG_TOKENS}-token texts.", "",
              "Reference (requests/s, onnxruntime in this process before the server starts; batches of "
-             f"{REF_BATCH} texts sorted by length; documents dense; median of {REF_ROUNDS} rounds):"]
+             f"{REF_BATCH} texts sorted by length; documents dense; median of {out['ref_rounds']} rounds):"]
     lines += [_ref_line(k, v) for k, v in out["reference"].items() if isinstance(v, dict)]
     if "index_docs_per_s" in out["reference"]:
         lines.append(f"- indexing: dense {INDEX_BATCH}-document requests "
@@ -641,6 +641,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-s", type=float, default=10.0, help="seconds of each rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slo-ms", type=float, default=250.0)
+    ap.add_argument("--ref-rounds", type=int, default=REF_ROUNDS, help="rounds of the in-process reference")
     ap.add_argument("--request-timeout", type=float, default=30.0, help="client timeout of every request (s)")
     ap.add_argument("--server-log", type=Path, default=Path("/tmp/serve_traffic.server.log"))
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results as they are")
@@ -666,12 +667,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{np.median(corpus.document_tokens):.0f} tokens), {len(corpus.long)} {LONG_TOKENS}-token texts", flush=True)
     sparsities = [0.0] + sorted(b.sparsity for b in manifest.budgets)
     metric, quality = quality_per_budget(d, sparsities)
-    refs = measure_references(d, encoder, corpus, args.traces, sparsities, args.seed)
+    refs = measure_references(d, encoder, corpus, args.traces, sparsities, args.seed, args.ref_rounds)
     with Server(d, args.slo_ms, args.server_log) as server:
         traces = asyncio.run(run_load(server, corpus, refs, args, quality))
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
            "command": "python benchmarks/serve_traffic.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "slo_ms": args.slo_ms, "step_s": args.step_s, "seed": args.seed, "cores": args.cores,
+           "slo_ms": args.slo_ms, "step_s": args.step_s, "ref_rounds": args.ref_rounds, "seed": args.seed, "cores": args.cores,
            "artifacts": str(d), "max_len": corpus.max_len, "quality_metric": metric, "quality": quality,
            "reference": refs, "traces": traces,
            "padding_exposed": any("padding_metrics" in s for st in traces.values() for s in st)}
