@@ -447,7 +447,8 @@ async def indexing_client(client, url: str, batches: list[list[str]], seconds: f
 
 
 async def padding_metrics(client, urls: list[str]) -> dict[str, float]:
-    """Every metric whose name says padding, from the API's and Triton's ``/metrics`` (empty: none exposed)."""
+    """Every metric whose name says padding (``pad``, ``waste``), from the API's and Triton's ``/metrics``
+    (empty: none exposed)."""
     out = {}
     for url in urls:
         try:
@@ -455,7 +456,8 @@ async def padding_metrics(client, urls: list[str]) -> dict[str, float]:
         except Exception:
             continue
         for line in text.splitlines():
-            if "padding" in line.split("{")[0].split(" ")[0] and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            if not line.startswith("#") and ("pad" in name or "waste" in name):
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
     return out
@@ -551,7 +553,7 @@ def table_lines(trace: str, steps: list[dict]) -> list[str]:
             "mean sparsity | dense | quality | oracle (quality) | vs oracle | padding |")
     lines = [head, "|---" * 16 + "|"]
     for s in steps:
-        pad = "; ".join(f"{k} {v[0]:g}" for k, v in (s.get("padding_metrics") or {}).items()) or "n/a"
+        pad = "; ".join(f"{k} {_step_value(k, *v):g}" for k, v in (s.get("padding_metrics") or {}).items()) or "n/a"
         lines.append(
             f"| {s['multiple']:g}x | {s['rate_rps']:.1f} | {s['offered']} | {s['answered']} | {s['refused']} | "
             f"{s['lost']} | {100 * s['slo_attainment']:.1f} % | {_cell(s['p50_ms'], '.0f')} | "
@@ -560,6 +562,12 @@ def table_lines(trace: str, steps: list[dict]) -> list[str]:
             f"{s.get('oracle_sparsity', '-')} ({_cell(s.get('oracle_quality'), '.4f')}) | "
             f"{_cell(s.get('quality_vs_oracle'), '+.4f')} | {pad} |")
     return lines
+
+
+def _step_value(name: str, after: float, before: float | None) -> float:
+    """A metric's figure for one step: a counter's increase over it, else its value at its end."""
+    counter = name.split("{")[0].endswith(("_total", "_count", "_sum"))
+    return after - before if counter and before is not None else after
 
 
 def _ref_line(name: str, ref: dict) -> str:
@@ -584,8 +592,9 @@ def report_lines(out: dict) -> list[str]:
               f"{out['cores']} cores) <= {ORACLE_UTILISATION:g}, ref_rate the trace's reference at s (the sparsest "
               "when none fits). Quality: recall@10 per budget (`elastic-export eval`), mean over answered queries. "
               "SLO attainment counts every request of the trace (queries and documents); mean sparsity and dense "
-              "share are over answered queries. Padding: any metric named padding on the API's or Triton's "
-              "/metrics" + ("" if out["padding_exposed"] else " (none exposed: left out)") + ".", ""]
+              "share are over answered queries. Padding: any metric whose name says pad or waste on the API's or "
+              "Triton's /metrics (a counter: its increase over the step)"
+              + ("" if out["padding_exposed"] else ": the server exposes none, so the column is n/a") + ".", ""]
     for trace, steps in out["traces"].items():
         lines += [f"## {trace}", "", *table_lines(trace, steps), ""]
         for s in steps:

@@ -127,3 +127,9 @@ def test_verdicts_as_issue_53_states_them(bench):
     for change in ({"refused": 1}, {"fraction_of_reference": 0.3}, {"all_dense": False}):
         assert not all(bench.verdict("index", [{**idx, "index": {**idx["index"], **change}}], 250.0).values())
     assert not all(bench.verdict("index", [{**idx, "refused": 2}], 250.0).values())
+
+
+def test_a_padding_counter_counts_its_increase_over_the_step(bench):
+    assert bench._step_value("elastic_api_padded_tokens_total", 900.0, 400.0) == 500.0
+    assert bench._step_value("elastic_padding_waste", 0.25, 0.5) == 0.25  # a gauge: its value at the end
+    assert bench._step_value("x_padded_total", 7.0, None) == 7.0
