@@ -446,9 +446,13 @@ async def indexing_client(client, url: str, batches: list[list[str]], seconds: f
             "p50_ms": _p([r["ms"] for r in ok], 50), "errors": sorted({r["error"] for r in recs if r.get("error")})[:3]}
 
 
+BATCH_METRICS = ("elastic_api_query_tokens_total", "elastic_api_query_batches_total", "elastic_api_queries_batched_total",
+                 "elastic_api_queries_late_total")  # the API's merged queries (serving/api_guard.py)
+
+
 async def padding_metrics(client, urls: list[str]) -> dict[str, float]:
-    """Every metric whose name says padding (``pad``, ``waste``), from the API's and Triton's ``/metrics``
-    (empty: none exposed)."""
+    """The API's merged-query counters (real and padded tokens, router requests, queries, late) and any metric
+    whose name says padding (``pad``, ``waste``), from the API's and Triton's ``/metrics`` (empty: none)."""
     out = {}
     for url in urls:
         try:
@@ -457,10 +461,20 @@ async def padding_metrics(client, urls: list[str]) -> dict[str, float]:
             continue
         for line in text.splitlines():
             name = line.split("{")[0].split(" ")[0]
-            if not line.startswith("#") and ("pad" in name or "waste" in name):
+            if not line.startswith("#") and (name in BATCH_METRICS or "pad" in name or "waste" in name):
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
     return out
+
+
+def padding_waste(metrics: dict) -> float | None:
+    """1 - real / padded tokens of the queries merged over a step (``{name: (after, before)}``); None without."""
+    def delta(kind: str) -> float | None:
+        v = metrics.get(f'elastic_api_query_tokens_total{{kind="{kind}"}}')
+        return None if v is None or v[1] is None else v[0] - v[1]
+
+    real, padded = delta("real"), delta("padded")
+    return None if not real or not padded else 1.0 - real / padded
 
 
 async def warm(client, url: str, corpus: Corpus) -> None:
@@ -488,6 +502,7 @@ async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, 
         s = {"multiple": m, "rate_rps": m * dense, **summarise(recs, args.slo_ms, quality, oracle)}
         if after:
             s["padding_metrics"] = {k: (v, before.get(k)) for k, v in after.items()}
+            s["padding_waste"] = padding_waste(s["padding_metrics"])
         steps.append(s)
         print(_progress(trace, s), flush=True)
     return steps
@@ -553,7 +568,11 @@ def table_lines(trace: str, steps: list[dict]) -> list[str]:
             "mean sparsity | dense | quality | oracle (quality) | vs oracle | padding |")
     lines = [head, "|---" * 16 + "|"]
     for s in steps:
-        pad = "; ".join(f"{k} {_step_value(k, *v):g}" for k, v in (s.get("padding_metrics") or {}).items()) or "n/a"
+        pm = s.get("padding_metrics") or {}
+        merged = [_step_value(k, *pm[k]) for k in ("elastic_api_queries_batched_total", "elastic_api_query_batches_total")
+                  if k in pm]
+        pad = (f"{100 * s['padding_waste']:.0f} % ({merged[0]:g} queries in {merged[1]:g} requests)"
+               if s.get("padding_waste") is not None and len(merged) == 2 else "n/a")
         lines.append(
             f"| {s['multiple']:g}x | {s['rate_rps']:.1f} | {s['offered']} | {s['answered']} | {s['refused']} | "
             f"{s['lost']} | {100 * s['slo_attainment']:.1f} % | {_cell(s['p50_ms'], '.0f')} | "

@@ -395,7 +395,7 @@ class SloRouting:
         :meth:`LoadMonitor.running`): past its modelled time, the queued work is predicted at least as slow
         (:meth:`~elastic_export.serving.slo.SloPolicy.admit`'s ``live_slope``). ``queued_ms``: what the request
         waited before it reached the router (the API merging it with others), on top of every prediction. A
-        request with nothing in flight ahead of it always runs."""
+        request with nothing in flight ahead of it always runs, unless its wait already makes it late."""
         pair, policy = (budget, self.precision), self.policy
         others = self._others(budget, elsewhere)
         n_run, ran_ms = running
@@ -404,7 +404,7 @@ class SloRouting:
         ms += queued_ms
         ok = ok and ms <= policy.admission_limit_ms
         behind = queued_ms + waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its run
-        if (ahead > 0 or others) and (not ok or behind > policy.admission_limit_ms):
+        if (ahead > 0 or others or queued_ms > 0) and (not ok or behind > policy.admission_limit_ms):
             raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
                            f"of {policy.slo_ms:g} ms less its {policy.margin:.0%} margin; retry later", "overload")
         return raw

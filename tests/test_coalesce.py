@@ -116,3 +116,27 @@ def test_the_router_reads_the_wait_before_it_was_sent():
     assert triton_router.queued_ms('{"sparsity": 0.5}') == 0.0 and triton_router.queued_ms(None) == 0.0
     for bad in ('{"queued_ms": "x"}', '{"queued_ms": -3}', '{"queued_ms": NaN}', "[1]", "not json queued_ms"):
         assert triton_router.queued_ms(bad) == 0.0
+
+
+def test_a_query_that_waited_past_the_deadline_is_refused_unsent():
+    async def go():
+        now, router = [0.0], Router()
+        b = QueryBatcher(router, max_rows=64, max_in_flight=1, deadline_ms=200.0,
+                         late=lambda ms: RuntimeError(f"late {ms:.0f}"), clock=lambda: now[0])
+        t0 = asyncio.ensure_future(b.embed(_q(0), None))
+        await _settle()
+        old = asyncio.ensure_future(b.embed(_q(1), None))
+        await _settle()
+        now[0] = 0.150
+        young = asyncio.ensure_future(b.embed(_q(2), None))
+        await _settle()
+        now[0] = 0.250  # the slot frees: query 1 has waited 250 ms, query 2 100 ms
+        router.gates[0].set()
+        await _settle()
+        assert router.sent[1][0] == [2] and router.sent[1][2] == pytest.approx(100.0)
+        with pytest.raises(RuntimeError, match="late 250"):
+            await old
+        router.gates[1].set()
+        await asyncio.gather(t0, young)
+        assert b.stats.late == 1 and b.stats.queries == 2
+    asyncio.run(go())

@@ -249,6 +249,35 @@ def test_queries_are_answered_while_a_corpus_is_indexed(live):
                                live.encode(docs[:200], 0.0), atol=1e-5)
 
 
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_concurrent_queries_are_merged_and_their_padding_is_counted(live):
+    """24 queries of different lengths sent at once come back each with its own embedding at one served
+    budget per answer; the API's metrics count the router requests that carried them (at most one per query),
+    the queries, and the real and padded tokens (padded >= real)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [d["text"] for d in live.docs[:24]]
+    before = httpx.get(live.url + "/metrics", timeout=TIMEOUT_S).text
+
+    def one(text):
+        r = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic@0.5", "input": text}, timeout=TIMEOUT_S)
+        return r.status_code, r.json()["data"][0]["embedding"]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, texts))
+    assert [code for code, _ in got] == [200] * 24
+    np.testing.assert_allclose(np.array([v for _, v in got]), live.encode(texts, 0.5), atol=1e-5)
+    after = httpx.get(live.url + "/metrics", timeout=TIMEOUT_S).text
+    batches, queries = (_metric(after, n) - _metric(before, n) for n in ("elastic_api_query_batches_total",
+                                                                        "elastic_api_queries_batched_total"))
+    real, padded = (_metric(after, f'elastic_api_query_tokens_total{{kind="{k}"}}')
+                    - _metric(before, f'elastic_api_query_tokens_total{{kind="{k}"}}') for k in ("real", "padded"))
+    assert queries == 24 and 1 <= batches <= 24 and 0 < real <= padded
+
+
 def test_models_list_every_budget(live):
     models = _client(live).models.list()
     ids = [m.id for m in models.data]

@@ -503,13 +503,17 @@ def test_a_running_batch_that_overruns_its_modelled_time_slows_the_admissions_pr
 
 def test_the_wait_before_a_request_reached_the_router_counts_in_its_admission():
     """A merged request whose oldest query waited 120 ms in the API is predicted that much later: 130 ms of
-    work ahead is admitted, 250 ms is past the SLO's 250 less its margin. Nothing ahead: it always runs."""
+    work ahead is admitted, 250 ms is past the SLO's 250 less its margin. Nothing ahead: it runs unless its
+    wait alone makes it late."""
     routing, _ = _routing()
     routing.arrive(1)
     assert routing.admit(0.0, 1, ahead=12) == pytest.approx(130.0)
     with pytest.raises(triton_router.Overload, match="predicted 250 ms"):
         routing.admit(0.0, 1, ahead=12, queued_ms=120.0)
-    assert routing.admit(0.0, 1, ahead=0, queued_ms=400.0) == pytest.approx(10.0)
+    assert routing.admit(0.0, 1, ahead=0, queued_ms=200.0) == pytest.approx(10.0)
+    with pytest.raises(triton_router.Overload, match="predicted 240 ms"):
+        routing.admit(0.0, 1, ahead=0, queued_ms=230.0)
+    assert routing.admit(0.0, 1, ahead=0) == pytest.approx(10.0)
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):

@@ -200,7 +200,9 @@ def test_every_model_is_ready_and_the_endpoints_are_printed(served):
         index = {m["name"]: m["state"] for m in client.get_model_repository_index(headers=_control_headers(served["server_pid"]))}
         t = load_manifest(d)["triton"]
         assert t["search"]["name"] == "elastic_search" and t["search"]["count"] == len(served["pairs"])
-        assert index == {n: "READY" for n in [t["router"], t["search"]["name"], *(m["name"] for m in t["models"])]}
+        assert t["index"]["name"] == "elastic_index" and t["index"]["nice"] == 19  # the lane for documents
+        assert index == {n: "READY" for n in [t["router"], t["search"]["name"], t["index"]["name"],
+                                              *(m["name"] for m in t["models"])]}
         assert f"+ search 'elastic_search' ({len(served['pairs'])} documents);" in ready
         assert {m["platform"] for m in t["models"]} == {"python"}  # this server has no onnxruntime backend
     finally:
@@ -1013,6 +1015,7 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
     try:
         t = load_manifest(served["dir"])["triton"]
         assert server is not None and sorted(TS.stubs_of(server)) == sorted([t["router"], t["search"]["name"],
+                                                                             t["index"]["name"],
                                                                              *(m["name"] for m in t["models"])])
         assert len(watchdog) == 1 and "killpg" in " ".join(TS.cmdline(watchdog[0]))
         regions = TS.shm_regions(server)

@@ -86,10 +86,43 @@ class ApiMetrics:
         for reason in REASONS:
             self.refused.labels(reason)
 
+    def watch_batches(self, stats: Callable[[], Any]) -> None:
+        """Also expose the merged queries' counts (``stats()``: a :class:`~elastic_export.serving.coalesce.
+        BatchStats` or None before the first query): router requests, queries, real and padded tokens (the
+        padding waste is 1 - real / padded), queries refused unsent past their deadline."""
+        self.registry.register(_BatchCollector(stats))
+
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _BatchCollector:
+    """Prometheus counters read from the query batcher's stats at each scrape."""
+
+    def __init__(self, stats: Callable[[], Any]):
+        self.stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        st = self.stats()
+        get = (lambda name: 0) if st is None else (lambda name: getattr(st, name))
+        yield CounterMetricFamily("elastic_api_query_batches", "Router requests carrying merged queries",
+                                  value=get("requests"))
+        yield CounterMetricFamily("elastic_api_queries_batched", "Queries sent in merged router requests",
+                                  value=get("queries"))
+        tokens = CounterMetricFamily("elastic_api_query_tokens", "Tokens of the merged queries: real, and padded "
+                                     "(as sent; padding waste = 1 - real / padded)", labels=["kind"])
+        tokens.add_metric(["real"], get("tokens"))
+        tokens.add_metric(["padded"], get("padded"))
+        yield tokens
+        yield CounterMetricFamily("elastic_api_queries_late", "Queries refused unsent: they waited past the SLO",
+                                  value=get("late"))
 
 
 def route_of(path: str) -> str:

@@ -6,8 +6,9 @@ CPU. :class:`QueryBatcher` keeps at most ``max_in_flight`` router requests outst
 finds fewer is sent at once: no wait at a light load); the queries that arrive meanwhile wait here and
 go together in the next request: those that ask for the same budget (or none), oldest first, up to
 ``max_rows`` rows and ``max_tokens`` padded tokens, shorter ones first where the oldest leaves room, so
-that a request pads little. Each waits at most until a slot frees: the time it waited here travels with
-the request (:data:`QUEUED_PARAMETER`), and the router's admission counts it. Plain asyncio with an
+that a request pads little. Each waits until a slot frees: the time it waited here travels with the
+request (:data:`QUEUED_PARAMETER`), and the router's admission counts it; one that has waited past the
+deadline (a share of the SLO) is refused unsent. Plain asyncio with an
 injected clock; the router call is injected too (:class:`~elastic_export.serving.router_client.RouterClient`).
 """
 
@@ -45,6 +46,7 @@ class BatchStats:
     queries: int = 0
     tokens: int = 0
     padded: int = 0
+    late: int = 0  # queries refused unsent: they waited past the deadline
 
     @property
     def padding_waste(self) -> float:
@@ -60,12 +62,17 @@ class QueryBatcher:
         max_rows: the most rows in one router request.
         max_tokens: the most padded tokens (rows x the longest) in one router request.
         max_in_flight: router requests outstanding at once.
+        deadline_ms: a query that has waited longer than this is not sent: it ends with ``late(waited_ms)``
+            (it could no longer be answered within the SLO); None: no deadline.
+        late: the exception such a query gets.
         clock: seconds (monotonic).
     """
 
     def __init__(self, send: Send, max_rows: int, max_tokens: int = MAX_TOKENS, max_in_flight: int = MAX_IN_FLIGHT,
+                 deadline_ms: float | None = None, late: Callable[[float], BaseException] = TimeoutError,
                  clock: Callable[[], float] = time.monotonic):
         self.send, self.max_rows, self.max_tokens, self.max_in_flight = send, max_rows, max_tokens, max_in_flight
+        self.deadline_ms, self.late = deadline_ms, late
         self.clock, self.in_flight, self.stats = clock, 0, BatchStats()
         self._waiting: list[_Item] = []
 
@@ -91,6 +98,7 @@ class QueryBatcher:
     def take(self) -> list[_Item]:
         """The next merged request: the oldest waiting query, then the others asking for its budget, shortest
         first, while rows and padded tokens fit (the oldest always goes)."""
+        self._drop_late()
         self._waiting = [i for i in self._waiting if not i.future.done()]  # clients gone: never sent
         if not self._waiting:
             return []
@@ -106,6 +114,17 @@ class QueryBatcher:
         taken = {id(i) for i in batch}
         self._waiting = [i for i in self._waiting if id(i) not in taken]
         return batch
+
+    def _drop_late(self) -> None:
+        """Queries past the deadline end now, unsent (counted in ``stats.late``)."""
+        if self.deadline_ms is None:
+            return
+        now = self.clock()
+        for item in self._waiting:
+            waited = (now - item.arrived) * 1e3
+            if waited > self.deadline_ms and not item.future.done():
+                item.future.set_exception(self.late(waited))
+                self.stats.late += 1
 
     async def _run(self, batch: list[_Item]) -> None:
         rows = [r for item in batch for r in item.rows]

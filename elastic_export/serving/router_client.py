@@ -16,6 +16,8 @@ from elastic_export.serving.coalesce import QUEUED_PARAMETER
 from elastic_export.serving.openai_schema import ApiError, Tokens, feeds
 
 DEFAULT_MAX_ROWS = 128
+DEFAULT_SLO_MS = 250.0  # the router's, where its config names none
+DEADLINE_SHARE = 0.95  # a query still waiting in the API past this share of the SLO is refused, not sent
 INDEX_BATCH_TOKENS = 4096  # padded tokens in one indexing-lane batch (TEI's --max-batch-tokens)
 INDEX_IN_FLIGHT = 2  # indexing-lane batches in flight at once, over every request: one runs, one is ready
 SPARSITY_INPUT, SERVED, PRECISION = "sparsity", "served_sparsity", "served_precision"
@@ -37,6 +39,7 @@ class RouterInfo:
     max_rows: int
     sparsities: list[float]
     precision: str = "fp32"
+    slo_ms: float | None = None  # the adaptive policy's SLO (None: a fixed policy, no deadline)
 
 
 def document_batches(lengths: Sequence[int], max_rows: int, max_tokens: int = INDEX_BATCH_TOKENS) -> list[list[int]]:
@@ -104,7 +107,8 @@ class RouterClient:
             params = {k: v.get("string_value") for k, v in cfg.get("parameters", {}).items()}
             rows = self._max_rows or int(params.get("max_rows") or DEFAULT_MAX_ROWS)
             models = json.loads(params.get("budget_models") or "[]")
-            self._info = RouterInfo(rows, sorted(float(s) for s, _ in models), params.get("precision") or "fp32")
+            slo = float(params.get("slo_ms") or DEFAULT_SLO_MS) if params.get("policy") == "adaptive" else None
+            self._info = RouterInfo(rows, sorted(float(s) for s, _ in models), params.get("precision") or "fp32", slo)
         return self._info
 
     async def embed(self, rows: Sequence[Tokens], sparsity: float | None) -> Served:
@@ -114,7 +118,7 @@ class RouterClient:
         others and the router's admission would refuse them as late)."""
         size = (await self.info()).max_rows
         if len(rows) < size:  # a query: merged with the others waiting (coalesce.QueryBatcher)
-            return await self.batcher(size).embed(rows, sparsity)
+            return await self.batcher(size, (await self.info()).slo_ms).embed(rows, sparsity)
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
         first = await self._infer(chunks[0], sparsity)
         rest = [await self._infer(c, first.sparsity) for c in chunks[1:]]
@@ -153,13 +157,24 @@ class RouterClient:
             raise
         return Served(np.stack(out), 0.0, info.precision)
 
-    def batcher(self, max_rows: int) -> Any:
-        """The :class:`~elastic_export.serving.coalesce.QueryBatcher` that merges concurrent queries."""
+    @property
+    def batch_stats(self) -> Any:
+        """The query batcher's :class:`~elastic_export.serving.coalesce.BatchStats` (None before a query)."""
+        return None if self._batcher is None else self._batcher.stats
+
+    def batcher(self, max_rows: int, slo_ms: float | None = None) -> Any:
+        """The :class:`~elastic_export.serving.coalesce.QueryBatcher` that merges concurrent queries; a query
+        that waited past :data:`DEADLINE_SHARE` of the SLO is refused (503) instead of sent."""
         if self._batcher is None:
             from elastic_export.serving.coalesce import QueryBatcher
 
+            def late(waited_ms: float) -> ApiError:
+                return ApiError(503, f"overloaded: the query waited {waited_ms:.0f} ms for the model server, past "
+                                     f"the SLO of {slo_ms:g} ms; retry later", None, "overloaded", {"Retry-After": "1"})
+
             self._batcher = QueryBatcher(lambda rows, sparsity, queued_ms: self._infer(rows, sparsity, None, queued_ms),
-                                         max_rows)
+                                         max_rows, deadline_ms=None if slo_ms is None else DEADLINE_SHARE * slo_ms,
+                                         late=late)
         return self._batcher
 
     async def _infer(self, rows: Sequence[Tokens], sparsity: float | None, model: str | None = None,
