@@ -450,10 +450,11 @@ class SloRouting:
         """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
         service time below :data:`INLINE_MAX_LOAD`. Above it the next request likely arrives during the
         run, and forwarded it would compete for the cores with it instead of batching behind it."""
-        return self.rate() * self.policy.service.ms((budget, self.precision), 1) / 1e3 < INLINE_MAX_LOAD
+        one = self.policy.service.ms((budget, self.precision), self.policy.row_weight)  # a row as long as lately
+        return self.rate() * one / 1e3 < INLINE_MAX_LOAD
 
     def rate(self) -> float:
-        """The arrival rate the latest decision assumed (rows of the nominal length a second; 0 before the first)."""
+        """The arrival rate the latest decision assumed (rows/s; 0 before the first)."""
         return self.last.rate if self.last is not None else 0.0
 
     def set_down(self, down: Sequence[float]) -> None:
@@ -834,7 +835,7 @@ class TritonPythonModel:
                 if last is not None:
                     rate = policy.rate.rate()
                     snap.update(arrival_rate=rate, predicted_latency_ms=last.predicted_ms,
-                                densest_predicted_latency_ms=policy.predict(policy.pairs[0], rate * policy.row_weight))
+                                densest_predicted_latency_ms=policy.predict(policy.pairs[0], rate))
         return snap
 
     def execute(self, requests: List[Any]) -> None:

@@ -43,7 +43,7 @@ async def _settle():
 def test_a_query_that_finds_a_free_slot_goes_at_once_and_busy_slots_merge_the_rest():
     async def go():
         now, router = [10.0], Router()
-        b = QueryBatcher(router, max_rows=64, clock=lambda: now[0])
+        b = QueryBatcher(router, max_rows=64, max_in_flight=2, clock=lambda: now[0])
         first = [asyncio.ensure_future(b.embed(_q(i), None)) for i in (1, 2)]  # two slots: two requests
         await _settle()
         assert [ids for ids, _, _ in router.sent] == [[1], [2]] and router.sent[0][2] == 0.0
@@ -139,4 +139,33 @@ def test_a_query_that_waited_past_the_deadline_is_refused_unsent():
         router.gates[1].set()
         await asyncio.gather(t0, young)
         assert b.stats.late == 1 and b.stats.queries == 2
+    asyncio.run(go())
+
+
+def test_a_query_predicted_past_the_deadline_is_refused_on_arrival():
+    """Round trips measured at 100 ms for 1 row and 140 ms for 5 (a line 90 + 10 x rows): with one request of
+    1 row running for 10 ms, a query is answered in 90 ms (its rest) + the next request's round trip; the
+    third query that would wait makes that 90 + 120 = 210 ms, past the 200 ms deadline: refused at once,
+    unsent. With the slot free a query always goes."""
+    async def go():
+        now, router = [0.0], Router()
+        b = QueryBatcher(router, max_rows=64, max_in_flight=1, deadline_ms=200.0,
+                         late=lambda ms: RuntimeError(f"predicted {ms:.0f}"), clock=lambda: now[0])
+        for rows, ms in [(1, 100.0), (5, 140.0)] * 4:
+            b.round_trips.add(rows, ms)
+        assert b.predicted_ms(1) is None  # nothing running: it goes at once
+        running = asyncio.ensure_future(b.embed(_q(0), None))
+        await _settle()
+        now[0] = 0.010
+        assert b.predicted_ms(1) == pytest.approx(190.0)
+        ok = [asyncio.ensure_future(b.embed(_q(i), None)) for i in (1, 2)]
+        await _settle()
+        with pytest.raises(RuntimeError, match="predicted 210"):
+            await b.embed(_q(3), None)
+        assert b.stats.refused == 1 and b.waiting == 2
+        for _ in range(2):
+            router.gates[-1].set()
+            await _settle()
+        await asyncio.gather(running, *ok)
+        assert router.sent[1][0] == [1, 2]
     asyncio.run(go())

@@ -123,6 +123,8 @@ class _BatchCollector:
         yield tokens
         yield CounterMetricFamily("elastic_api_queries_late", "Queries refused unsent: they waited past the SLO",
                                   value=get("late"))
+        yield CounterMetricFamily("elastic_api_queries_refused", "Queries refused on arrival: predicted past the SLO",
+                                  value=get("refused"))
 
 
 def route_of(path: str) -> str:

@@ -8,7 +8,9 @@ go together in the next request: those that ask for the same budget (or none), o
 ``max_rows`` rows and ``max_tokens`` padded tokens, shorter ones first where the oldest leaves room, so
 that a request pads little. Each waits until a slot frees: the time it waited here travels with the
 request (:data:`QUEUED_PARAMETER`), and the router's admission counts it; one that has waited past the
-deadline (a share of the SLO) is refused unsent. Plain asyncio with an
+deadline (a share of the SLO) is refused unsent, and one predicted past it on arrival (the running
+request's rest and the next one's round trip, from the latest measured: :class:`RoundTrips`) is refused at
+once, so that overload is refused fast instead of queued. Plain asyncio with an
 injected clock; the router call is injected too (:class:`~elastic_export.serving.router_client.RouterClient`).
 """
 
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 QUEUED_PARAMETER = "queued_ms"  # the request parameter: how long its oldest query waited in the API
 MAX_TOKENS = 4096  # padded tokens in one merged request (TEI's --max-batch-tokens)
-MAX_IN_FLIGHT = 2  # merged requests outstanding: one runs, one is ready behind it
+MAX_IN_FLIGHT = 1  # merged requests outstanding: the queries arriving while one runs all go in the next
+ROUND_TRIPS = 64  # merged requests whose round trips predict the next one's (RoundTrips)
 
 Send = Callable[[Sequence[Any], "float | None", float], Awaitable[Any]]  # (rows, sparsity, queued_ms) -> Served
 
@@ -38,6 +42,30 @@ class _Item:
         return max(len(r.ids) for r in self.rows)
 
 
+class RoundTrips:
+    """What a merged request of ``rows`` rows takes, from the latest :data:`ROUND_TRIPS` measured: the least
+    squares line ``a + c x rows`` through their mean per row count (a and c at least 0), or None before
+    :attr:`MIN_SAMPLES` of them."""
+
+    MIN_SAMPLES = 8
+
+    def __init__(self, size: int = ROUND_TRIPS):
+        self.samples: deque = deque(maxlen=size)
+
+    def add(self, rows: int, ms: float) -> None:
+        self.samples.append((rows, ms))
+
+    def ms(self, rows: int) -> float | None:
+        if len(self.samples) < self.MIN_SAMPLES:
+            return None
+        from elastic_export.serving.slo import fit_affine
+
+        by_rows: dict = {}
+        for n, ms in self.samples:
+            by_rows.setdefault(n, []).append(ms)
+        return fit_affine({n: sum(v) / len(v) for n, v in by_rows.items()}).ms(rows)
+
+
 @dataclass
 class BatchStats:
     """What the batcher sent: router requests, the queries in them, and padded against real tokens."""
@@ -47,6 +75,7 @@ class BatchStats:
     tokens: int = 0
     padded: int = 0
     late: int = 0  # queries refused unsent: they waited past the deadline
+    refused: int = 0  # queries refused on arrival: predicted past the deadline
 
     @property
     def padding_waste(self) -> float:
@@ -74,14 +103,35 @@ class QueryBatcher:
         self.send, self.max_rows, self.max_tokens, self.max_in_flight = send, max_rows, max_tokens, max_in_flight
         self.deadline_ms, self.late = deadline_ms, late
         self.clock, self.in_flight, self.stats = clock, 0, BatchStats()
+        self.round_trips = RoundTrips()
         self._waiting: list[_Item] = []
+        self._running: dict[int, tuple[float, int]] = {}  # merged requests in flight: (sent at, rows)
 
     async def embed(self, rows: Sequence[Any], sparsity: float | None) -> Any:
         """The query's answer (a ``Served`` of its own rows), from whichever merged request carried it."""
         item = _Item(rows, sparsity, self.clock(), asyncio.get_running_loop().create_future())
+        predicted = self.predicted_ms(len(rows))
+        if predicted is not None and self.deadline_ms is not None and predicted > self.deadline_ms:
+            self.stats.refused += 1
+            raise self.late(predicted)
         self._waiting.append(item)
         self._dispatch()
         return await item.future
+
+    def predicted_ms(self, rows: int) -> float | None:
+        """When a query of ``rows`` rows arriving now would be answered (ms) while every slot is busy: the
+        running requests' predicted rest, then the next request with every row waiting and this one. None
+        with a slot free (it goes at once, always) or before enough round trips are measured."""
+        if self.in_flight < self.max_in_flight or not self._running:
+            return None
+        now, rest = self.clock(), 0.0
+        for sent, n in self._running.values():
+            ms = self.round_trips.ms(n)
+            if ms is None:
+                return None
+            rest = max(rest, ms - (now - sent) * 1e3)
+        nxt = self.round_trips.ms(sum(len(i.rows) for i in self._waiting) + rows)
+        return None if nxt is None else rest + nxt
 
     @property
     def waiting(self) -> int:
@@ -128,10 +178,13 @@ class QueryBatcher:
 
     async def _run(self, batch: list[_Item]) -> None:
         rows = [r for item in batch for r in item.rows]
-        queued_ms = (self.clock() - batch[0].arrived) * 1e3
+        start = self.clock()
+        queued_ms = (start - batch[0].arrived) * 1e3
         self._count(batch, rows)
+        self._running[id(batch)] = (start, len(rows))
         try:
             served = await self.send(rows, batch[0].sparsity, queued_ms)
+            self.round_trips.add(len(rows), (self.clock() - start) * 1e3)
         except BaseException as e:  # the router's refusal (or a failure) is every merged query's
             for item in batch:
                 if not item.future.done():
@@ -144,6 +197,7 @@ class QueryBatcher:
                     item.future.set_result(type(served)(served.vectors[start:start + n], served.sparsity, served.precision))
                 start += n
         finally:
+            del self._running[id(batch)]
             self.in_flight -= 1
             self._dispatch()
 

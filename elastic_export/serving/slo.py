@@ -580,8 +580,9 @@ class SloPolicy:
 
     def note_rows(self, rows: int, work: float, memory_rows: float = ROW_WEIGHT_MEMORY) -> None:
         """An arrival of ``rows`` rows that cost ``work`` rows of the nominal length (their padded shape,
-        :mod:`elastic_export.serving.cost`): the mean weight the rate is scaled by, over about the latest
-        ``memory_rows`` rows. Rows of the nominal length leave it at 1."""
+        :mod:`elastic_export.serving.cost`): the mean weight of a row over about the latest ``memory_rows``
+        rows, which scales each row's service time in :meth:`predict` (the queue is of the rows that arrive,
+        each as costly as they are, not of fewer nominal rows). Rows of the nominal length leave it at 1."""
         if rows > 0:
             self.row_weight += (work / rows - self.row_weight) * min(1.0, rows / memory_rows)
 
@@ -589,7 +590,8 @@ class SloPolicy:
         """Predicted latency quantile (ms) at ``pair`` under ``rate``: the budget model's queue and service,
         its service times scaled by :meth:`factor` (and ``1 + slower``), plus :meth:`overhead_ms`."""
         f, k = self.service.affine(pair), self.factor(pair) * (1 + slower)
-        return self.overhead_ms() + predict_quantile_ms(Affine(f.a * k, f.c * k), rate, self.quantile)
+        w = self.row_weight  # a row's cost lately, in rows of the nominal length (note_rows)
+        return self.overhead_ms() + predict_quantile_ms(Affine(f.a * k, f.c * k * w), rate, self.quantile)
 
     def overhead_ms(self) -> float:
         """What a request spends outside its budget model (the router's checks, tokens, hand-offs and
@@ -620,7 +622,7 @@ class SloPolicy:
         now = self.rate.clock() if now is None else now
         rate = self.rate.rate(now)
         young = self.rate.young_rate(now)
-        rate = (rate if young is None else max(rate, young)) * self.row_weight  # in rows of the nominal length
+        rate = rate if young is None else max(rate, young)
         stay = self.slo_ms * (1 - self.margin)
         move = self.slo_ms * (1 - self.margin - self.hysteresis)
         usable = [p for p in self.pairs if p not in self.unavailable] or self.pairs
