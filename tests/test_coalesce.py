@@ -169,3 +169,33 @@ def test_a_query_predicted_past_the_deadline_is_refused_on_arrival():
         await asyncio.gather(running, *ok)
         assert router.sent[1][0] == [1, 2]
     asyncio.run(go())
+
+
+def test_the_event_loops_lag_counts_as_time_waited_before_the_batcher():
+    """A loop running 150 ms late: a query is taken to have waited that long already (its queued_ms and its
+    deadline count it); 230 ms late, it is refused at once, unsent, with nothing running. LoopLag measures
+    how late a sleeping task wakes."""
+    async def go():
+        lag, router = [150.0], Router()
+        b = QueryBatcher(router, max_rows=64, deadline_ms=200.0, late=lambda ms: RuntimeError(f"late {ms:.0f}"),
+                         lag_ms=lambda: lag[0])
+        t = asyncio.ensure_future(b.embed(_q(1), None))
+        await _settle()
+        assert router.sent[0][2] >= 150.0
+        router.gates[0].set()
+        await t
+        lag[0] = 230.0
+        with pytest.raises(RuntimeError, match="late 230"):
+            await b.embed(_q(2), None)
+        assert len(router.sent) == 1 and b.stats.refused == 1
+        from elastic_export.serving.coalesce import LoopLag
+
+        now = [0.0]
+        monitor = LoopLag(interval_s=0.01, clock=lambda: now[0])
+        monitor.start()
+        await asyncio.sleep(0)  # it reads the clock, then sleeps
+        now[0] = 0.060  # woke 50 ms late
+        await asyncio.sleep(0.02)
+        assert monitor.ms() == pytest.approx(50.0)
+        await monitor.stop()
+    asyncio.run(go())

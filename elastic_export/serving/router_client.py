@@ -84,6 +84,7 @@ class RouterClient:
         self._info: RouterInfo | None = None
         self._lane: asyncio.Semaphore | None = None
         self._batcher: Any = None  # QueryBatcher, made on the serving loop
+        self._lag: Any = None  # its LoopLag
 
     def _grpc(self):
         if self._client is None:  # created on the serving loop: grpc.aio channels belong to one loop
@@ -93,6 +94,8 @@ class RouterClient:
         return self._client
 
     async def close(self) -> None:
+        if self._lag is not None:
+            await self._lag.stop()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -166,15 +169,17 @@ class RouterClient:
         """The :class:`~elastic_export.serving.coalesce.QueryBatcher` that merges concurrent queries; a query
         that waited past :data:`DEADLINE_SHARE` of the SLO is refused (503) instead of sent."""
         if self._batcher is None:
-            from elastic_export.serving.coalesce import QueryBatcher
+            from elastic_export.serving.coalesce import LoopLag, QueryBatcher
 
             def late(waited_ms: float) -> ApiError:
-                return ApiError(503, f"overloaded: the query waited {waited_ms:.0f} ms for the model server, past "
+                return ApiError(503, f"overloaded: the query would wait {waited_ms:.0f} ms for the model server, past "
                                      f"the SLO of {slo_ms:g} ms; retry later", None, "overloaded", {"Retry-After": "1"})
 
+            self._lag = LoopLag()
+            self._lag.start()
             self._batcher = QueryBatcher(lambda rows, sparsity, queued_ms: self._infer(rows, sparsity, None, queued_ms),
                                          max_rows, deadline_ms=None if slo_ms is None else DEADLINE_SHARE * slo_ms,
-                                         late=late)
+                                         late=late, lag_ms=self._lag.ms)
         return self._batcher
 
     async def _infer(self, rows: Sequence[Tokens], sparsity: float | None, model: str | None = None,
