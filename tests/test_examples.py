@@ -65,13 +65,14 @@ def check_report(art: Path) -> None:
 
 
 def check_triton_repository(art: Path) -> None:
-    """``art``'s Triton repository holds, and only holds, a model per budget (dense included) and the
-    router, each with a ``config.pbtxt`` that Triton's schema parses and that names it, and its files."""
+    """``art``'s Triton repository holds, and only holds, a model per budget (dense included), the indexing
+    lane (the dense model for documents) and the router, each with a ``config.pbtxt`` that Triton's schema
+    parses and that names it, and its files."""
     manifest = json.loads((art / "manifest.json").read_text())
     triton = manifest["triton"]
     repo = art / triton["dir"]
     assert sorted(m["sparsity"] for m in triton["models"]) == [0.0] + [b["sparsity"] for b in manifest["budgets"]]
-    names = [m["name"] for m in triton["models"]] + [triton["router"]]
+    names = [m["name"] for m in triton["models"]] + [triton["index"]["name"], triton["router"]]
     assert sorted(p.name for p in repo.iterdir()) == sorted(names)
     for name in names:
         config = text_format.Parse((repo / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
