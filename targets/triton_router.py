@@ -335,7 +335,8 @@ class LoadMonitor:
     def leave(self, budget: Optional[float], rows: int, ticket: Optional[int] = None) -> None:
         self.in_flight -= 1
         if budget is not None:
-            self.rows_at[budget] = self.rows_at.get(budget, 0) - rows
+            left = self.rows_at.get(budget, 0) - rows  # rows cost fractions (their padded shape): no float residue
+            self.rows_at[budget] = 0 if abs(left) < 1e-6 else left
             self._since.get(budget, {}).pop(ticket, None)
             self._batch_start[budget] = self._clock()  # an answer: the next batch takes what waits, now
 

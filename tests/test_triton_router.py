@@ -613,3 +613,17 @@ def test_a_budget_model_missing_from_the_servers_statistics_is_down_and_nothing_
                                                         + _stats("m5", {})["model_stats"]})
     assert not model.health.down
 
+
+
+def test_fractional_rows_in_flight_leave_nothing_behind():
+    """Rows cost fractions of a nominal row (their padded shape); every request that leaves takes its share
+    back exactly, so a budget with nothing in flight has 0 rows, not a float residue that the admission would
+    read as work ahead (and as rows at the other budgets, which share the cores)."""
+    monitor = triton_router.LoadMonitor(clock=lambda: 0.0)
+    works = [0.1 * i + 0.302 for i in range(1, 12)]
+    for w in works:
+        monitor.arrive(0.5, w)
+    tickets = range(1, 12)
+    for t, w in zip(tickets, works):
+        monitor.leave(0.5, w, t)
+    assert monitor.rows_at[0.5] == 0 and monitor.in_flight == 0

@@ -32,6 +32,8 @@ class LengthCost:
     def weight(self, length: int) -> float:
         """The cost of one row padded to ``length`` tokens, in rows of the nominal length."""
         pts = self.points
+        if length == self.nominal:
+            return 1.0  # exactly: the nominal-length traffic is served as if rows had no weight
         if length <= pts[0][0]:
             return pts[0][1]
         if len(pts) == 1:
