@@ -724,12 +724,6 @@ def length_cost(config: RouterConfig, sessions: Optional[Dict[float, Any]],
     return fitted
 
 
-def _padded_length(shapes: Sequence[Sequence[int]]) -> int:
-    from elastic_export.serving.cost import padded_length
-
-    return padded_length(shapes)
-
-
 def _log_service_times(points: Dict[float, Dict[int, float]], how: str) -> None:
     """One line in the server's log: the service times the policy starts from."""
     logger = getattr(pb_utils, "Logger", None)
@@ -931,7 +925,7 @@ class TritonPythonModel:
         if texts is not None:
             job.feeds = self.tokenizer.encode(texts)
         shapes = [a.shape for a in job.feeds.values()] if job.feeds is not None else [t.shape() for t in model_inputs]
-        job.work = self.cost.work(batch, _padded_length(shapes)) if self.cost is not None else float(batch)
+        job.work = self.cost.request_work(batch, shapes) if self.cost is not None else float(batch)
         job.queued_ms = queued_ms(request.parameters() if hasattr(request, "parameters") else None)
         return job
 

@@ -15,6 +15,7 @@ def test_fitted_weights_interpolate_and_extrapolate():
     assert cost.weight(80) == pytest.approx(0.625)
     assert cost.weight(224) == pytest.approx(1.75)  # past the nominal: the last segment's slope
     assert cost.work(16, 32) == pytest.approx(4.0)
+    assert cost.request_work(16, [(16, 32), (16, 32)]) == cost.work(16, 32)  # the padded length from the shapes
 
 
 def test_a_noisy_short_measurement_never_costs_more_than_a_longer_row():

@@ -48,6 +48,10 @@ class LengthCost:
         """What ``rows`` rows padded to ``length`` tokens cost, in rows of the nominal length."""
         return rows * self.weight(length)
 
+    def request_work(self, rows: int, shapes: Sequence[Sequence[int]]) -> float:
+        """What a request of ``rows`` rows costs, its padded length read from its inputs' ``shapes``."""
+        return self.work(rows, padded_length(shapes))
+
 
 def linear_cost(nominal: int, floor: int = 8) -> LengthCost:
     """Cost proportional to the tokens, at least ``floor`` of them (no measurement at hand)."""

@@ -119,9 +119,10 @@ class RouterClient:
         ``sparsity`` is None), the others one after another at the budget it served, so that one response
         holds embeddings of one budget (one after another: sent at once, each would queue behind the
         others and the router's admission would refuse them as late)."""
-        size = (await self.info()).max_rows
+        info = await self.info()
+        size = info.max_rows
         if len(rows) < size:  # a query: merged with the others waiting (coalesce.QueryBatcher)
-            return await self.batcher(size, (await self.info()).slo_ms).embed(rows, sparsity)
+            return await self.batcher(info).embed(rows, sparsity)
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
         first = await self._infer(chunks[0], sparsity)
         rest = [await self._infer(c, first.sparsity) for c in chunks[1:]]
@@ -165,10 +166,12 @@ class RouterClient:
         """The query batcher's :class:`~elastic_export.serving.coalesce.BatchStats` (None before a query)."""
         return None if self._batcher is None else self._batcher.stats
 
-    def batcher(self, max_rows: int, slo_ms: float | None = None) -> Any:
-        """The :class:`~elastic_export.serving.coalesce.QueryBatcher` that merges concurrent queries; a query
-        that waited past :data:`DEADLINE_SHARE` of the SLO is refused (503) instead of sent."""
+    def batcher(self, info: RouterInfo) -> Any:
+        """The :class:`~elastic_export.serving.coalesce.QueryBatcher` that merges concurrent queries (made once,
+        from the router's ``info``); a query that waited past :data:`DEADLINE_SHARE` of the SLO is refused (503)
+        instead of sent."""
         if self._batcher is None:
+            slo_ms = info.slo_ms
             from elastic_export.serving.coalesce import LoopLag, QueryBatcher
 
             def late(waited_ms: float) -> ApiError:
@@ -178,7 +181,7 @@ class RouterClient:
             self._lag = LoopLag()
             self._lag.start()
             self._batcher = QueryBatcher(lambda rows, sparsity, queued_ms: self._infer(rows, sparsity, None, queued_ms),
-                                         max_rows, deadline_ms=None if slo_ms is None else DEADLINE_SHARE * slo_ms,
+                                         info.max_rows, deadline_ms=None if slo_ms is None else DEADLINE_SHARE * slo_ms,
                                          late=late, lag_ms=self._lag.ms)
         return self._batcher
 
