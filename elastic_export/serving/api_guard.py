@@ -10,7 +10,9 @@ readiness probes, a graceful drain and Prometheus metrics of the API layer.
 * every ``/v1/*`` route and ``GET /metrics`` need ``Authorization: Bearer KEY`` when a key is set (compared
   in constant time, :func:`hmac.compare_digest`): 401 in OpenAI's error shape otherwise;
 * draining (:meth:`Guard.drain`, SIGTERM in ``serve``): new ``/v1`` requests get 503 with ``Retry-After``,
-  the ones in flight are answered, every response says ``Connection: close``;
+  the ones in flight are answered, every response says ``Connection: close``; the listener stays open
+  until no ``/v1`` request has come for :data:`DRAIN_QUIET_S` (:meth:`Guard.wait_drained`), so a client
+  or load balancer still sending is told to go elsewhere instead of finding the port closed;
 * more ``/v1`` requests in flight than ``max_concurrent_requests``: 429 with ``Retry-After``.
 
 The body limit and the inputs per request are checked while the body is read
@@ -31,6 +33,7 @@ API_KEY_ENV = "ELASTIC_EXPORT_API_KEY"
 PAYLOAD_LIMIT = 16 << 20  # bytes of a request body (TEI: 2 MB; OpenAI's 2048 inputs need more)
 MAX_CONCURRENT = 512  # TEI's default
 RETRY_AFTER_S = 1
+DRAIN_QUIET_S = 2.0  # a drain ends after this long without a /v1 request: 2x Retry-After, a probe period
 OPEN_PATHS = ("/health", "/ready")  # no key asked: probes
 ROUTES = ("/v1/embeddings", "/v1/search", "/v1/models", "/health", "/ready", "/metrics")  # metric labels
 REASONS = ("unauthorized", "payload_too_large", "too_many_inputs", "concurrency", "draining")
@@ -143,22 +146,26 @@ class Guard:
         ready: an async check of what serves behind the API: (ready, why not).
     """
 
-    def __init__(self, app, limits: Limits, ready: Callable[[], Awaitable[tuple[bool, str]]] | None = None):
+    def __init__(self, app, limits: Limits, ready: Callable[[], Awaitable[tuple[bool, str]]] | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         self.app, self.limits, self.ready = app, limits, ready
         self.key = limits.api_key.encode() if limits.api_key else None
         self.metrics = ApiMetrics()
         self.in_flight = 0
         self.draining = False
+        self.clock, self.sleep = clock, sleep
+        self.last_arrival = clock()  # of a /v1 request, answered or refused
 
     def drain(self) -> None:
         """Start draining: ``/ready`` 503, new ``/v1`` requests 503, in-flight ones answered."""
         self.draining = True
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Poll (from another thread) until no ``/v1`` request is in flight or ``timeout_s``; whether idle."""
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight > 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+    def wait_drained(self, timeout_s: float, quiet_s: float = DRAIN_QUIET_S) -> bool:
+        """Poll (from another thread) until no ``/v1`` request is in flight and none has arrived for
+        ``quiet_s``, or ``timeout_s``; whether every request in flight was answered."""
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline and (self.in_flight > 0 or self.clock() - self.last_arrival < quiet_s):
+            self.sleep(0.02)
         return self.in_flight == 0
 
     def refuse(self, reason: str) -> None:
@@ -205,6 +212,7 @@ class Guard:
         if path == "/metrics":
             body, kind = self.metrics.exposition()
             return await _send(send, 200, body, kind)
+        self.last_arrival = self.clock()
         if self.draining:
             self.refuse("draining")
             return await _error(send, ApiError(503, "the server is draining for a restart; retry on another "

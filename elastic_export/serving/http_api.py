@@ -301,12 +301,13 @@ class ApiServer:
 
     def drain(self, timeout_s: float) -> bool:
         """Drain (``/ready`` 503, new ``/v1`` requests 503 with Retry-After), wait up to ``timeout_s`` for the
-        requests in flight to be answered, then stop; whether every one was."""
+        requests in flight to be answered and the senders to go quiet, then stop; whether every one was
+        answered."""
         guard = getattr(self.app.state, "guard", None)
         idle = True
         if guard is not None:
             guard.drain()
-            idle = guard.wait_idle(timeout_s)
+            idle = guard.wait_drained(timeout_s)
         self.stop(max(1.0, min(10.0, timeout_s)))
         return idle
 
