@@ -24,6 +24,7 @@ each query encoded by the router):
 Usage:
     python benchmarks/elastic_search.py [--quick] [--artifacts DIR] [--pairs FILE] [--n-pairs 1000]
         [--phase-s 20] [--slo-ms 250] [--seed 0] [--out DIR]
+    python benchmarks/elastic_search.py --replot [--out DIR]   # the plot again from the JSON, nothing measured
 
 Writes ``elastic_search.{json,md,png}`` into ``benchmarks/results/`` (``--quick``: short phases, 300 pairs,
 written to ``/tmp/elastic_search_quick/`` unless ``--out`` says otherwise: a check that it runs).
@@ -349,7 +350,9 @@ def plot(path: Path, spike_out: dict, slo_ms: float, phase_s: float) -> None:
     ax3.set_xlabel("time (s)")
     fig.suptitle("Search through a real Triton server, seeded phases of dense search capacity", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from _png import save_png
+
+    save_png(fig, path)
 
 
 def _phase_lines(phases: list[dict], router: bool) -> list[str]:
@@ -416,6 +419,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="short phases, 300 pairs: a check that it runs")
     ap.add_argument("--out", type=Path, default=None, help="where the results go (default benchmarks/results; "
                                                            f"--quick {QUICK_OUT})")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw OUT/elastic_search.png from OUT/elastic_search.json (nothing measured)")
     args = ap.parse_args(argv)
     for name, full, quick in (("n_pairs", 1000, 300), ("phase_s", 20.0, 4.0), ("capacity_seconds", 6.0, 2.0),
                               ("out", ST.RESULTS, QUICK_OUT)):
@@ -426,6 +431,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        out = json.loads((args.out / "elastic_search.json").read_text())
+        plot(args.out / "elastic_search.png", out["spike"], out["slo_ms"], out["phase_s"])
+        return 0
     d = prepare(args.artifacts, args.work)
     pairs, source = retrieval_pairs(d, args.pairs, args.n_pairs)
     index = build_index(d, pairs)

@@ -132,7 +132,9 @@ def plot(rows: list[dict], frontiers: dict, path: Path, title: str, batches: tup
     axes[0].legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from _png import save_png
+
+    save_png(fig, path)
     plt.close(fig)
 
 

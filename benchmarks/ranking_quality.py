@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     res["checks"] = [{"check": c, "passed": ok} for c, ok in checks]
     write_results(results_dir / f"{stem}.json", res)
     plot_results(res, results_dir / f"{stem}.png")
+    from _png import palette_png
+
+    palette_png(results_dir / f"{stem}.png", results_dir / f"{stem}.png")
 
     title = Path(encoder.source).name if args.model else "all-MiniLM-L6-v2"
     lines = [f"# Ranking quality: {title}, held-out stdlib-docstring retrieval",

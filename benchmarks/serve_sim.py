@@ -175,7 +175,9 @@ def plot(path: Path, results: dict, profile, capacity: float, duration: float, t
     ax[2].set_xlabel("time (s, simulated)")
     ax[2].legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from _png import save_png
+
+    save_png(fig, path)
 
 
 def ensure_artifacts(path: Path, budgets: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)) -> Path:

@@ -32,6 +32,7 @@ The client shares the machine's cores with the server, alike for both runs.
 Usage:
     python benchmarks/serve_triton.py [--artifacts DIR] [--phase-s 20] [--slo-ms 250] [--seed 0]
         [--parts overhead,head-of-line,under-load,acceptance]
+    python benchmarks/serve_triton.py --replot   # the plot again from results/serve_triton.json, nothing measured
 
 ``--artifacts`` defaults to ``~/.cache/elastic-export/serve_triton-minilm`` (what ``elastic-export --budgets
 0.1..0.6`` writes, built on first use). Writes benchmarks/results/serve_triton.{json,md,png} when the
@@ -468,14 +469,17 @@ class GaugePoller:
                         row[name[len("elastic_router_"):]] = float(value)
             self.samples.append(row)
 
-    def relative_to(self, t0: float) -> list[dict]:
-        return [{**r, "t": r["t"] - t0} for r in self.samples]
+    def relative_to(self, t0: float) -> dict[str, list]:
+        """The samples as columns (:func:`gauge_columns`), ``t`` in seconds after ``t0``."""
+        return gauge_columns([{**r, "t": r["t"] - t0} for r in self.samples])
 
 
 def phase_summary(rec: dict, idx: np.ndarray, phase: int, slo_ms: float, quality: dict, oracle: float | None) -> dict:
     """Offered, answered, refused, lost, SLO attainment (answered within the SLO over offered), p50 / p99 of the
-    answered, refusal p99, mean served sparsity, dense share, served quality against the oracle's."""
+    answered, refusal p99, mean served sparsity, dense share, served quality against the oracle's. ``rec``:
+    records in memory or as written (:func:`compact_records`)."""
     rows = [i for i in np.flatnonzero(idx == phase)]
+    errors = error_messages(rec)
     ok = [i for i in rows if rec["outcome"][i] == "ok"]
     refused = [i for i in rows if rec["outcome"][i] == "refused"]
     lat = np.array([rec["latency_ms"][i] for i in ok]) if ok else np.array([np.nan])
@@ -489,7 +493,7 @@ def phase_summary(rec: dict, idx: np.ndarray, phase: int, slo_ms: float, quality
            "refusal_p99_ms": float(np.percentile([rec["latency_ms"][i] for i in refused], 99)) if refused else None,
            "mean_sparsity": float(np.mean(sp)) if sp else None,
            "dense_share": float(np.mean([s == 0.0 for s in sp])) if sp else None,
-           "served_quality": served_q, "errors": sorted({rec["error"][i] for i in rows if rec["error"][i]})[:3]}
+           "served_quality": served_q, "errors": sorted({errors[i] for i in rows if errors[i]})[:3]}
     if oracle is not None:
         out.update(oracle_sparsity=oracle, oracle_quality=quality[oracle],
                    quality_vs_oracle=None if served_q is None else served_q - quality[oracle])
@@ -544,7 +548,7 @@ async def acceptance(client, router: str, by_s: dict, one, args, quality: dict, 
         async with ClientStalls() as stalls:
             with GaugePoller(metrics_url) as gauges:
                 rec = await open_loop(client, model, times, one, flag, args.request_timeout)
-        rec["gauges"] = gauges.relative_to(rec["t0"]) if flag else []
+        rec["gauges"] = gauges.relative_to(rec["t0"]) if flag else {}
         rec["client_stalls"] = stalls.relative_to(rec["t0"])
         print(name, "client stalls (s, ms):", json.dumps({k: [[round(x, 2) for x in e[:2]] for e in v]
                                                          for k, v in rec["client_stalls"].items()}))
@@ -637,26 +641,32 @@ def plot(path: Path, acc: dict, slo_ms: float, phase_s: float) -> None:
     ax2.set_yscale("log")
     ax2.set_ylabel("latency (ms)")
     ax2.legend(fontsize=8, loc="upper left")
-    _plot_gauges(ax3, rec.get("gauges") or [], slo_ms)
+    _plot_gauges(ax3, rec.get("gauges") or {}, slo_ms)
     ax3.set_xlabel("time (s)")
     fig.suptitle("Real Triton server, seeded phases of dense capacity: served sparsity vs the oracle", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from _png import save_png
+
+    save_png(fig, path)
 
 
-def _plot_gauges(ax, gauges: list[dict], slo_ms: float) -> None:
-    """The router's gauges as scraped during its run: predicted and measured latency quantile, and the
-    scale on its modelled service times (right axis)."""
-    t = [g["t"] for g in gauges]
+def _plot_gauges(ax, gauges: dict[str, list], slo_ms: float) -> None:
+    """The router's gauges as scraped during its run (columns, :func:`gauge_columns`): predicted and measured
+    latency quantile, and the scale on its modelled service times (right axis)."""
+    t = gauges.get("t", [])
+
+    def column(key: str) -> list:
+        return [np.nan if v is None else v for v in gauges.get(key, [None] * len(t))]
+
     for key, color, label in (("predicted_latency_ms", "tab:purple", "router: predicted p99 at the served budget"),
                               ("measured_latency_ms", "tab:green", "router: measured p99 of its recent answers")):
-        ax.plot(t, [g.get(key, np.nan) for g in gauges], color=color, lw=1, label=label)
+        ax.plot(t, column(key), color=color, lw=1, label=label)
     ax.axhline(slo_ms, color="k", ls="--", lw=1)
     ax.set_yscale("log")
     ax.set_ylabel("router gauges (ms)")
     ax.legend(fontsize=8, loc="upper left")
     twin = ax.twinx()
-    twin.plot(t, [g.get("latency_correction", np.nan) for g in gauges], color="tab:orange", lw=1)
+    twin.plot(t, column("latency_correction"), color="tab:orange", lw=1)
     twin.set_ylabel("service-time scale", color="tab:orange", fontsize=8)
 
 
@@ -830,9 +840,71 @@ def _significant(value, digits: int = 7):
     return value
 
 
+def _rounded(values, decimals: int) -> list:
+    return [None if v is None else round(float(v), decimals) for v in values]
+
+
+def _sig4(values) -> list:
+    return [None if v is None else float(f"{float(v):.4g}") for v in values]
+
+
+def gauge_columns(rows: list[dict]) -> dict[str, list]:
+    """Gauge samples (a dict each) as columns, each gauge named once (None: not scraped in that sample)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return {k: [r.get(k) for r in rows] for k in keys}
+
+
+def compact_records(rec: dict) -> dict:
+    """A run's per-request records as a results file holds them: ``arrival`` to 0.1 ms (``rate_window.py``
+    replays it through the rate estimator, which 1 ms ties would change), the gauges' and the client stalls'
+    times to 1 ms, latencies to 0.1 ms, served sparsity to 4 decimals, gauge values to 4 significant
+    digits, the gauges as columns (:func:`gauge_columns`), ``hit`` as 1 / 0, and each distinct error message
+    once: ``errors`` lists them after a leading None, ``error_id`` is each request's index into it (0: no
+    error; :func:`error_messages` reads them back). Records already compact come back as they are."""
+    out = {}
+    for key, v in rec.items():
+        if key == "error":
+            errors = list(dict.fromkeys([None, *v]))
+            at = {e: i for i, e in enumerate(errors)}
+            out["error_id"], out["errors"] = [at[e] for e in v], errors
+        elif key == "hit":
+            out[key] = [None if h is None else int(h) for h in v]
+        elif key == "arrival":
+            out[key] = _rounded(v, 4)
+        elif key == "latency_ms":
+            out[key] = _rounded(v, 1)
+        elif key == "sparsity":
+            out[key] = _rounded(v, 4)
+        elif key == "gauges":
+            cols = gauge_columns(v) if isinstance(v, list) else v
+            out[key] = {k: _rounded(c, 3) if k == "t" else _sig4(c) for k, c in cols.items()}
+        elif key == "client_stalls":
+            out[key] = {k: [[round(e[0], 3), round(e[1], 1), *e[2:]] for e in events] for k, events in v.items()}
+        else:
+            out[key] = v
+    return out
+
+
+def error_messages(rec: dict) -> list:
+    """Each request's error message (None: none), from records in memory or as written (:func:`compact_records`)."""
+    if "error" in rec:
+        return list(rec["error"])
+    return [rec["errors"][i] for i in rec["error_id"]]
+
+
+def _compact(value):
+    """``value`` with every ``records`` dict (a run's per-request columns) compacted (:func:`compact_records`)."""
+    if isinstance(value, dict):
+        return {k: compact_records(v) if k == "records" and isinstance(v, dict) else _compact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_compact(v) for v in value]
+    return value
+
+
 def results_json(out: dict) -> str:
-    """A results file's JSON: compact, floats to 7 significant digits (:func:`_significant`)."""
-    return json.dumps(_significant(out), separators=(",", ":"), default=float) + "\n"
+    """A results file's JSON: compact, per-request records compacted (:func:`compact_records`), other floats to
+    7 significant digits (:func:`_significant`)."""
+    return json.dumps(_significant(_compact(out)), separators=(",", ":"), default=float) + "\n"
 
 
 def write_results(name: str, out: dict, text: str) -> None:
@@ -867,7 +939,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the server's output (kept)")
     ap.add_argument("--request-timeout", type=float, default=30.0, help="client timeout of every request (s)")
     ap.add_argument("--partial-json", type=Path, default=None, help="without acceptance: write what was measured here")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw results/serve_triton.png from results/serve_triton.json (nothing measured)")
     args = ap.parse_args(argv)
+    if args.replot:
+        out = json.loads((RESULTS / "serve_triton.json").read_text())
+        plot(RESULTS / "serve_triton.png", out["acceptance"], out["slo_ms"], out["phase_s"])
+        return 0
     args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = args.parts - set(PARTS)
     if unknown or not args.parts:

@@ -79,3 +79,26 @@ def test_capacity_paths_measure_each_budget_direct_and_served_through_the_router
     caps, rounds = asyncio.run(bench.capacities(None, paths, None, 8, 3.0))
     assert caps == {0.0: 80.0, (0.0, "served"): 73.0, 0.6: 160.0, (0.6, "served"): 148.0}
     assert calls[:4] == ["dense", "router@0", "s06", "router@0.6"] and calls[4:8] == calls[3::-1]
+
+
+def test_records_are_written_compact_and_read_back(bench):
+    """A results file's per-request records: arrival to 0.1 ms, latency to 0.1 ms, each error message once (the
+    requests' messages read back in order), gauges as columns; writing the written form again changes nothing."""
+    import json
+
+    slow = "[StatusCode.UNAVAILABLE] overloaded: predicted 258 ms at sparsity 0 exceeds the SLO of 250 ms; retry later"
+    rec = {"arrival": [0.00601380212, 1.23456789], "latency_ms": [19.60988, 258.04], "sparsity": [0.0, None],
+           "outcome": ["ok", "refused"], "error": [None, slow], "hit": [True, None], "t0": 70596.14,
+           "gauges": [{"t": 0.2514069, "arrival_rate": 4.88205}, {"t": 0.5035561, "in_flight": 2.0}],
+           "client_stalls": {"loop_late_ms": [[73.67546, 52.2076]], "gc_ms": [[41.48764, 30.90239, 2]]}}
+    text = bench.results_json({"runs": {"a": {"records": rec, "p99_ms": 74.76794123}}})
+    run = json.loads(text)["runs"]["a"]
+    got = run["records"]
+    assert run["p99_ms"] == 74.76794  # outside the records: 7 significant digits, as before
+    assert got["arrival"] == [0.006, 1.2346] and got["latency_ms"] == [19.6, 258.0] and got["sparsity"] == [0.0, None]
+    assert got["errors"] == [None, slow] and got["error_id"] == [0, 1] and "error" not in got
+    assert bench.error_messages(got) == rec["error"] == bench.error_messages(rec)
+    assert got["hit"] == [1, None] and got["outcome"] == rec["outcome"]
+    assert got["gauges"] == {"t": [0.251, 0.504], "arrival_rate": [4.882, None], "in_flight": [None, 2.0]}
+    assert got["client_stalls"] == {"loop_late_ms": [[73.675, 52.2]], "gc_ms": [[41.488, 30.9, 2]]}
+    assert bench.results_json(json.loads(text)) == text
