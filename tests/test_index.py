@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -189,8 +190,8 @@ def test_a_failed_write_leaves_no_half_written_index(art, docs, tmp_path, monkey
     build.build_index(d, corpus, overwrite=True, progress=False)
     real = build._write_files
 
-    def failing(folder, corpus_, index):
-        real(folder, corpus_, index)
+    def failing(folder, corpus_, index, entry):
+        real(folder, corpus_, index, entry)
         assert (folder / "index.faiss").is_file()
         raise UserError("disk full")
 
@@ -205,3 +206,111 @@ def test_a_failed_write_leaves_no_half_written_index(art, docs, tmp_path, monkey
     with pytest.raises(UserError, match="disk full"):
         build.build_index(fresh, corpus, progress=False)
     assert sorted(p.name for p in fresh.iterdir() if "index" in p.name) == []
+
+
+# --- one whole build at a time under a server (LiveIndex) ---------------------------------------------
+def build_corpus(tag: str, n: int = 40, seed: int = 0) -> list[dict]:
+    """``n`` documents whose texts name their build (``build-A ...``); build B lists the same ids in reverse
+    order, so a position read from one build and a text from the other pair an id with the wrong text."""
+    docs = [{"id": d["id"], "text": f"build-{tag} {d['text']}"} for d in corpus_docs(n, seed)]
+    return docs if tag == "A" else docs[::-1]
+
+
+def _built(art, tmp_path, name: str, tag: str, seed: int = 0) -> Path:
+    from elastic_export.index.build import build_index
+
+    d = link_copy(art, tmp_path / name, ignore=("triton", "index"))
+    build_index(d, write_jsonl(tmp_path / f"{name}.jsonl", build_corpus(tag, seed=seed)), progress=False)
+    return d
+
+
+def _pairs(index) -> dict:
+    return dict(zip(index.ids, index.texts))
+
+
+def _want(tag: str, seed: int = 0) -> dict:
+    return {d["id"]: d["text"] for d in build_corpus(tag, seed=seed)}
+
+
+def test_a_build_is_read_through_one_handle_on_its_folder(art, tmp_path, monkeypatch):
+    """Another build renamed into place while one is read: the read is the first build's whole (ids,
+    vectors, texts); ids.json and docs.jsonl of two builds are refused."""
+    from elastic_export.core.errors import UserError
+    from elastic_export.index import store
+
+    a, b = _built(art, tmp_path, "a", "A"), _built(art, tmp_path, "b", "B")
+    want = {tag: _want(tag) for tag in "AB"}
+    real = store._open_in
+
+    def swap_then_open(fd, folder, name, missing_ok=False):
+        if name == "index.faiss":  # the build's own entry read: B takes A's place, A kept aside
+            (a / "index").rename(a / ".index.old")
+            (b / "index").rename(a / "index")
+        return real(fd, folder, name, missing_ok)
+
+    monkeypatch.setattr(store, "_open_in", swap_then_open)
+    got = store.read_build(a / "index")
+    monkeypatch.setattr(store, "_open_in", real)
+    assert _pairs(got) == want["A"] and got.index.ntotal == 40 and got.build != store.read_build(a / "index").build
+    assert _pairs(store.read_build(a / "index")) == want["B"]
+    mixed = a / "index"
+    (mixed / "ids.json").unlink()
+    (mixed / "ids.json").write_bytes((a / ".index.old" / "ids.json").read_bytes())
+    with pytest.raises(UserError, match="ids of ids.json and docs.jsonl differ"):
+        store.read_build(mixed)
+
+
+def test_live_index_swaps_whole_builds_and_refuses_a_broken_one(art, tmp_path):
+    """``index --overwrite`` under a LiveIndex: the next look reads the new build whole and swaps it in
+    (the build a request took stays whole); a broken build renamed into place is refused with one line,
+    the previous build served, and not read again until the folder changes."""
+    from elastic_export.index.build import build_index
+    from elastic_export.index.store import LiveIndex, folder_key
+
+    d = _built(art, tmp_path, "d", "A")
+    logged: list[str] = []
+    live = LiveIndex.load(d, log=logged.append)
+    taken = live.current()
+    assert _pairs(taken) == _want("A") and live._thread is None
+    build_index(d, write_jsonl(tmp_path / "b.jsonl", build_corpus("B")), overwrite=True, progress=False)
+    live.current()  # sees another folder: reads it in the background
+    live.wait(120)
+    new = live.current()
+    assert new is not taken and _pairs(new) == _want("B")
+    assert _pairs(taken) == _want("A")  # never written into
+    assert new.build == json.loads((d / MANIFEST).read_text())["index"]["build"]
+    assert logged == [f"index: serving build {new.build} (40 documents)"]
+    broken = tmp_path / "broken"
+    shutil.copytree(d / "index", broken)
+    (broken / "index.faiss").write_bytes(b"not faiss")
+    (d / "index").rename(tmp_path / "aside")
+    broken.rename(d / "index")
+    assert live.reload() is False and live.current() is new and live._seen == folder_key(d / "index")
+    assert len(logged) == 2 and logged[1].startswith(f"index: refused {d / 'index'} (index: ") and "\n" not in logged[1]
+    assert logged[1].endswith(f"; serving build {new.build} (40 documents)")
+    assert live.reload() is False and len(logged) == 2  # refused once, not read again
+    build_index(d, write_jsonl(tmp_path / "c.jsonl", build_corpus("A", seed=3)), overwrite=True, progress=False)
+    assert live.reload() is True and _pairs(live.current()) == _want("A", 3)
+
+
+def test_a_build_removed_while_read_is_read_again_not_refused(art, tmp_path, monkeypatch):
+    """The folder a reload opened is replaced and removed under it (``index --overwrite`` finishing):
+    the read fails, nothing is refused or logged, and the next reload serves the new build."""
+    from elastic_export.index import store
+
+    d, b = _built(art, tmp_path, "d", "A"), _built(art, tmp_path, "b", "B")
+    logged: list[str] = []
+    live = store.LiveIndex(d, None, log=logged.append)
+    real = store._open_in
+
+    def replace_then_open(fd, folder, name, missing_ok=False):
+        if name == "ids.json" and (b / "index").exists():
+            (d / "index").rename(tmp_path / "old")
+            (b / "index").rename(d / "index")
+            shutil.rmtree(tmp_path / "old")
+        return real(fd, folder, name, missing_ok)
+
+    monkeypatch.setattr(store, "_open_in", replace_then_open)
+    assert live.reload() is False and live.build is None and logged == []
+    assert live.reload() is True and _pairs(live.current()) == _want("B")
+    assert len(logged) == 1

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -16,7 +17,7 @@ import numpy as np
 from elastic_export.core.errors import UserError
 from elastic_export.core.fileio import existing_dir, file_sha256
 from elastic_export.core.manifest import Manifest
-from elastic_export.index import DOCS_FILE, IDS_FILE, INDEX_DIR, INDEX_FILE, METRIC
+from elastic_export.index import BUILD_FILE, DOCS_FILE, IDS_FILE, INDEX_DIR, INDEX_FILE, METRIC
 from elastic_export.index.corpus import Corpus, read_corpus
 
 HNSW_M = 32
@@ -102,7 +103,7 @@ def build_index(directory: str | Path, corpus: str | Path, id_field: str = "id",
     vectors = embed(rt, encoder, docs.texts, batch_size, progress)
     echo(f"embedded {len(docs.ids)} documents ({vectors.shape[1]} dims)")
     entry = _entry(root, manifest, docs, vectors.shape[1], hnsw)
-    _write_atomically(root, lambda tmp: _write_files(tmp, docs, faiss_index(vectors, hnsw)))
+    _write_atomically(root, lambda tmp: _write_files(tmp, docs, faiss_index(vectors, hnsw), entry))
     manifest = Manifest.load(root)
     manifest.index = entry
     manifest.write(root)
@@ -112,14 +113,16 @@ def build_index(directory: str | Path, corpus: str | Path, id_field: str = "id",
 def _entry(root: Path, manifest: Manifest, docs: Corpus, dims: int, hnsw: bool) -> dict[str, Any]:
     dense = manifest.dense.onnx
     kind: dict[str, Any] = {"kind": "hnsw", "hnsw_m": HNSW_M, "ef_search": HNSW_EF_SEARCH} if hnsw else {"kind": "flat"}
-    return {"dir": INDEX_DIR, "file": f"{INDEX_DIR}/{INDEX_FILE}", "ids": f"{INDEX_DIR}/{IDS_FILE}",
+    return {"build": uuid.uuid4().hex, "dir": INDEX_DIR, "file": f"{INDEX_DIR}/{INDEX_FILE}", "ids": f"{INDEX_DIR}/{IDS_FILE}",
             "docs": f"{INDEX_DIR}/{DOCS_FILE}", "count": len(docs.ids), "dims": dims, "metric": METRIC,
             "normalized": True, **kind, "corpus": docs.describe(),
             "model": {"fingerprint": manifest.model.fingerprint, "onnx": dense,
                       "onnx_sha256": file_sha256(root / dense), "sparsity": 0.0}}
 
 
-def _write_files(folder: Path, docs: Corpus, index) -> None:
+def _write_files(folder: Path, docs: Corpus, index, entry: dict[str, Any]) -> None:
+    """The build's files; ``build.json`` holds its entry, so a server reads the folder without the manifest
+    (which is written after the folder is in place)."""
     import faiss
 
     faiss.write_index(index, str(folder / INDEX_FILE))
@@ -127,6 +130,7 @@ def _write_files(folder: Path, docs: Corpus, index) -> None:
     with open(folder / DOCS_FILE, "w", encoding="utf-8") as f:
         for doc_id, text in zip(docs.ids, docs.texts):
             f.write(json.dumps({"id": doc_id, "text": text}, ensure_ascii=False) + "\n")
+    (folder / BUILD_FILE).write_text(json.dumps(entry))
 
 
 def _write_atomically(root: Path, write: Callable[[Path], None]) -> None:

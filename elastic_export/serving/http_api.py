@@ -37,7 +37,8 @@ MAX_TOP_K = 1000
 
 @dataclass
 class ApiState:
-    """What the routes share: the model's name, tokenizer and dims, the router client, the index."""
+    """What the routes share: the model's name, tokenizer and dims, the router client, the index
+    (:class:`~elastic_export.index.store.LiveIndex`: one whole build at a time, reloaded when rebuilt)."""
 
     name: str
     encoder: Any
@@ -58,7 +59,7 @@ def load_state(directory: str | Path, grpc_url: str, model_name: str | None = No
     """
     from elastic_export.core.errors import UserError
     from elastic_export.core.manifest import Manifest
-    from elastic_export.index.store import DenseIndex
+    from elastic_export.index.store import LiveIndex
     from elastic_export.models.text import TextEncoder, tokenizer_folder
     from elastic_export.serving.router_client import RouterClient
 
@@ -79,7 +80,7 @@ def load_state(directory: str | Path, grpc_url: str, model_name: str | None = No
     lane = (triton.get("index") or {}).get("name")
     client = RouterClient(grpc_url, router_name, inputs, output, pad_id, max_batch, timeout_s, lane)
     return ApiState(model_name or router_name, encoder, encoder.max_len, encoder.tokenizer.get_vocab_size(), dims,
-                    client, DenseIndex.load(root))
+                    client, LiveIndex.load(root))
 
 
 def create_app(directory: str | Path, triton_grpc_url: str, model_name: str | None = None, max_batch: int | None = None,
@@ -255,9 +256,7 @@ async def _embeddings(state: ApiState, body: dict[str, Any], gone=None):
 
 
 async def _search(state: ApiState, body: dict[str, Any]):
-    if state.index is None:
-        raise ApiError(404, "no index: build one with `elastic-export index DIR CORPUS` and restart the server",
-                       None, "no_index")
+    index = await _current_index(state)
     top_k = body.get("top_k", 10)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
         raise ApiError(400, f"'top_k' must be an integer in [1, {MAX_TOP_K}], got {top_k!r}", "top_k", "invalid_top_k")
@@ -265,12 +264,24 @@ async def _search(state: ApiState, body: dict[str, Any]):
     if not isinstance(with_text, bool):
         raise ApiError(400, "'return_text' must be true or false", "return_text", "invalid_return_text")
     served, tokens, _ = await _encode(state, body, "query", search=True)
-    scores, positions = await asyncio.to_thread(state.index.search, served.vectors, top_k)
-    hits = state.index.hits(scores, positions, with_text)
+    scores, positions = await asyncio.to_thread(index.search, served.vectors, top_k)
+    hits = index.hits(scores, positions, with_text)  # the build that searched: its ids and texts
     out = {"object": "list", "data": [{"object": "search_result", "index": i, **h} for i, h in enumerate(hits)],
            "model": body.get("model", state.name), "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
            "served_sparsity": served.sparsity, "served_precision": served.precision}
     return _json(out, 200, _served_headers(served))
+
+
+async def _current_index(state: ApiState):
+    """The build this search answers from, taken once (an index built after start is read here first)."""
+    live = state.index
+    index = live.current() if live is not None else None
+    if index is None and live is not None:
+        await asyncio.to_thread(live.reload)
+        index = live.build
+    if index is None:
+        raise ApiError(404, "no index: build one with `elastic-export index DIR CORPUS`", None, "no_index")
+    return index
 
 
 # --- running it -------------------------------------------------------------------------------------
@@ -362,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         await loop_started(sockets)
         if server.started:
             print(f"ready: OpenAI embeddings API http://{a.host}:{a.port}/v1 (search: "
-                  f"{'yes' if app.state.api.index is not None else 'no index'})", flush=True)
+                  f"{'yes' if app.state.api.index.build is not None else 'no index'})", flush=True)
 
     server.startup = startup
     server.run()
