@@ -776,6 +776,7 @@ class Supervisor:
         if (entry.get("search") or {}).get("name"):
             self.role[entry["search"]["name"]] = "search model"
         self.stubs = {m: pids for m, pids in server.stubs().items() if m in self.role}
+        self.regions = {m: regions_of(pids) for m, pids in self.stubs.items()}  # read while the stubs live
         self.stopping = False
 
     def run(self, server: TritonServer | None = None) -> None:
@@ -824,5 +825,8 @@ class Supervisor:
             del self.stubs[model]
             return
         self.stubs[model] = self.server.stubs().get(model, [])
+        # the dead stub's region: Triton leaves it when requests were sent to the dead stub (seen here)
+        remove_regions([r for r in self.regions.get(model, []) if r not in regions_of(self.stubs[model])])
+        self.regions[model] = regions_of(self.stubs[model])
         self.echo(f"{role} {model}: READY again after {time.monotonic() - start:.1f} s "
                   f"(stub pid {', '.join(map(str, self.stubs[model])) or '-'})")

@@ -10,6 +10,7 @@ Nothing here asserts on time: the head-of-line figure is measured by ``benchmark
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from elastic_export.targets import tritonserver as TS
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TIMEOUT_S = 60  # every client call
+SETTLE_S = 60.0  # every wait for the router's counts and gauges (flushed every 0.5 s): it bounds a hang, nothing else
 
 
 def _group_alive(pgid: int) -> bool:
@@ -155,7 +157,7 @@ def _scraped(text: str, name: str, **labels) -> float:
     raise AssertionError(f"no metric {name} {labels}")
 
 
-def _settled(port: int, name: str, timeout_s: float = 30.0, **labels) -> float:
+def _settled(port: int, name: str, timeout_s: float = SETTLE_S, **labels) -> float:
     """The router's metric with every request answered so far counted in it. The router adds its counts
     every ``RouterMetrics.FLUSH_S``, one counter after another; so polled (bounded) until its requests
     (every outcome) equal Triton's own count of the router's requests (success + BACKEND failure), with
@@ -179,14 +181,14 @@ def _settled(port: int, name: str, timeout_s: float = 30.0, **labels) -> float:
 
 
 def _metric_reaches(port: int, value: float, name: str, **labels) -> float:
-    """The metric once it reaches ``value`` (the router updates it just after it answers), polled a
-    bounded number of times."""
-    for _ in range(200):
+    """The metric once it reaches ``value`` (the router updates it just after it answers), polled until
+    :data:`SETTLE_S`."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
         got = _metric(port, name, **labels)
-        if got >= value:
+        if got >= value or time.monotonic() > deadline:
             return got
         time.sleep(0.05)
-    return got
 
 
 def test_every_model_is_ready_and_the_endpoints_are_printed(served):
@@ -212,7 +214,8 @@ def test_every_model_is_ready_and_the_endpoints_are_printed(served):
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_served_outputs_equal_the_runtime(served, protocol):
     """Every budget, asked for by input, by parameter, per row and by default, answers what
-    ElasticRuntime.run answers for the same input (the same ONNX files run by onnxruntime)."""
+    ElasticRuntime.run answers for the same input (the same ONNX files run by onnxruntime). By default:
+    a copy of the router with no load behind it (whatever ran before) serves the dense budget."""
     from elastic_export.serving.runtime import ElasticRuntime
 
     d, port = served["dir"], served["port"]
@@ -227,7 +230,11 @@ def test_served_outputs_equal_the_runtime(served, protocol):
         cases = [(np.full((1, 1), 0.5), None, [0.5] * 3), (np.array([[0.1], [0.0], [0.5]]), None, [0.1, 0.0, 0.5]),
                  (None, {"sparsity": 0.3}, [0.5] * 3), (None, None, [0.0] * 3)]
         for sparsity, params, want_served in cases:
-            res = client.infer("elastic", _inputs(module, feeds, sparsity), parameters=params, **kw)
+            if sparsity is None and params is None:  # the policy's choice: of a router nothing loaded
+                with _router_copy(served, f"elastic_idle_{protocol}") as idle:
+                    res = client.infer(idle, _inputs(module, feeds), **kw)
+            else:
+                res = client.infer("elastic", _inputs(module, feeds, sparsity), parameters=params, **kw)
             served_s = res.as_numpy("served_sparsity")
             assert served_s.dtype == np.float64 and served_s.ravel().tolist() == want_served
             assert res.as_numpy("served_precision").ravel().tolist() == [b"fp32"] * 3
@@ -248,6 +255,51 @@ def _forwarding_router(repository: Path) -> str:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.add_bls_router(repository, "elastic")
+
+
+@contextlib.contextmanager
+def _router_copy(served, name: str, service_ms: float | None = None):
+    """A copy of serve's router named ``name``, loaded beside it with serve's key and unloaded (its folder
+    removed) on leaving: a router with nothing behind it (no load, no scales, no row weight), whatever ran
+    on ``served`` before. Serve does not watch it. ``service_ms``: the copy never runs a request itself
+    (``inline: "0"``) and its policy starts from a latency profile written next to it, every budget
+    ``service_ms`` at batch 8 (so its service model is exactly ``Affine(0, service_ms / 8)``); else it is
+    the router as served (inline, its service times measured on its own sessions at load)."""
+    from elastic_export.targets import triton_router as R
+
+    repository = served["dir"] / "triton"
+    shutil.rmtree(repository / name, ignore_errors=True)
+    shutil.copytree(repository / "elastic", repository / name, symlinks=True)
+    cfg = repository / name / "config.pbtxt"
+    text = cfg.read_text().replace('name: "elastic"', f'name: "{name}"', 1)
+    if service_ms is not None:
+        inline = f'key: "{R.INLINE_PARAMETER}"\n    value {{ string_value: "1" }}'
+        assert inline in text, text
+        text = text.replace(inline, inline.replace('"1"', '"0"'))
+        sparsities = [m["sparsity"] for m in load_manifest(served["dir"])["triton"]["models"]]
+        profile = {"backend": "onnxruntime", "provider": "cpu",
+                   "batches": {"8": {("0.0" if s == 0 else f"{s:g}"): {"p50_ms": service_ms} for s in sparsities}}}
+        (repository / name / "1" / R.PROFILE_FILE).write_text(json.dumps(profile))
+    cfg.write_text(text)
+    control = _control_headers(served["server_pid"], "grpc")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served['port'] + 1}")
+    try:
+        client.load_model(name, headers=control, client_timeout=READY_S)
+        yield name
+    finally:
+        try:
+            client.unload_model(name, headers=control, client_timeout=TIMEOUT_S)
+        finally:
+            client.close()
+            shutil.rmtree(repository / name, ignore_errors=True)
+
+
+def _router_tokens(served) -> int:
+    """The router's nominal tokens (its config's ``warmup_tokens``): a row of that length weighs exactly 1."""
+    from elastic_export.targets import triton_router as R
+
+    text = (served["dir"] / "triton" / "elastic" / "config.pbtxt").read_text()
+    return int(re.search(rf'key: "{R.TOKENS_PARAMETER}"\s*value {{ string_value: "(\d+)" }}', text).group(1))
 
 
 def test_a_router_that_always_forwards_answers_the_same(served):
@@ -300,14 +352,14 @@ def test_text_in_embedding_out(served):
 
 def _triton_counts(port: int, want: tuple[float, float] | None = None) -> tuple[float, float]:
     """Triton's own ``nv_inference_request_success`` / ``_failure`` of the router: once they equal ``want``
-    (polled a bounded number of times: Triton counts a failure just after it sends the error), else as they are."""
-    for _ in range(200):
+    (polled until :data:`SETTLE_S`: Triton counts a failure just after it sends the error), else as they are."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
         got = (_metric(port, "nv_inference_request_success", model="elastic"),
                _metric(port, "nv_inference_request_failure", model="elastic", reason="BACKEND"))
-        if want is None or got == want:
-            break
+        if want is None or got == want or time.monotonic() > deadline:
+            return got
         time.sleep(0.05)
-    return got
 
 
 def _bad_inputs(kind: str) -> tuple[list, dict | None]:
@@ -368,17 +420,17 @@ def test_client_mistakes_are_400_with_one_line_and_change_nothing(served, kind, 
 
 
 def _gauge_settles(port: int, name: str, want: float, **labels) -> float:
-    """The router's gauge once it reads ``want`` (set by its metrics thread every 0.5 s), polled, bounded."""
-    got = None
-    for _ in range(200):
+    """The router's gauge once it reads ``want`` (set by its metrics thread every 0.5 s), polled until
+    :data:`SETTLE_S`."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
         try:
             got = _metric(port, name, **labels)
         except AssertionError:  # not set yet
             got = None
-        if got == want:
+        if got == want or time.monotonic() > deadline:
             return got
         time.sleep(0.05)
-    return got
 
 
 def test_served_requests_are_successes_in_tritons_statistics(served):
@@ -409,8 +461,41 @@ def test_served_requests_are_successes_in_tritons_statistics(served):
         client.close()
 
 
+def _nominal_feeds(served, batch: int) -> dict[str, np.ndarray]:
+    """``batch`` rows of the router's nominal length (each weighs exactly 1 in its row weight), no padding."""
+    feeds = _feeds(batch=batch, length=_router_tokens(served))
+    feeds["attention_mask"][:] = 1
+    return feeds
+
+
+def _one_flush(port: int, router: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The router's gauges ``names`` as one flush set them: scraped until two scrapes in a row agree (a
+    scrape while the flush sets them one after another mixes two flushes), bounded by :data:`SETTLE_S`."""
+    url, last = f"http://127.0.0.1:{port + 2}/metrics", None
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(url, timeout=TIMEOUT_S).read().decode()
+        got = {n: _scraped(text, f"elastic_router_{n}", router=router) for n in names}
+        if got == last:
+            return got
+        last = got
+    raise AssertionError(f"the gauges of {router} never read the same twice in a row: {last}")
+
+
+SERVICE_MS = 8.0  # a router copy's modelled service time at batch 8 (every budget): 1 ms a row
+
+
 def test_the_operators_gauges(served):
-    """What the policy serves, at what SLO, the budgets up, requests per budget and path: on the metrics port."""
+    """What the policy serves, at what SLO, the budgets up, requests per budget and path: on the metrics
+    port (serve's router). The predictions, on a copy of the router with nothing behind it whose service
+    model is known exactly (:func:`_router_copy`, SERVICE_MS at batch 8) and whose rows weigh exactly 1
+    (the nominal length): with fewer batches than a scale needs (``ServiceScale.min_batches``, 20) both
+    corrections are exactly 1; the densest budget's prediction is the overhead plus the queueing model's
+    quantile at the arrival rate, the three read from one flush; the overhead (the p90 of each answer's
+    time outside the budget model) is at most the measured latency quantile; the prediction for the
+    budget served at least one row's modelled service time."""
+    from elastic_export.serving.slo import DEFAULT_QUANTILE, ServiceScale, fit_affine, predict_quantile_ms
+
     port = served["port"]
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
     def per_budget(s: float) -> float:
@@ -426,13 +511,28 @@ def test_the_operators_gauges(served):
         assert _gauge_settles(port, "elastic_router_slo_ms", 250.0) == 250.0
         assert _gauge_settles(port, "elastic_router_served_sparsity", served_s) == served_s
         assert _gauge_settles(port, "elastic_router_budget_up", 1.0, sparsity="0.1") == 1.0
-        assert _metric(port, "elastic_router_arrival_rate") > 0 and _metric(port, "elastic_router_predicted_latency_ms") > 0
-        assert 0.5 <= _metric(port, "elastic_router_latency_correction") <= 4.0  # the service-time scale, clamped
-        assert 0.5 <= _metric(port, "elastic_router_densest_latency_correction") <= 4.0
-        assert _metric(port, "elastic_router_densest_predicted_latency_ms") > 0
-        assert _metric(port, "elastic_router_overhead_ms") >= 0
         _settled(port, "elastic_router_requests_total", outcome="served")
         assert per_budget(served_s) == before + 3  # the requests the router runs itself counted too
+
+        quantile = load_manifest(served["dir"])["triton"].get("slo_quantile") or DEFAULT_QUANTILE
+        with _router_copy(served, "elastic_gauges", service_ms=SERVICE_MS) as name:
+            requests = 4
+            assert requests < ServiceScale().min_batches
+            for _ in range(requests):
+                res = client.infer(name, _inputs(grpcclient, _nominal_feeds(served, 2), np.full((1, 1), 0.1)),
+                                   client_timeout=TIMEOUT_S)
+                assert res.as_numpy("served_sparsity").ravel().tolist() == [0.1, 0.1]
+            assert _metric_reaches(port, requests, "elastic_router_requests_total", router=name,
+                                   outcome="served") == requests
+            g = _one_flush(port, name, ("latency_correction", "densest_latency_correction", "arrival_rate",
+                                        "overhead_ms", "densest_predicted_latency_ms", "predicted_latency_ms",
+                                        "measured_latency_ms"))
+        assert g["latency_correction"] == 1.0 and g["densest_latency_correction"] == 1.0, g
+        service = fit_affine({8: SERVICE_MS})
+        want = g["overhead_ms"] + predict_quantile_ms(service, g["arrival_rate"], quantile)
+        assert g["densest_predicted_latency_ms"] == pytest.approx(want, rel=1e-9), (g, want)
+        assert g["arrival_rate"] > 0 and 0 <= g["overhead_ms"] <= g["measured_latency_ms"], g
+        assert g["predicted_latency_ms"] >= service.ms(1), g
     finally:
         client.close()
 
@@ -450,24 +550,54 @@ def test_the_router_logs_the_service_times_it_starts_from(served):
         assert 0 < one < eight, line
 
 
+def _batch_ms(port: int, headers: dict[str, str], model: str, rows: int) -> tuple[int, float]:
+    """``model``'s batches of ``rows`` rows so far and their time in all (ms), from the server's statistics
+    as the router reads them (:func:`~elastic_export.serving.triton_stats.batch_totals`)."""
+    from elastic_export.serving import triton_stats
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/stats", headers=headers)
+    stats = json.loads(urllib.request.urlopen(req, timeout=TIMEOUT_S).read())
+    return triton_stats.batch_totals(stats).get(model, {}).get(rows, (0, 0.0))
+
+
 def test_the_service_scale_is_read_from_the_servers_batch_statistics(served):
     """The router reads its budget models' batch times from the server's statistics (where ``serve`` told
-    it through the environment) and scales its service model by them: under forwarded load (4 requests
-    at a time, so never run inline) the scale gauge leaves exactly 1, which nothing else moves."""
-    import concurrent.futures as cf
+    it through the environment) and scales its service model by them. Forced: a copy of the router with
+    nothing behind it whose service model is known exactly (:func:`_router_copy`: the dense budget ``T`` ms
+    at batch 8, ``T`` a third of what a batch of 8 takes the dense budget model here), then batches of 8
+    rows sent to the dense budget model itself, one at a time (each one's time read from the statistics,
+    nothing else run there), until the copy's scale gauge leaves 1 (bounded). The scale is the batches'
+    measured time over the modelled, each weighted by its age: every value lies between the least and
+    the greatest batch's ratio, within the scale's clamp."""
+    from elastic_export.serving.slo import ServiceScale
 
-    port = served["port"]
+    port, model = served["port"], "elastic_s000"
+    headers = _control_headers(served["server_pid"])
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
-    feeds, deadline, scale = _feeds(), time.monotonic() + 60, 1.0
+    inputs = _inputs(grpcclient, _nominal_feeds(served, 8))
+
+    def one_batch() -> float:
+        count, ms = _batch_ms(port, headers, model, 8)
+        client.infer(model, inputs, client_timeout=TIMEOUT_S)
+        deadline = time.monotonic() + SETTLE_S  # the server counts a batch just after it answers
+        while (after := _batch_ms(port, headers, model, 8))[0] == count and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert after[0] == count + 1, f"{after[0] - count} batches of 8 ran at the dense budget, not 1"
+        return after[1] - ms
+
     try:
-        with cf.ThreadPoolExecutor(4) as pool:
-            for _ in range(2000):  # rounds of 8 requests until the gauge moves, at most 60 s
-                list(pool.map(lambda i: client.infer("elastic", _inputs(grpcclient, feeds), client_timeout=TIMEOUT_S),
-                              range(8)))
-                scale = _metric(port, "elastic_router_latency_correction")
-                if scale != 1.0 or time.monotonic() > deadline:
-                    break
-        assert scale != 1.0 and 0.5 <= scale <= 4.0, scale
+        service_ms = float(np.median([one_batch() for _ in range(5)])) / 3
+        lo, hi = ServiceScale().bounds
+        ratios, scale, deadline = [], 0.0, time.monotonic() + 120
+        with _router_copy(served, "elastic_scale", service_ms=service_ms) as name:
+            while scale in (0.0, 1.0):  # 0: no flush yet; 1: fewer than 20 batches read
+                assert time.monotonic() < deadline, f"the scale never moved after {len(ratios)} batches"
+                ratios += [one_batch() / service_ms for _ in range(10)]
+                scale = _metric(port, "elastic_router_latency_correction", router=name)
+            densest = _metric(port, "elastic_router_densest_latency_correction", router=name)
+        low, high = min(max(min(ratios), lo), hi), min(max(max(ratios), lo), hi)
+        assert low * (1 - 1e-9) <= scale <= high * (1 + 1e-9), (scale, low, high, len(ratios))
+        assert low * (1 - 1e-9) <= densest <= high * (1 + 1e-9), (densest, low, high)  # the dense budget is the densest
     finally:
         client.close()
 
@@ -520,11 +650,9 @@ def test_a_budget_model_failure_counts_on_the_budget_model(served):
         with pytest.raises(Exception, match="out of") as err:
             client.infer("elastic_s050", _inputs(grpcclient, feeds), client_timeout=TIMEOUT_S)
         assert "StatusCode.INTERNAL" in str(err.value)
-        for _ in range(200):  # bounded: Triton counts it just after it sends the error
-            if _metric(port, "nv_inference_request_failure", model="elastic_s050", reason="BACKEND") == budget + 1:
-                break
-            time.sleep(0.05)
-        assert _metric(port, "nv_inference_request_failure", model="elastic_s050", reason="BACKEND") == budget + 1
+        # Triton counts it just after it sends the error
+        assert _metric_reaches(port, budget + 1, "nv_inference_request_failure", model="elastic_s050",
+                               reason="BACKEND") == budget + 1
         success, failure = _triton_counts(port)
         failed = _settled(port, "elastic_router_requests_total", outcome="failed")
         with pytest.raises(Exception, match="router: .*out of"):
@@ -588,7 +716,9 @@ def test_search_equals_a_brute_force_dense_search(served, protocol):
         asked = [module.InferRequestedOutput(n) for n in ("ids", "texts", "served_sparsity")]
         res = client.infer(SEARCH, _search_inputs(module, queries[:1], 3), outputs=asked, **kw)
         assert [t.decode() for t in res.as_numpy("texts")[0]] == [docs[int(i[1:])] for i in _ids(res)[0]]
-        assert res.as_numpy("served_sparsity").ravel()[0] in (0.0, 0.1, 0.5) and res.as_numpy("scores") is None
+        assert res.as_numpy("scores") is None
+        chosen = float(res.as_numpy("served_sparsity").ravel()[0])  # the router's policy's choice: its gauge says so
+        assert _gauge_settles(port, "elastic_router_served_sparsity", chosen) == chosen
     finally:
         client.close()
 
@@ -818,11 +948,28 @@ def test_docs_serving_python_snippets_run(served):
             assert scope["res"].as_numpy("served_sparsity").ravel().tolist() == [0.5, 0.5]
             assert scope["res"].as_numpy("sentence_embedding").shape == (2, 384)
         if "hits" in scope:  # the search example: the index of this directory (short_pairs' documents)
-            ids = scope["hits"].as_numpy("ids")
-            assert ids.shape == (1, 5) and all(x.decode().startswith("p") for x in ids[0])
-            assert scope["hits"].as_numpy("scores").shape == (1, 5)
+            hits, query = scope["hits"], re.search(r'np\.array\(\[b"([^"]+)"\]', code).group(1)
+            chosen = float(hits.as_numpy("served_sparsity").ravel()[0])
+            assert hits.as_numpy("ids").shape == (1, 5) and hits.as_numpy("scores").shape == (1, 5)
+            assert_same_top(np.array([[int(x.decode()[1:]) for x in hits.as_numpy("ids")[0]]]),
+                            hits.as_numpy("scores"), *_searched(served, [query], chosen, 5))
             searched = True
     assert searched, "no search block in docs/serving.md"
+
+
+def _searched(served, queries: list[str], sparsity: float, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, scores) of the top ``k`` of :func:`short_pairs`' documents (dense embeddings) for
+    ``queries`` embedded at ``sparsity``, by ElasticRuntime: what the search model answers."""
+    from elastic_export.serving.runtime import ElasticRuntime
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    rt = ElasticRuntime.from_dir(served["dir"], sparsities=sorted({0.0, sparsity}))
+    scores = unit(rt.encode(queries, sparsity=sparsity)) @ unit(rt.encode([p["doc"] for p in served["pairs"]],
+                                                                           sparsity=0.0)).T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return order, np.take_along_axis(scores, order, axis=1)
 
 
 def test_example_06_triton_client(served):
@@ -838,7 +985,9 @@ def test_example_06_triton_client(served):
 
 def test_sigterm_while_starting_stops_the_server(minilm_small, tmp_path):
     """SIGTERM before the server is ready (the server already started): serve stops it, by its process
-    group, and exits as interrupted; nothing is left running."""
+    group, and exits as interrupted; nothing is left running. Forced: the server is held (SIGSTOP) from
+    the moment serve started it, so it cannot be ready when the SIGTERM lands, and let go once serve's
+    stop has signalled it (its SIGTERM pending) or killed it."""
     d = link_copy(minilm_small, tmp_path / "art")
     p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(d), "--port", str(TS.free_port_block())],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
@@ -849,7 +998,16 @@ def test_sigterm_while_starting_stops_the_server(minilm_small, tmp_path):
             server = tritonserver_of(p.pid)  # its child named tritonserver (not the numpy probe before it)
             time.sleep(0.05)
         assert server is not None, "serve never started a server"
-        p.send_signal(signal.SIGTERM)
+        os.kill(server, signal.SIGSTOP)
+        try:
+            p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 120
+            while TS.alive(server) and not _pending(server, signal.SIGTERM):
+                assert time.monotonic() < deadline, "serve never stopped its server"
+                time.sleep(0.05)
+        finally:
+            if TS.alive(server):
+                os.kill(server, signal.SIGCONT)
         _, err = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
     finally:
         if p.poll() is None:
@@ -860,6 +1018,16 @@ def test_sigterm_while_starting_stops_the_server(minilm_small, tmp_path):
     assert p.returncode == 130 and err.strip().splitlines()[-1:] == ["interrupted"], (p.returncode, err[-1000:])
     _assert_server_gone(server, p.pid)
     assert not _serving(d / "triton"), "a server of this repository is still running"
+
+
+def _pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` is pending for process ``pid`` (sent to the process, not yet delivered: it is stopped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # gone
+        return False
+    mask = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, flags=re.M).group(1), 16)
+    return bool(mask >> (sig - 1) & 1)
 
 
 def _serving(repository: Path) -> list[int]:
@@ -889,7 +1057,7 @@ def _budget_answer(client, model: str = "elastic_s050") -> np.ndarray:
     return client.infer(model, _inputs(grpcclient, _feeds()), client_timeout=TIMEOUT_S).as_numpy("sentence_embedding")
 
 
-def _router_serves(client, sparsity: float, timeout_s: float = 30.0):
+def _router_serves(client, sparsity: float, timeout_s: float = READY_S):
     """The router's answer at ``sparsity`` once it serves that budget again (a budget it routed around
     comes back after its next health check), polled: at most one request every 0.25 s until ``timeout_s``."""
     deadline, served_s = time.monotonic() + timeout_s, None
@@ -943,11 +1111,41 @@ def _named_until(client, p, port: int, start: int, line: str, sparsity: float = 
     return served_s, up
 
 
+def _routed_around(client, sparsity: float = 0.5) -> list[float]:
+    """Rounds of requests naming ``sparsity`` at once (one of 128 rows in flight, so the router forwards
+    the others to the budget model rather than run them itself), until one is served by another budget
+    (bounded by READY_S): the served sparsity of every row answered. An error fails the test; an overload
+    refusal (UNAVAILABLE, retryable) is allowed."""
+    import concurrent.futures as cf
+
+    small, big = _feeds(), _feeds(batch=128, length=32)
+
+    def one(feeds) -> list[float]:
+        try:
+            res = client.infer("elastic", _inputs(grpcclient, feeds, np.full((1, 1), sparsity)),
+                               client_timeout=TIMEOUT_S)
+        except InferenceServerException as e:
+            assert e.status() == "StatusCode.UNAVAILABLE" and "retry later" in e.message(), str(e)
+            return []
+        return res.as_numpy("served_sparsity").ravel().tolist()
+
+    served_s: list[float] = []
+    deadline = time.monotonic() + READY_S
+    with cf.ThreadPoolExecutor(4) as pool:
+        while not any(s != sparsity for s in served_s):
+            assert time.monotonic() < deadline, f"never routed around {sparsity}: {served_s}"
+            for rows in pool.map(one, [big, small, small, small]):
+                served_s += rows
+    return served_s
+
+
 def test_a_budget_model_whose_stub_dies_is_reloaded(served):
     """SIGKILL to elastic_s050's Python backend stub (Triton 2.51 does not restart it, and the model stays
-    READY while its requests fail 'Stub process ... is not healthy'): serve logs it within a few polls,
-    reloads the model through the repository API with its key and logs when it is READY; the model then
-    answers as before, from a new stub, and so does the router at 0.5."""
+    READY while its requests fail 'Stub process ... is not healthy'), with serve held (SIGSTOP) so that
+    the model stays down until the test lets serve go: requests naming 0.5 that the router forwards fail
+    over to 0.1 and it reports 0.5 down. Let go, serve logs it, reloads the model through the repository
+    API with its key and logs when it is READY; meanwhile every request naming 0.5 is answered (by it or
+    by 0.1); the model then answers as before, from a new stub, and so does the router at 0.5."""
     p, port = served["process"], served["port"]
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port + 1}")
     try:
@@ -956,23 +1154,35 @@ def test_a_budget_model_whose_stub_dies_is_reloaded(served):
         assert len(stubs) == 1
         dead_region = TS.regions_of(stubs)
         start = len(p.lines)
-        os.kill(stubs[0], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while TS.alive(stubs[0]):  # gone (reaped by tritonserver at once)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        wait_for_line(p, "budget model elastic_s050: stub died; reloading", timeout_s=5, start=start)
+        os.kill(p.pid, signal.SIGSTOP)  # serve held: it cannot reload the model yet
+        try:
+            os.kill(stubs[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while TS.alive(stubs[0]):  # gone (reaped by tritonserver at once)
+                assert time.monotonic() < deadline, "the stub outlived SIGKILL"
+                time.sleep(0.01)
+            routed = _routed_around(client)
+            assert set(routed) == {0.5, 0.1} or set(routed) == {0.1}, routed  # routed around while it was down
+            # and reported so (the prober keeps it down: the dead stub does not answer)
+            assert _gauge_settles(port, "elastic_router_budget_up", 0.0, sparsity="0.5") == 0.0
+            assert not any("elastic_s050" in x for x in p.lines[start:])  # serve held: not reloaded yet
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        wait_for_line(p, "budget model elastic_s050: stub died; reloading", timeout_s=READY_S, start=start)
         served_s, up = _named_until(client, p, port, start, "budget model elastic_s050: READY again")
-        assert served_s and set(served_s) <= {0.5, 0.1}  # every request naming it answered: by it or its neighbour
-        assert 0.1 in served_s and 0.0 in up  # routed around while it was down, and reported so
+        assert set(served_s) <= {0.5, 0.1}  # every request naming it answered: by it or its neighbour
         wait_for_line(p, "budget model elastic_s050: READY again", timeout_s=READY_S, start=start)
         new = TS.stubs_of(served["server_pid"]).get("elastic_s050", [])
         assert len(new) == 1 and new != stubs and TS.alive(new[0])
+        deadline = time.monotonic() + SETTLE_S  # the dead instance is released after its reload
+        while _left_in_shm(dead_region) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert dead_region and not _left_in_shm(dead_region), "the dead stub's shared memory was left behind"
         assert client.is_model_ready("elastic_s050")
         assert np.abs(_budget_answer(client) - before).max() <= 1e-6
         res = _router_serves(client, 0.5)
         assert np.abs(res.as_numpy("sentence_embedding") - before).max() <= 1e-5
+        assert _gauge_settles(port, "elastic_router_budget_up", 1.0, sparsity="0.5") == 1.0
     finally:
         client.close()
 
@@ -1021,9 +1231,9 @@ def test_tritonserver_dies_with_a_serve_killed_by_sigkill(served):
         regions = TS.shm_regions(server)
         p.kill()
         p.wait(30)
-        assert not _gone([server], 10), "tritonserver outlived a serve killed by SIGKILL"
-        assert not _gone(stubs, 10), "a stub outlived serve"
-        assert not _gone(watchdog, 10), "the watchdog outlived what it guards"
+        assert not _gone([server], 60), "tritonserver outlived a serve killed by SIGKILL"
+        assert not _gone(stubs, 60), "a stub outlived serve"
+        assert not _gone(watchdog, 60), "the watchdog outlived what it guards"
         assert scratch.name.startswith("elastic-export-triton.") and not scratch.exists(), "the server's scratch was left"
         assert len(regions) == len(stubs) and not _left_in_shm(regions), "the stubs' shared memory was left behind"
     finally:
