@@ -196,6 +196,27 @@ def test_the_event_loops_lag_counts_as_time_waited_before_the_batcher():
         await asyncio.sleep(0)  # it reads the clock, then sleeps
         now[0] = 0.060  # woke 50 ms late
         await asyncio.sleep(0.02)
-        assert monitor.ms() == pytest.approx(50.0)
+        assert max(monitor.recent) == pytest.approx(50.0)
         await monitor.stop()
+        monitor.recent.extend([50.0, 50.0])
+        assert monitor.ms() == pytest.approx(50.0)  # late wake after late wake: the loop is late
+        monitor.recent.extend([0.0] * 5 + [400.0])
+        assert monitor.ms() == 0.0  # one long step of the loop is no wait of the queries after it
     asyncio.run(go())
+
+
+def test_round_trips_are_robust_to_a_slow_trip_and_flat_from_one_row_count():
+    """Trips of 1 row at 20 ms and one of 300 ms: 20 ms (the median); with only 1-row trips measured, 10 rows
+    are predicted at the 1-row time, not 10 x (a burst at a light load is not refused on a guessed slope)."""
+    from elastic_export.serving.coalesce import RoundTrips
+
+    trips = RoundTrips()
+    for ms in [20.0] * 9 + [300.0]:
+        trips.add(1, ms)
+    assert trips.ms(1) == pytest.approx(20.0) and trips.ms(10) == pytest.approx(20.0)
+    for _ in range(20):
+        trips.add(1, 20.0)
+        trips.add(11, 70.0)  # 5 ms a row beyond the first
+    assert trips.ms(6) == pytest.approx(45.0)
+    trips.add(1, 900.0)  # a slow trip among many of its row count: its median holds
+    assert trips.ms(6) == pytest.approx(45.0)

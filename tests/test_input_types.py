@@ -87,3 +87,34 @@ def test_documents_of_a_client_that_has_gone_are_not_run():
     with pytest.raises(oa.ApiError) as e:
         asyncio.run(client.embed_documents([Tokens([1, 2, 3], [0, 0, 0])] * 20, gone))
     assert e.value.status == 499 and e.value.code == "client_closed" and asked and client._client is None
+
+
+def test_a_few_short_documents_go_beside_the_queries_the_rest_to_the_lane():
+    """At most 4 documents and 1,024 padded tokens (someone waits for them) go through the router at sparsity
+    0; more, or longer, go to the indexing lane; so do a few the router answers sparser (dense model down)."""
+    import asyncio
+
+    import numpy as np
+
+    from elastic_export.serving.openai_schema import Tokens
+    from elastic_export.serving.router_client import RouterClient, RouterInfo, Served
+
+    class Recorded(RouterClient):  # the two ways out, recorded instead of sent
+        async def embed(self, rows, sparsity):
+            self.calls.append(("router", len(rows), sparsity))
+            return Served(np.zeros((len(rows), 2)), self.router_serves, "fp32")
+
+        async def _infer(self, rows, sparsity, model=None, queued_ms=0.0):
+            self.calls.append(("lane", len(rows), model))
+            return Served(np.ones((len(rows), 2)), 0.0, "fp32")
+
+    def ways(n: int, tokens: int, router_serves: float = 0.0) -> list:
+        client = Recorded("127.0.0.1:1", "elastic", ["input_ids"], "sentence_embedding", 0, index_model="elastic_index")
+        client._info, client.calls, client.router_serves = RouterInfo(8, [0.0, 0.5]), [], router_serves
+        served = asyncio.run(client.embed_documents([Tokens([1] * tokens, [0] * tokens)] * n))
+        assert served.sparsity == 0.0 and len(served.vectors) == n
+        return [c[0] for c in client.calls]
+
+    assert ways(1, 30) == ["router"] and ways(4, 256) == ["router"]
+    assert set(ways(5, 30)) == {"lane"} and set(ways(2, 600)) == {"lane"}
+    assert ways(1, 30, router_serves=0.5) == ["router", "lane"]

@@ -43,9 +43,12 @@ class _Item:
 
 
 class RoundTrips:
-    """What a merged request of ``rows`` rows takes, from the latest :data:`ROUND_TRIPS` measured: the least
-    squares line ``a + c x rows`` through their mean per row count (a and c at least 0), or None before
-    :attr:`MIN_SAMPLES` of them."""
+    """What a merged request of ``rows`` rows takes, from the latest :data:`ROUND_TRIPS` measured: the line
+    ``a + c x rows`` through the median round trip of each row count, weighted by how many it has (a and c at
+    least 0; a slow trip moves its row count's median little, and a rare row count weighs little), or None
+    before :attr:`MIN_SAMPLES` of them. With one row count measured the line is flat (``c = 0``): a query is
+    refused on this prediction, and a slope guessed from one point (``ms / rows``) refused bursts at a
+    light load, whose trips of one row cost mostly their fixed part."""
 
     MIN_SAMPLES = 8
 
@@ -58,19 +61,26 @@ class RoundTrips:
     def ms(self, rows: int) -> float | None:
         if len(self.samples) < self.MIN_SAMPLES:
             return None
-        from elastic_export.serving.slo import fit_affine
+        import statistics
 
         by_rows: dict = {}
         for n, ms in self.samples:
             by_rows.setdefault(n, []).append(ms)
-        return fit_affine({n: sum(v) / len(v) for n, v in by_rows.items()}).ms(rows)
+        points = [(n, statistics.median(v), len(v)) for n, v in by_rows.items()]
+        weight = sum(w for _, _, w in points)
+        mean_n = sum(n * w for n, _, w in points) / weight
+        mean_ms = sum(m * w for _, m, w in points) / weight
+        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+        c = max(0.0, sum(w * (n - mean_n) * (m - mean_ms) for n, m, w in points) / spread) if spread > 1e-9 else 0.0
+        return max(0.0, mean_ms - c * mean_n) + c * rows
 
 
 class LoopLag:
     """How late the event loop runs what is ready: a task that asks to wake every ``interval_s`` and keeps how
-    much later it woke (ms), the largest of the latest ``window`` wakes. A request waits about that long
+    much later it woke (ms), the median of the latest ``window`` wakes. A request waits about that long
     between reaching the process and reaching the batcher (parsed, routed, tokenized): time the batcher
-    cannot see otherwise, while the cores are saturated."""
+    cannot see otherwise, while the cores are saturated. The median, not the largest: one long step of the
+    loop (a big request's tokens, a collection) is not a wait of the queries that come after it."""
 
     def __init__(self, interval_s: float = 0.01, window: int = 25, clock: Callable[[], float] = time.monotonic):
         self.interval_s, self.clock = interval_s, clock
@@ -78,7 +88,9 @@ class LoopLag:
         self._task: asyncio.Task | None = None
 
     def ms(self) -> float:
-        return max(self.recent)
+        import statistics
+
+        return statistics.median(self.recent)
 
     def start(self) -> None:
         """Start measuring on the running loop (once)."""

@@ -33,6 +33,8 @@ from elastic_export.serving.openai_schema import ApiError
 MAX_BODY_BYTES = 16 << 20
 SPARSITY_HEADER, PRECISION_HEADER = "x-elastic-served-sparsity", "x-elastic-served-precision"
 MAX_TOP_K = 1000
+KEEP_ALIVE_S = 75  # an idle connection is closed after this (uvicorn's 5 s is shorter than clients' and balancers'
+# idle timeouts: the server closed connections a client was reusing, which that client saw as a dropped request)
 
 
 @dataclass
@@ -292,7 +294,8 @@ class ApiServer:
         import uvicorn
 
         self.host, self.port, self.app = host, port, app
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.thread = threading.Thread(target=self.server.run, name="http-api", daemon=True)
 
     @property
@@ -366,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     loop_started = server.startup
 
     async def startup(sockets=None):

@@ -20,6 +20,7 @@ DEFAULT_SLO_MS = 250.0  # the router's, where its config names none
 DEADLINE_SHARE = 0.95  # a query still waiting in the API past this share of the SLO is refused, not sent
 INDEX_BATCH_TOKENS = 4096  # padded tokens in one indexing-lane batch (TEI's --max-batch-tokens)
 INDEX_IN_FLIGHT = 2  # indexing-lane batches in flight at once, over every request: one runs, one is ready
+FEW_DOCUMENTS = (4, 1024)  # at most these rows and padded tokens: a request of documents someone waits for
 SPARSITY_INPUT, SERVED, PRECISION = "sparsity", "served_sparsity", "served_precision"
 
 
@@ -54,6 +55,13 @@ def document_batches(lengths: Sequence[int], max_rows: int, max_tokens: int = IN
         else:
             batches.append([i])
     return batches
+
+
+def few_documents(rows: Sequence[Tokens]) -> bool:
+    """Whether documents this few and short are served beside the queries (:data:`FEW_DOCUMENTS`), not
+    in the indexing lane."""
+    most_rows, most_tokens = FEW_DOCUMENTS
+    return len(rows) <= most_rows and len(rows) * max((len(r.ids) for r in rows), default=0) <= most_tokens
 
 
 def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
@@ -134,10 +142,17 @@ class RouterClient:
         """Every row's embedding, dense, through the indexing lane: rows sorted by length into batches of
         at most :data:`INDEX_BATCH_TOKENS` padded tokens, at most :data:`INDEX_IN_FLIGHT` batches in flight
         over every request (the lane's model runs at the lowest priority: queries come first). A batch
-        whose client has gone (``gone()``) is not sent: ApiError 499."""
+        whose client has gone (``gone()``) is not sent: ApiError 499. A request of :data:`FEW_DOCUMENTS` (a
+        document someone uploads and waits for, not an indexing batch) goes through the router at sparsity 0
+        instead, beside the queries and counted in their admission, unless the router answers it sparser (its
+        dense model down): then the lane."""
         info = await self.info()
         if self.index_model is None:
             return await self.embed(rows, 0.0)
+        if few_documents(rows):
+            served = await self.embed(rows, 0.0)
+            if served.sparsity == 0.0:
+                return served
         if self._lane is None:  # created on the serving loop
             self._lane = asyncio.Semaphore(INDEX_IN_FLIGHT)
         out: list[Any] = [None] * len(rows)
