@@ -13,7 +13,8 @@ the interpreter's own ``pydoc_data.topics`` (the calibration source) and counted
 Reference of each trace: the same machine's onnxruntime in this process (no server), per budget, with ideal
 batching (batches of 16 texts sorted by length; documents always dense), measured in the same run before the
 server starts; and the dense rate of 64-document requests (the indexing reference). Each ladder trace is
-offered seeded Poisson steps at 0.25x-2x of its dense reference, open loop (``httpx``), to a server this
+offered seeded Poisson steps at 0.25x-2x of its dense reference, open loop (``aiohttp``: the client shares the
+machine's cores with the server, and costs a fraction of ``httpx``'s CPU per request), to a server this
 script starts on loopback and always stops. Per rate: offered, answered, refused (503), lost, SLO attainment
 (answered within the SLO over offered: refusals are misses), p50 / p99, refusals' p99, served sparsity,
 served quality against the oracle's (the densest budget whose compute plus 2 ms of CPU per request fits in
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
@@ -408,13 +410,14 @@ async def send(client, url: str, texts: list[str], input_type: str) -> dict:
     """One ``POST /v1/embeddings``: latency, outcome (ok / refused: 503 / lost), served sparsity, vectors."""
     t0 = time.perf_counter()
     try:
-        r = await client.post(url, json={"input": texts, "input_type": input_type, "encoding_format": "base64"})
+        async with client.post(url, json={"input": texts, "input_type": input_type, "encoding_format": "base64"}) as r:
+            status, text = r.status, await r.text()
         ms = (time.perf_counter() - t0) * 1e3
-        if r.status_code == 200:
-            body = r.json()
+        if status == 200:
+            body = json.loads(text)
             return {"ms": ms, "outcome": "ok", "sparsity": float(body["served_sparsity"]), "vectors": len(body["data"])}
-        return {"ms": ms, "outcome": "refused" if r.status_code == 503 else "lost", "sparsity": None, "vectors": 0,
-                "error": f"HTTP {r.status_code}: {r.text[:120]}"}
+        return {"ms": ms, "outcome": "refused" if status == 503 else "lost", "sparsity": None, "vectors": 0,
+                "error": f"HTTP {status}: {text[:120]}"}
     except Exception as e:  # a failed request is a result here
         return {"ms": (time.perf_counter() - t0) * 1e3, "outcome": "lost", "sparsity": None, "vectors": 0,
                 "error": f"{type(e).__name__}: {str(e)[:120]}"}
@@ -456,7 +459,8 @@ async def padding_metrics(client, urls: list[str]) -> dict[str, float]:
     out = {}
     for url in urls:
         try:
-            text = (await client.get(url, timeout=5.0)).text
+            async with client.get(url) as r:
+                text = await r.text()
         except Exception:
             continue
         for line in text.splitlines():
@@ -544,10 +548,11 @@ async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, 
 
 
 async def run_load(server: Server, corpus: Corpus, refs: dict, args, quality: dict) -> dict:
-    import httpx
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    async with httpx.AsyncClient(limits=limits, timeout=args.request_timeout) as client:
+    connector = aiohttp.TCPConnector(limit=2000)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         await warm(client, server.api + "/v1/embeddings", corpus)
         out = {}
         for trace in args.traces:
@@ -597,7 +602,7 @@ def report_lines(out: dict) -> list[str]:
     lines = [f"# Serving the traffic applications send ({out['date']})", "", f"Machine: {out['machine']}", "",
              f"Command: `{out['command']}`", "",
              f"SLO {out['slo_ms']:g} ms (a 503 is a miss); requests through `POST /v1/embeddings` of `elastic-export "
-             f"serve` (loopback, httpx, open loop, seeded Poisson steps of {out['step_s']:g} s, seed {out['seed']}); "
+             f"serve` (loopback, aiohttp, open loop, seeded Poisson steps of {out['step_s']:g} s, seed {out['seed']}); "
              "texts from `pydoc_data.topics` in the model's tokens: short queries "
              f"{SHORT_TOKENS[0]}-{SHORT_TOKENS[1]} tokens, documents {MIN_DOC_TOKENS}-{out['max_len']} tokens "
              f"(the context), {LONG_TOKENS}-token texts.", "",
@@ -657,7 +662,9 @@ def plot(path: Path, out: dict) -> None:
         a.legend(fontsize=8)
     fig.suptitle(f"elastic-export serve, SLO {out['slo_ms']:g} ms: {out['machine'][:90]}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from _png import save_png
+
+    save_png(fig, path)
 
 
 # --- main --------------------------------------------------------------------------------------------
