@@ -31,7 +31,7 @@ TIMEOUT_S = 60.0
 def nginx_conf(folder, port: int, upstreams: list[int]) -> str:
     """A minimal nginx config: ``upstreams`` (API ports on 127.0.0.1) behind 127.0.0.1:``port``."""
     user = "user root;\n" if os.geteuid() == 0 else ""
-    servers = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=5s;\n" for p in upstreams)
+    servers = "".join(f"    server 127.0.0.1:{p} max_fails=0;\n" for p in upstreams)
     temp = "".join(f"  {k}_temp_path {folder}/{k};\n" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     return (f"{user}worker_processes 1;\ndaemon off;\npid {folder}/nginx.pid;\nerror_log {folder}/error.log notice;\n"
             "events { worker_connections 512; }\n"
