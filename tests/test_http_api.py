@@ -197,7 +197,7 @@ def test_documents_are_dense_through_the_indexing_lane(live):
     embedded dense by the indexing lane's model (Triton counts its rows), in input order, equal to the
     dense runtime; queries get their budget; a sparse document is a 400."""
     texts = [d["text"] for d in live.docs] + TEXTS * 10  # 250 rows of many lengths: sorted, batched, restored
-    before = _lane_count(live)
+    before, metrics = _lane_count(live), httpx.get(live.url + "/metrics", timeout=TIMEOUT_S).text
     for extra in ({}, {"input_type": "document"}, {"model": "elastic:document"}, {"input_type": "search_document"}):
         r = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic", "input": texts, **extra},
                        timeout=TIMEOUT_S)
@@ -206,6 +206,11 @@ def test_documents_are_dense_through_the_indexing_lane(live):
         np.testing.assert_allclose(np.array([e["embedding"] for e in body["data"]]), live.encode(texts, 0.0),
                                    atol=1e-5)
     assert _lane_count(live) - before == 4 * len(texts)  # every document row ran in the lane
+    after = httpx.get(live.url + "/metrics", timeout=TIMEOUT_S).text  # the lane's padding, as the API sent it
+    sent = {k: _metric(after, k) - _metric(metrics, k) for k in ("elastic_api_documents_batched_total",
+            'elastic_api_document_tokens_total{kind="real"}', 'elastic_api_document_tokens_total{kind="padded"}')}
+    assert sent["elastic_api_documents_batched_total"] == 4 * len(texts), sent
+    assert sent['elastic_api_document_tokens_total{kind="padded"}'] >= sent['elastic_api_document_tokens_total{kind="real"}'] > 0
     r = httpx.post(live.url + "/v1/embeddings", json={"model": "elastic:query", "input": TEXTS, "sparsity": 0.5},
                    timeout=TIMEOUT_S)
     assert r.status_code == 200 and r.json()["served_sparsity"] == 0.5 and r.json()["input_type"] == "query"

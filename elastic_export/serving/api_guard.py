@@ -89,11 +89,12 @@ class ApiMetrics:
         for reason in REASONS:
             self.refused.labels(reason)
 
-    def watch_batches(self, stats: Callable[[], Any]) -> None:
+    def watch_batches(self, stats: Callable[[], Any], lane: Callable[[], Any] = lambda: None) -> None:
         """Also expose the merged queries' counts (``stats()``: a :class:`~elastic_export.serving.coalesce.
         BatchStats` or None before the first query): router requests, queries, real and padded tokens (the
-        padding waste is 1 - real / padded), queries refused unsent past their deadline."""
-        self.registry.register(_BatchCollector(stats))
+        padding waste is 1 - real / padded), queries refused unsent past their deadline; and the indexing
+        lane's (``lane()``): its batches, documents, real and padded tokens."""
+        self.registry.register(_BatchCollector(stats, lane))
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -104,8 +105,8 @@ class ApiMetrics:
 class _BatchCollector:
     """Prometheus counters read from the query batcher's stats at each scrape."""
 
-    def __init__(self, stats: Callable[[], Any]):
-        self.stats = stats
+    def __init__(self, stats: Callable[[], Any], lane: Callable[[], Any]):
+        self.stats, self.lane = stats, lane
 
     def describe(self):
         return []
@@ -128,6 +129,16 @@ class _BatchCollector:
                                   value=get("late"))
         yield CounterMetricFamily("elastic_api_queries_refused", "Queries refused on arrival: predicted past the SLO",
                                   value=get("refused"))
+        lane = self.lane()
+        if lane is not None:
+            yield CounterMetricFamily("elastic_api_document_batches", "Indexing-lane batches sent", value=lane.requests)
+            yield CounterMetricFamily("elastic_api_documents_batched", "Documents sent in indexing-lane batches",
+                                      value=lane.queries)
+            tokens = CounterMetricFamily("elastic_api_document_tokens", "Tokens of the indexing lane's batches: real, "
+                                         "and padded (as sent; padding waste = 1 - real / padded)", labels=["kind"])
+            tokens.add_metric(["real"], lane.tokens)
+            tokens.add_metric(["padded"], lane.padded)
+            yield tokens
 
 
 def route_of(path: str) -> str:

@@ -116,7 +116,7 @@ def create_app(directory: str | Path, triton_grpc_url: str, model_name: str | No
 
     app = FastAPI(title="elastic-export embeddings", lifespan=lifespan)
     app.state.api, app.state.guard = state, guard
-    guard.metrics.watch_batches(lambda: state.router.batch_stats)
+    guard.metrics.watch_batches(lambda: state.router.batch_stats, lambda: state.router.lane_stats)
     app.add_middleware(_Door, guard=guard)
     _routes(app, state)
     return app

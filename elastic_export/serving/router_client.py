@@ -12,7 +12,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from elastic_export.serving.coalesce import QUEUED_PARAMETER
+from elastic_export.serving.coalesce import QUEUED_PARAMETER, BatchStats
 from elastic_export.serving.openai_schema import ApiError, Tokens, feeds
 
 DEFAULT_MAX_ROWS = 128
@@ -93,6 +93,7 @@ class RouterClient:
         self._lane: asyncio.Semaphore | None = None
         self._batcher: Any = None  # QueryBatcher, made on the serving loop
         self._lag: Any = None  # its LoopLag
+        self.lane_stats = BatchStats()  # the indexing lane's batches: requests = batches, queries = documents
 
     def _grpc(self):
         if self._client is None:  # created on the serving loop: grpc.aio channels belong to one loop
@@ -162,6 +163,7 @@ class RouterClient:
                 if gone is not None and await gone():
                     raise ApiError(499, "the client closed the request; its remaining documents were not run",
                                    None, "client_closed")
+                self._count_lane([len(rows[i].ids) for i in batch])
                 got = await self._infer([rows[i] for i in batch], None, self.index_model)
             for i, v in zip(batch, got.vectors):
                 out[i] = v
@@ -175,6 +177,12 @@ class RouterClient:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return Served(np.stack(out), 0.0, info.precision)
+
+    def _count_lane(self, lengths: list[int]) -> None:
+        """A lane batch as sent: its documents, real and padded tokens."""
+        st = self.lane_stats
+        st.requests, st.queries = st.requests + 1, st.queries + len(lengths)
+        st.tokens, st.padded = st.tokens + sum(lengths), st.padded + len(lengths) * max(lengths)
 
     @property
     def batch_stats(self) -> Any:
