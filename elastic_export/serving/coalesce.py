@@ -17,6 +17,7 @@ injected clock; the router call is injected too (:class:`~elastic_export.serving
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,25 +55,32 @@ class RoundTrips:
 
     def __init__(self, size: int = ROUND_TRIPS):
         self.samples: deque = deque(maxlen=size)
+        self._line: tuple[float, float] | None = None  # (a, c), fitted once per new round trip
 
     def add(self, rows: int, ms: float) -> None:
         self.samples.append((rows, ms))
+        self._line = None
 
     def ms(self, rows: int) -> float | None:
         if len(self.samples) < self.MIN_SAMPLES:
             return None
-        import statistics
+        if self._line is None:
+            self._line = self._fit()
+        a, c = self._line
+        return a + c * rows
+
+    def _fit(self) -> tuple[float, float]:
+        from elastic_export.serving.slo import least_squares_slope
 
         by_rows: dict = {}
         for n, ms in self.samples:
             by_rows.setdefault(n, []).append(ms)
-        points = [(n, statistics.median(v), len(v)) for n, v in by_rows.items()]
-        weight = sum(w for _, _, w in points)
-        mean_n = sum(n * w for n, _, w in points) / weight
-        mean_ms = sum(m * w for _, m, w in points) / weight
-        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-        c = max(0.0, sum(w * (n - mean_n) * (m - mean_ms) for n, m, w in points) / spread) if spread > 1e-9 else 0.0
-        return max(0.0, mean_ms - c * mean_n) + c * rows
+        ns, medians, counts = zip(*((n, statistics.median(v), len(v)) for n, v in by_rows.items()))
+        c = max(0.0, least_squares_slope(ns, medians, counts) or 0.0)
+        weight = sum(counts)
+        mean_n = sum(n * w for n, w in zip(ns, counts)) / weight
+        mean_ms = sum(m * w for m, w in zip(medians, counts)) / weight
+        return max(0.0, mean_ms - c * mean_n), c
 
 
 class LoopLag:
@@ -88,8 +96,6 @@ class LoopLag:
         self._task: asyncio.Task | None = None
 
     def ms(self) -> float:
-        import statistics
-
         return statistics.median(self.recent)
 
     def start(self) -> None:
@@ -124,6 +130,14 @@ class BatchStats:
     @property
     def padding_waste(self) -> float:
         return 1.0 - self.tokens / self.padded if self.padded else 0.0
+
+    def count(self, queries: int, lengths: Sequence[int]) -> None:
+        """One request as sent: ``queries`` queries (or documents) whose rows have these token lengths, padded
+        to the longest."""
+        self.requests += 1
+        self.queries += queries
+        self.tokens += sum(lengths)
+        self.padded += len(lengths) * max(lengths)
 
 
 class QueryBatcher:
@@ -227,7 +241,7 @@ class QueryBatcher:
         rows = [r for item in batch for r in item.rows]
         start = self.clock()
         queued_ms = (start - batch[0].arrived) * 1e3
-        self._count(batch, rows)
+        self.stats.count(len(batch), [len(r.ids) for r in rows])
         self._running[id(batch)] = (start, len(rows))
         try:
             served = await self.send(rows, batch[0].sparsity, queued_ms)
@@ -248,9 +262,3 @@ class QueryBatcher:
             self.in_flight -= 1
             self._dispatch()
 
-    def _count(self, batch: list[_Item], rows: Sequence[Any]) -> None:
-        width = max(item.length for item in batch)
-        self.stats.requests += 1
-        self.stats.queries += len(batch)
-        self.stats.tokens += sum(len(r.ids) for r in rows)
-        self.stats.padded += len(rows) * width

@@ -163,7 +163,7 @@ class RouterClient:
                 if gone is not None and await gone():
                     raise ApiError(499, "the client closed the request; its remaining documents were not run",
                                    None, "client_closed")
-                self._count_lane([len(rows[i].ids) for i in batch])
+                self.lane_stats.count(len(batch), [len(rows[i].ids) for i in batch])
                 got = await self._infer([rows[i] for i in batch], None, self.index_model)
             for i, v in zip(batch, got.vectors):
                 out[i] = v
@@ -177,12 +177,6 @@ class RouterClient:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return Served(np.stack(out), 0.0, info.precision)
-
-    def _count_lane(self, lengths: list[int]) -> None:
-        """A lane batch as sent: its documents, real and padded tokens."""
-        st = self.lane_stats
-        st.requests, st.queries = st.requests + 1, st.queries + len(lengths)
-        st.tokens, st.padded = st.tokens + sum(lengths), st.padded + len(lengths) * max(lengths)
 
     @property
     def batch_stats(self) -> Any:

@@ -70,11 +70,15 @@ def fit_affine(points: Mapping[int, float]) -> Affine:
     return Affine(a, c)
 
 
-def least_squares_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
-    """The least-squares slope of ``ys`` on ``xs`` (None when the ``xs`` do not spread)."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 1e-9 else None
+def least_squares_slope(xs: Sequence[float], ys: Sequence[float],
+                        weights: Optional[Sequence[float]] = None) -> Optional[float]:
+    """The least-squares slope of ``ys`` on ``xs``, each point weighing ``weights`` (default 1); None when
+    the ``xs`` do not spread."""
+    w = [1.0] * len(xs) if weights is None else list(weights)
+    total = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, xs)) / total, sum(wi * y for wi, y in zip(w, ys)) / total
+    var = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    return sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / var if var > 1e-9 else None
 
 
 class ServiceModel:
