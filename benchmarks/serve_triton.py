@@ -59,9 +59,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 from elastic_export.core.manifest import Manifest  # noqa: E402
+from elastic_export.serving.router_config import INLINE_PARAMETER  # noqa: E402
 from elastic_export.serving.slo import oracle_pair  # noqa: E402
 from elastic_export.targets.triton import build_repository  # noqa: E402
-from elastic_export.targets.triton_router import INLINE_PARAMETER  # noqa: E402
 from elastic_export.targets.tritonserver import TritonServer, free_port_block  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -17,11 +17,13 @@
   niceness :data:`INDEX_NICE`, so that it takes the cores only while the query models leave them idle;
 * a router model ``<name>`` (Python backend, business-logic scripting): the same inputs plus an
   optional ``sparsity`` input (or a ``sparsity`` request parameter); its ``model.py`` is the module
-  :mod:`elastic_export.targets.triton_router`, copied verbatim, which forwards each request to the
-  budget model :func:`~elastic_export.targets.triton_router.choose_budget` picks and answers with
-  that model's outputs (plus ``served_sparsity`` on request). No sparsity asked for: the configured
-  default budget. The budget table and the default are ``parameters`` of the router's
-  ``config.pbtxt``, read by the router at load time.
+  :mod:`elastic_export.targets.triton_router`, copied verbatim, next to verbatim copies of the
+  serving modules it is glue over (:func:`router_modules`: a Triton without this package loads them
+  from there), which forwards each request to the budget model
+  :func:`~elastic_export.serving.router_budgets.choose_budget` picks and answers with that model's
+  outputs (plus ``served_sparsity`` on request). No sparsity asked for: the configured default budget.
+  The budget table and the default are ``parameters`` of the router's ``config.pbtxt``, read by the
+  router at load time.
 
 ``elastic.onnx`` is not served: its ``budget_index`` input has no batch dim, so Triton's dynamic
 batcher cannot batch it; the per-budget models batch, and the router picks among them.
@@ -49,6 +51,8 @@ from elastic_export.core.errors import UserError, first_line
 from elastic_export.core.fileio import existing_dir, umask
 from elastic_export.core.manifest import LATENCY_PROFILE, MANIFEST, Manifest, resolve, write_manifest
 from elastic_export.index import search as search_model
+from elastic_export.serving import router_budgets
+from elastic_export.serving import router_config as router_cfg  # router_config() writes its text
 from elastic_export.serving.backends import TRITON_BUDGET_BACKENDS
 from elastic_export.serving.policies import ROUTER_POLICIES
 from elastic_export.targets import triton_onnx_model as ort_model
@@ -66,10 +70,10 @@ INLINE_MAX_BYTES = 2 << 30  # the router holds its own copy of every budget for 
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 PLATFORMS = TRITON_BUDGET_BACKENDS
 POLICIES = ROUTER_POLICIES
-assert router.POLICIES == POLICIES, "targets/triton_router.py spells the policies as elastic_export.serving.policies does"
+assert router_cfg.POLICIES == POLICIES, "serving/router_config.py spells the policies as serving/policies.py does"
 ORT_MODEL_FILE = "triton_onnx_model.py"  # the python-backend budget model, copied verbatim as its model.py
-SPARSITY_INPUT = router.SPARSITY_INPUT
-SERVED_OUTPUT = router.SERVED_OUTPUT
+SPARSITY_INPUT = router_cfg.SPARSITY_INPUT
+SERVED_OUTPUT = router_cfg.SERVED_OUTPUT
 ROUTER_FILE = "triton_router.py"  # this package's router module, copied verbatim as the router's model.py
 ROUTER_HEADER = '"""elastic-export router'  # how that file starts: marks a triton/ this tool wrote
 SEARCH_FILE = "triton_search.py"  # the search model, copied verbatim as its model.py
@@ -247,18 +251,18 @@ def router_config(name: str, models: Sequence[ServedModel], settings: RouterSett
     table = json.dumps([[m.sparsity, m.name] for m in models])
     own_in = [_tensor(SPARSITY_INPUT, "TYPE_FP32", [-1, 1], optional=True)]
     if settings.text:
-        own_in.append(_tensor(router.TEXT_INPUT, "TYPE_STRING", [-1], optional=True))
-    own_out = [_tensor(SERVED_OUTPUT, "TYPE_FP64", [-1, 1]), _tensor(router.PRECISION_OUTPUT, "TYPE_STRING", [-1, 1])]
-    params = {router.MODELS_PARAMETER: table, router.DEFAULT_PARAMETER: repr(settings.default),
-              router.POLICY_PARAMETER: settings.policy, router.PRECISION_PARAMETER: settings.precision,
-              router.READY_TIMEOUT_PARAMETER: repr(float(READY_TIMEOUT_S)), router.MAX_ROWS_PARAMETER: str(max_batch),
-              router.TOKENS_PARAMETER: str(warmup_tokens)}
-    for key, value in ((router.SLO_PARAMETER, settings.slo_ms), (router.QUANTILE_PARAMETER, settings.slo_quantile),
-                       (router.MAX_SPARSITY_PARAMETER, settings.max_sparsity)):
+        own_in.append(_tensor(router_cfg.TEXT_INPUT, "TYPE_STRING", [-1], optional=True))
+    own_out = [_tensor(SERVED_OUTPUT, "TYPE_FP64", [-1, 1]), _tensor(router_cfg.PRECISION_OUTPUT, "TYPE_STRING", [-1, 1])]
+    params = {router_cfg.MODELS_PARAMETER: table, router_cfg.DEFAULT_PARAMETER: repr(settings.default),
+              router_cfg.POLICY_PARAMETER: settings.policy, router_cfg.PRECISION_PARAMETER: settings.precision,
+              router_cfg.READY_TIMEOUT_PARAMETER: repr(float(READY_TIMEOUT_S)),
+              router_cfg.MAX_ROWS_PARAMETER: str(max_batch), router_cfg.TOKENS_PARAMETER: str(warmup_tokens)}
+    for key, value in ((router_cfg.SLO_PARAMETER, settings.slo_ms), (router_cfg.QUANTILE_PARAMETER, settings.slo_quantile),
+                       (router_cfg.MAX_SPARSITY_PARAMETER, settings.max_sparsity)):
         if value is not None:
             params[key] = repr(float(value))
     if settings.inline:
-        params.update({router.INLINE_PARAMETER: "1", **_session_parameters(ort_threads, warmup_tokens)})
+        params.update({router_cfg.INLINE_PARAMETER: "1", **_session_parameters(ort_threads, warmup_tokens)})
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
             + _tensors("input", inputs, own_in, batch_dim=True, optional=settings.text)
             + _tensors("output", outputs, own_out, batch_dim=True)
@@ -325,6 +329,14 @@ def _package_source(filename: str) -> str:
 def router_source() -> str:
     """The router's ``model.py``: the text of :mod:`elastic_export.targets.triton_router`, verbatim."""
     return _package_source(ROUTER_FILE)
+
+
+def router_modules() -> dict[str, str]:
+    """The serving modules the router is glue over (:data:`~elastic_export.targets.triton_router.SERVING_MODULES`),
+    by file name, each the text of the package's own file: copied next to its ``model.py``, so that a Triton
+    whose Python lacks this package loads the router from its own folder."""
+    serving = resources.files("elastic_export.serving")
+    return {f"{m}.py": (serving / f"{m}.py").read_text() for m in router.SERVING_MODULES}
 
 
 # --- what to serve --------------------------------------------------------------------------------
@@ -514,9 +526,9 @@ def _default_budget(models: Sequence[ServedModel], default_sparsity: float | Non
     """The sparsity the router serves when a request names none (mapped as a request is; default: the densest)."""
     sparsities = [m.sparsity for m in models]
     try:
-        return router.choose_budget(default_sparsity if default_sparsity is not None else sparsities[0], sparsities,
-                                    sparsities[0])
-    except router.BudgetError as e:
+        return router_budgets.choose_budget(default_sparsity if default_sparsity is not None else sparsities[0],
+                                            sparsities, sparsities[0])
+    except router_budgets.BudgetError as e:
         raise UserError(f"--triton-default-sparsity: {e}") from None
 
 
@@ -524,7 +536,7 @@ def _served_io(directory: Path, manifest: Manifest, models: Sequence[ServedModel
     """The inputs and outputs to declare (:func:`_io`), none of them named as the router's own tensors."""
     inputs, outputs = _io(directory, manifest, models)
     for spec in inputs + outputs:
-        if spec["name"] in router.OWN_TENSORS:
+        if spec["name"] in router_cfg.OWN_TENSORS:
             raise UserError(f"{MANIFEST}: the model has a tensor named {spec['name']!r}, which the router uses")
     return inputs, outputs
 
@@ -611,7 +623,7 @@ class RepositoryPlan:
 
 def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[str, str]) -> dict[str, str]:
     """Write the repository into ``staging``: model files (hard links or copies), the router's
-    ``model.py`` and every ``config.pbtxt``. Returns ``link`` or ``copy`` by budget model."""
+    ``model.py`` and its serving modules, and every ``config.pbtxt``. Returns ``link`` or ``copy`` by budget model."""
     placed = {}
     for m in [*plan.models, *([plan.index] if plan.index is not None else [])]:
         version = staging / m.name / "1"
@@ -630,6 +642,8 @@ def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[s
 
         copy_tokenizer(plan.tokenizer, staging / plan.name / "1" / router.TOKENIZER_DIR)
     (staging / plan.name / "1" / "model.py").write_text(router_source())
+    for filename, text in router_modules().items():
+        (staging / plan.name / "1" / filename).write_text(text)
     if plan.search is not None:
         _stage_search(staging, plan.search, plan.tokenizer)
     for model_name, text in configs.items():

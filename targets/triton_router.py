@@ -1,30 +1,40 @@
 """elastic-export router for Triton's Python backend: each request (or each row) to a budget model.
 
-This file is copied verbatim into ``<repository>/<name>/1/model.py`` by ``elastic-export build
-triton`` (:func:`elastic_export.targets.triton.build_repository`); it is also an ordinary module of
-the package (``elastic_export.targets.triton_router``), linted and unit-tested. Its core imports the
-standard library and numpy only, plus Triton's in-server ``triton_python_backend_utils`` when that
-exists. Two features import more, only when the config asks for them: load-adaptive routing
-(``policy: adaptive``) imports :mod:`elastic_export.serving.slo` (the standard library only), and the ``text`` input imports
-:mod:`elastic_export.models.text` (the ``tokenizers`` library); ``elastic-export serve`` runs the server with
-the project's own Python, where both are installed.
+This file is thin glue between Triton and the serving modules it imports: the one rule for matching a
+requested budget and the request's parameters (:mod:`elastic_export.serving.router_budgets`), the
+router's configuration (:mod:`~elastic_export.serving.router_config`), load accounting and admission
+(:mod:`~elastic_export.serving.router_load`, over :mod:`~elastic_export.serving.slo`), the budget models'
+health (:mod:`~elastic_export.serving.router_health`) and its metrics
+(:mod:`~elastic_export.serving.router_metrics`), each unit-tested on its own with an injected clock.
 
-Everything that differs between repositories lives in the router's ``config.pbtxt``: its
-``parameters`` (``budget_models``: JSON ``[[sparsity, model name], ...]``; ``default_sparsity``;
-``policy``; ``slo_ms``, ``slo_quantile``, ``max_sparsity``; ``precision``; ``max_rows``) and its
-``input`` / ``output`` lists (forwarded to the budget model, less the router's own tensors). Triton hands that config to
+It is copied verbatim into ``<repository>/<name>/1/model.py`` by ``elastic-export build triton``
+(:func:`elastic_export.targets.triton.build_repository`), and those modules (:data:`SERVING_MODULES`,
+the standard library and numpy only) verbatim next to it; it is also an ordinary module of the package
+(``elastic_export.targets.triton_router``), linted and unit-tested. Portability: it imports the modules
+from the package where that is installed, else from its own folder, so the router (fixed policy, token
+inputs, forwarded to the budget models) loads in a Triton whose Python has numpy but not this package
+(``test_triton_router.py::test_the_built_router_loads_without_the_package``), plus Triton's in-server
+``triton_python_backend_utils``. Three features import more of the package, only when the config asks
+for them: the adaptive policy's service times (the latency profile, or measurements through
+:mod:`elastic_export.targets.triton_onnx_model`), inline runs (onnxruntime) and the ``text`` input
+(:mod:`elastic_export.models.text`, the ``tokenizers`` library); ``elastic-export serve`` runs the server
+with the project's own Python, where all are installed.
+
+Everything that differs between repositories lives in the router's ``config.pbtxt``
+(:class:`~elastic_export.serving.router_config.RouterConfig` reads it): Triton hands that config to
 :meth:`TritonPythonModel.initialize` as JSON (``args["model_config"]``).
 
-Rule: a requested sparsity within :data:`TOLERANCE` of a served budget gets that budget; otherwise
-the smallest served budget whose sparsity is *at least* the requested one (more savings, never
-less). A request outside [0, 1), not a number, or sparser than the sparsest served budget is
-refused with :class:`BudgetError`, as is one with a missing input, inputs of different batch sizes, no
-rows or more than ``max_rows``: ``execute`` answers it with an ``INVALID_ARG`` error (HTTP 400) before
-anything is counted. A request that names no sparsity gets the configured default (``policy: fixed``)
-or the best-quality budget whose predicted latency meets the SLO (``policy: adaptive``,
-:class:`SloRouting`); one predicted to miss the SLO behind the rows in flight at its budget is refused
-with ``UNAVAILABLE`` (HTTP 503, retryable: :class:`Overload`). A budget model that fails as gone is
-routed around (:class:`BudgetHealth`) and probed until it answers again.
+Rule (:func:`~elastic_export.serving.router_budgets.choose_budget`): a requested sparsity within
+:data:`TOLERANCE` of a served budget gets that budget; otherwise the smallest served budget whose
+sparsity is *at least* the requested one (more savings, never less). A request outside [0, 1), not a
+number, or sparser than the sparsest served budget is refused with :class:`BudgetError`, as is one with
+a missing input, inputs of different batch sizes, no rows or more than ``max_rows``: ``execute``
+answers it with an ``INVALID_ARG`` error (HTTP 400) before anything is counted. A request that names no
+sparsity gets the configured default (``policy: fixed``) or the best-quality budget whose predicted
+latency meets the SLO (``policy: adaptive``, :class:`SloRouting`); one predicted to miss the SLO behind
+the rows in flight at its budget is refused with ``UNAVAILABLE`` (HTTP 503, retryable:
+:class:`Overload`). A budget model that fails as gone is routed around (:class:`BudgetHealth`) and
+probed until it answers again.
 
 No head-of-line blocking: once it has checked a request, ``execute`` hands it to a worker thread
 (``max_concurrency`` of them) and returns; each worker calls the budget model (BLS) and answers
@@ -50,11 +60,11 @@ import asyncio
 import json
 import math
 import os
+import sys
 import threading
 import time
-from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -63,403 +73,41 @@ try:
 except ImportError:  # outside a Triton server (the builder, the tests): no model class at work
     pb_utils = None
 
-TOLERANCE = 1e-6
-PARAMETER = "sparsity"
-QUEUED_PARAMETER = "queued_ms"  # request parameter: the ms its oldest row waited before it was sent
-SPARSITY_INPUT = "sparsity"
-TEXT_INPUT = "text"
-SERVED_OUTPUT = "served_sparsity"
-PRECISION_OUTPUT = "served_precision"
-OWN_TENSORS = (SPARSITY_INPUT, TEXT_INPUT, SERVED_OUTPUT, PRECISION_OUTPUT)
-MODELS_PARAMETER = "budget_models"
-DEFAULT_PARAMETER = "default_sparsity"
-POLICY_PARAMETER = "policy"
-SLO_PARAMETER = "slo_ms"
-PRECISION_PARAMETER = "precision"
-READY_TIMEOUT_PARAMETER = "ready_timeout_s"
-CONCURRENCY_PARAMETER = "max_concurrency"
-INLINE_MAX_LOAD = 0.25  # adaptive policy: inline runs only while the estimated load is below this (SloRouting.light)
-INLINE_PARAMETER = "inline"  # "1": the router runs a request itself when it has nothing else in flight
-QUANTILE_PARAMETER = "slo_quantile"
-MAX_SPARSITY_PARAMETER = "max_sparsity"
-MAX_ROWS_PARAMETER = "max_rows"  # the budget models' max_batch_size: larger requests are refused
-TOKENS_PARAMETER = "warmup_tokens"  # the model's nominal tokens (the latency model's measurements)
-DEFAULT_CONCURRENCY = 64
-DEFAULT_SLO_MS = 250.0  # the adaptive policy's objective when the config names none
-DEFAULT_QUANTILE = 0.99
-DEFAULT_MAX_ROWS = 128
-POLICIES = ("fixed", "adaptive")
+# The serving modules this file is glue over, and which the builder copies next to it (``<router>/1/``):
+SERVING_MODULES = ("router_budgets", "router_config", "router_load", "router_health", "router_metrics", "slo", "cost",
+                   "triton_stats")
+try:  # the package, where it is installed (``elastic-export serve``, the tests)
+    from elastic_export.serving import (
+        cost,
+        router_budgets,
+        router_config,
+        router_health,
+        router_load,
+        router_metrics,
+        triton_stats,
+    )
+except ImportError:  # a Python without it: the copies next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cost
+    import router_budgets
+    import router_config
+    import router_health
+    import router_load
+    import router_metrics
+    import triton_stats
+
+TOLERANCE, BudgetError, Overload = router_budgets.TOLERANCE, router_budgets.BudgetError, router_budgets.Overload
+choose_budget, row_sparsities, queued_ms = router_budgets.choose_budget, router_budgets.row_sparsities, router_budgets.queued_ms
+RouterConfig = router_config.RouterConfig
+SPARSITY_INPUT, TEXT_INPUT = router_config.SPARSITY_INPUT, router_config.TEXT_INPUT
+SERVED_OUTPUT, PRECISION_OUTPUT = router_config.SERVED_OUTPUT, router_config.PRECISION_OUTPUT
+LoadMonitor, SloRouting = router_load.LoadMonitor, router_load.SloRouting
+BudgetHealth, classify_failure = router_health.BudgetHealth, router_health.classify_failure
+probe_feeds, wait_ready = router_health.probe_feeds, router_health.wait_ready
+RouterMetrics = router_metrics.RouterMetrics
+
 PROFILE_FILE = "latency_profile.json"  # next to model.py, copied from the artifact directory when it has one
 TOKENIZER_DIR = "tokenizer"  # next to model.py, for the text input
-
-
-class BudgetError(ValueError):
-    """A request the router cannot serve (the message goes back to the client)."""
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool):
-        raise BudgetError(f"{where}: {value!r} is not a number")
-    try:
-        s = float(value)
-    except (TypeError, ValueError):
-        raise BudgetError(f"{where}: {value!r} is not a number") from None
-    if not math.isfinite(s):
-        raise BudgetError(f"{where}: {value!r} is not a finite number")
-    return s
-
-
-def choose_budget(requested: Optional[float], sparsities: Sequence[float], default: float) -> float:
-    """The served budget for a requested sparsity.
-
-    Args:
-        requested: the sparsity asked for (fraction of prunable FLOPs removed), or None for the
-            default.
-        sparsities: the served budgets' sparsities (any order; 0.0 is the dense model).
-        default: the budget served when nothing is requested (one of ``sparsities``).
-
-    Returns:
-        An element of ``sparsities``: the one within :data:`TOLERANCE` of ``requested``, else the
-        smallest one above it.
-
-    Raises:
-        BudgetError: ``requested`` outside [0, 1) or above the sparsest served budget, or no budgets.
-    """
-    served = sorted(float(s) for s in sparsities)
-    if not served:
-        raise BudgetError("no budgets are served")
-    if requested is None:
-        return float(default)
-    s = _number(requested, "sparsity")
-    if not 0.0 <= s < 1.0:
-        raise BudgetError(f"sparsity {s:g} is outside [0, 1); served budgets: {_listing(served)}")
-    for b in served:
-        if abs(b - s) <= TOLERANCE:
-            return b
-    for b in served:
-        if b >= s:
-            return b
-    raise BudgetError(f"sparsity {s:g} is above the sparsest served budget {served[-1]:g}; "
-                      f"served budgets: {_listing(served)}")
-
-
-def row_sparsities(values: Optional[Sequence[Any]], parameters: Optional[str], batch: int) -> Optional[List[float]]:
-    """The sparsity each row asks for: the ``sparsity`` input, else the ``sparsity`` parameter.
-
-    Args:
-        values: the flattened ``sparsity`` input (one value for every row, or one per row), or None
-            when the request has no such input.
-        parameters: the request's parameters as a JSON object string (``request.parameters()``).
-        batch: the request's batch size.
-
-    Returns:
-        One sparsity per row, or None when the request names none (the policy / default applies).
-
-    Raises:
-        BudgetError: an input of another length, or a value / parameter that is not a number.
-    """
-    if values is not None:
-        rows = [_number(v, "sparsity input") for v in values]
-        if len(rows) == 1:
-            return rows * batch
-        if len(rows) != batch:
-            raise BudgetError(f"sparsity input has {len(rows)} values for a batch of {batch}; send shape [1, 1] "
-                              f"(one budget for every row) or [{batch}, 1] (one per row)")
-        return rows
-    if not parameters:
-        return None
-    try:
-        params = json.loads(parameters)
-    except ValueError:
-        raise BudgetError("request parameters are not a JSON object") from None
-    if not isinstance(params, dict) or params.get(PARAMETER) is None:
-        return None
-    return [_number(params[PARAMETER], "sparsity parameter")] * batch
-
-
-def queued_ms(parameters: Optional[str]) -> float:
-    """How long the request's oldest row waited before it was sent (ms; the API's ``queued_ms`` parameter,
-    :mod:`elastic_export.serving.coalesce`); 0 when absent or not a non-negative number."""
-    if not parameters or QUEUED_PARAMETER not in parameters:
-        return 0.0
-    try:
-        value = float(json.loads(parameters).get(QUEUED_PARAMETER))
-    except (ValueError, TypeError, AttributeError):
-        return 0.0
-    return value if math.isfinite(value) and value > 0 else 0.0
-
-
-def _listing(values: Sequence[float]) -> str:
-    return ", ".join(f"{v:g}" for v in values)
-
-
-# --- configuration: the router's config.pbtxt, as Triton passes it (JSON) ------------------------
-class RouterConfig:
-    """What the router reads from its model config (``json.loads(args["model_config"])``).
-
-    Attributes:
-        models: served sparsity -> budget model name.
-        sparsities: the served sparsities, ascending.
-        default: the sparsity served when a request names none (``policy: fixed``).
-        policy: ``fixed`` or ``adaptive``.
-        slo_ms: the latency objective of the adaptive policy (None: none).
-        precision: the precision the budget models serve (``fp32`` / ``fp16``).
-        inputs: the input names forwarded to the budget model.
-        outputs: the output names the budget model answers with.
-        text: whether the config declares the ``text`` input.
-        ready_timeout_s: how long ``initialize`` waits for the budget models to be ready.
-        max_concurrency: requests the router works on at once (its worker threads); more wait.
-        inline: run a request on the budget's ``model.onnx`` in the router's own process when nothing
-            else is in flight (see :class:`TritonPythonModel`).
-        slo_quantile: the latency quantile the SLO bounds (0.99: p99).
-        max_sparsity: the adaptive policy's quality floor (None: every budget).
-        max_rows: the largest request (rows) the router accepts: the budget models' ``max_batch_size``.
-        tokens: the model's nominal tokens (the free dims of the latency model's measurements).
-        input_specs: the forwarded inputs' config entries (name, data_type, dims).
-        parameters: every parameter, as text (the inline sessions read theirs: threads, spinning,
-            warm-up length, as the python budget models do).
-    """
-
-    def __init__(self, model_config: Dict[str, Any]):
-        params = {k: (v or {}).get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
-        self.models = {float(s): str(n) for s, n in _table(params.get(MODELS_PARAMETER))}
-        self._chosen: Dict[Any, float] = {}  # requested sparsity -> served (route's memory)
-        self.sparsities = sorted(self.models)
-        if not self.sparsities:
-            raise ValueError(f"config.pbtxt parameter {MODELS_PARAMETER!r} lists no budget models")
-        default = params.get(DEFAULT_PARAMETER)
-        self.default = choose_budget(_number(default, DEFAULT_PARAMETER) if default else self.sparsities[0],
-                                     self.sparsities, self.sparsities[0])
-        self.policy = params.get(POLICY_PARAMETER) or "fixed"
-        if self.policy not in POLICIES:
-            raise ValueError(f"config.pbtxt parameter {POLICY_PARAMETER!r}: {self.policy!r}, not one of {POLICIES}")
-        slo = params.get(SLO_PARAMETER)
-        self.slo_ms = _number(slo, SLO_PARAMETER) if slo else None
-        self.precision = params.get(PRECISION_PARAMETER) or "fp32"
-        self.ready_timeout_s = _number(params.get(READY_TIMEOUT_PARAMETER) or 300, READY_TIMEOUT_PARAMETER)
-        self.max_concurrency = int(_number(params.get(CONCURRENCY_PARAMETER) or DEFAULT_CONCURRENCY,
-                                           CONCURRENCY_PARAMETER))
-        self.inline = params.get(INLINE_PARAMETER) == "1"
-        self.slo_quantile = _number(params.get(QUANTILE_PARAMETER) or DEFAULT_QUANTILE, QUANTILE_PARAMETER)
-        if not 0 < self.slo_quantile < 1:
-            raise ValueError(f"config.pbtxt parameter {QUANTILE_PARAMETER!r}: {self.slo_quantile:g} is not in (0, 1)")
-        floor = params.get(MAX_SPARSITY_PARAMETER)
-        self.max_sparsity = _number(floor, MAX_SPARSITY_PARAMETER) if floor else None
-        self.max_rows = int(_number(params.get(MAX_ROWS_PARAMETER) or DEFAULT_MAX_ROWS, MAX_ROWS_PARAMETER))
-        self.tokens = int(_number(params.get(TOKENS_PARAMETER) or 16, TOKENS_PARAMETER))
-        self.parameters = params
-        specs = model_config.get("input", [])
-        names = [t["name"] for t in specs]
-        self.text = TEXT_INPUT in names
-        self.inputs = [n for n in names if n not in OWN_TENSORS]
-        self.input_specs = [t for t in specs if t["name"] in self.inputs]
-        self.outputs = [t["name"] for t in model_config.get("output", []) if t["name"] not in OWN_TENSORS]
-
-    def route(self, rows: Optional[List[float]], chosen: Optional[float] = None) -> List[float]:
-        """The served sparsity of every row: each requested one mapped by :func:`choose_budget`, or
-        ``chosen`` (the policy's pick; default: the configured default) when none is named."""
-        if rows is None:
-            return [self.default if chosen is None else chosen]
-        first = rows[0] if rows else None
-        if all(r == first for r in rows):  # one budget for every row, the usual case
-            return [self._choose(first)] * len(rows)
-        return [self._choose(r) for r in rows]
-
-    def _choose(self, requested: Any) -> float:
-        """:func:`choose_budget`, remembered for the values requests name (at most 1024 of them)."""
-        served = self._chosen.get(requested)
-        if served is None:
-            served = choose_budget(requested, self.sparsities, self.default)
-            if len(self._chosen) < 1024:
-                self._chosen[requested] = served
-        return served
-
-
-def _table(text: Optional[str]) -> List[List[Any]]:
-    """The ``budget_models`` parameter: a JSON list of ``[sparsity, model name]`` pairs."""
-    if not text:
-        raise ValueError(f"config.pbtxt has no parameter {MODELS_PARAMETER!r}")
-    try:
-        table = json.loads(text)
-    except ValueError:
-        raise ValueError(f"config.pbtxt parameter {MODELS_PARAMETER!r} is not JSON: {text[:80]!r}") from None
-    if not isinstance(table, list) or not all(isinstance(p, list) and len(p) == 2 for p in table):
-        raise ValueError(f"config.pbtxt parameter {MODELS_PARAMETER!r}: expected [[sparsity, model name], ...]")
-    return table
-
-
-# --- what the router observes and decides --------------------------------------------------------
-class Overload(Exception):
-    """A request refused because it cannot be answered within the SLO (HTTP 503 / gRPC UNAVAILABLE:
-    retryable); ``reason`` labels the refusal in the metrics."""
-
-    def __init__(self, message: str, reason: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-class LoadMonitor:
-    """Requests and rows in flight, as the router sees them.
-
-    Attributes:
-        in_flight: requests received and not yet answered.
-        rows_at: per budget, the rows in flight there (what a new request sent there queues behind).
-        last_arrival: when the latest request arrived (``clock``; None before the first).
-        last_ticket: the latest arrival's ticket (what :meth:`leave` takes back).
-    """
-
-    def __init__(self, clock=time.monotonic):
-        self.in_flight = 0
-        self.rows_at: Dict[float, int] = {}
-        self.last_arrival: Optional[float] = None
-        self.last_ticket = 0
-        self._since: Dict[float, Dict[int, Tuple[float, int]]] = {}  # budget -> ticket -> (arrival, rows)
-        self._batch_start: Dict[float, float] = {}  # budget -> when its running batch began (as the router sees it)
-        self._clock = clock
-
-    def arrive(self, budget: Optional[float], rows: int) -> int:
-        """Count an arrival of ``rows`` for ``budget`` (None: several); returns the rows ahead of it there."""
-        self.last_arrival = now = self._clock()
-        self.in_flight += 1
-        self.last_ticket += 1
-        if budget is None:
-            return 0
-        waiting = self._since.setdefault(budget, {})
-        if not waiting:  # nothing in flight there: a batch starts with this one
-            self._batch_start[budget] = now
-        waiting[self.last_ticket] = (now, rows)
-        ahead = self.rows_at.get(budget, 0)
-        self.rows_at[budget] = ahead + rows
-        return ahead
-
-    def leave(self, budget: Optional[float], rows: int, ticket: Optional[int] = None) -> None:
-        self.in_flight -= 1
-        if budget is not None:
-            left = self.rows_at.get(budget, 0) - rows  # rows cost fractions (their padded shape): no float residue
-            self.rows_at[budget] = 0 if abs(left) < 1e-6 else left
-            self._since.get(budget, {}).pop(ticket, None)
-            self._batch_start[budget] = self._clock()  # an answer: the next batch takes what waits, now
-
-    def oldest_ms(self, budget: float, now: float) -> float:
-        """How long the oldest request in flight at ``budget`` has been waiting (ms; 0 when none)."""
-        since = self._since.get(budget)
-        return (now - min(t for t, _ in since.values())) * 1e3 if since else 0.0
-
-    def running(self, budget: float, now: float) -> Tuple[int, float]:
-        """The batch running at ``budget`` as the router sees it: the rows in flight there that arrived by the
-        latest answer there (or by the arrival that found it idle), and the ms since then (0, 0 when none)."""
-        start, since = self._batch_start.get(budget), self._since.get(budget)
-        if start is None or not since:
-            return 0, 0.0
-        return sum(n for t, n in since.values() if t <= start), (now - start) * 1e3
-
-
-class SloRouting:
-    """The router's use of :class:`elastic_export.serving.slo.SloPolicy` (imported here, only for
-    ``policy: adaptive``): the best-quality budget whose predicted latency quantile meets the SLO, and
-    admission (a request predicted to miss the SLO behind the rows in flight at its budget is refused).
-
-    Args:
-        config: the router's configuration (SLO, quantile, quality floor, precision).
-        points: per served budget, measured ``{batch: ms}`` service times.
-        clock: seconds (monotonic).
-    """
-
-    def __init__(self, config: RouterConfig, points: Dict[float, Dict[int, float]], clock=time.monotonic):
-        from elastic_export.serving import slo
-
-        pairs = [(s, config.precision) for s in config.sparsities]
-        service = slo.ServiceModel({(s, config.precision): points[s] for s in config.sparsities})
-        self.policy = slo.SloPolicy(pairs, service, config.slo_ms or DEFAULT_SLO_MS, quantile=config.slo_quantile,
-                                    max_sparsity=config.max_sparsity, rate=slo.RateEstimator(clock=clock))
-        self.precision, self._clock = config.precision, clock
-        self.last = None  # the latest decision
-
-    def arrive(self, rows: int, work: Optional[float] = None) -> Any:
-        """Count an arrival of ``rows`` rows costing ``work`` rows of the nominal length (default: ``rows``);
-        the decision (pair, prediction, rate) for it."""
-        now = self._clock()
-        self.policy.rate.arrive(now, rows)
-        self.policy.note_rows(rows, rows if work is None else work)
-        self.last = self.policy.decide(now)
-        return self.last
-
-    def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,
-              elsewhere: Optional[Dict[float, int]] = None, running: Tuple[int, float] = (0, 0.0),
-              queued_ms: float = 0.0) -> float:
-        """The request's uncorrected predicted latency (ms) at ``budget`` (what
-        :meth:`~elastic_export.serving.slo.SloPolicy.admitted` takes back), or :class:`Overload` when it is
-        predicted past the policy's admission limit (the SLO less its margin) behind ``ahead`` rows in flight
-        there and ``elsewhere`` (rows in flight per other budget: they share the cores), by the model or by
-        what they already waited (``waited_ms``: the oldest of them, measured; its own service comes on top).
-        ``running``: the rows of the batch running there and how long it has run (ms,
-        :meth:`LoadMonitor.running`): past its modelled time, the queued work is predicted at least as slow
-        (:meth:`~elastic_export.serving.slo.SloPolicy.admit`'s ``live_slope``). ``queued_ms``: what the request
-        waited before it reached the router (the API merging it with others), on top of every prediction. A
-        request with nothing in flight ahead of it always runs, unless its wait already makes it late."""
-        pair, policy = (budget, self.precision), self.policy
-        others = self._others(budget, elsewhere)
-        n_run, ran_ms = running
-        live = ran_ms / policy.service.ms(pair, n_run) if n_run > 0 else 0.0
-        ok, ms, raw = policy.admit(pair, rows, ahead, others, live_slope=live)
-        ms += queued_ms
-        ok = ok and ms <= policy.admission_limit_ms
-        behind = queued_ms + waited_ms + policy.request_ms(pair, rows, 0)  # the oldest's wait so far, then its run
-        if (ahead > 0 or others or queued_ms > 0) and (not ok or behind > policy.admission_limit_ms):
-            raise Overload(f"overloaded: predicted {max(ms, behind):.0f} ms at sparsity {budget:g} exceeds the SLO "
-                           f"of {policy.slo_ms:g} ms less its {policy.margin:.0%} margin; retry later", "overload")
-        return raw
-
-    def overflow(self, budget: float, rows: int, ahead: int, elsewhere: Optional[Dict[float, int]] = None,
-                 allowed: Sequence[float] = ()) -> Optional[float]:
-        """The fastest of ``allowed`` when a request the policy routed to ``budget`` is predicted past the
-        policy's overflow limit behind ``ahead`` rows there and ``elsewhere`` (:meth:`~elastic_export.serving.
-        slo.SloPolicy.overflows`); None otherwise."""
-        others = self._others(budget, elsewhere)
-        if not allowed or not self.policy.overflows((budget, self.precision), rows, ahead, others):
-            return None
-        return self.policy.fastest([(s, self.precision) for s in allowed])[0]
-
-    def place(self, budget: float, rows: int, rows_at: Dict[float, int], waited_ms: Callable[[float], float],
-              faster: Sequence[float] = (),
-              running: Callable[[float], Tuple[int, float]] = lambda s: (0, 0.0),
-              queued_ms: float = 0.0) -> Tuple[float, float]:
-        """Where a request runs and its uncorrected prediction (:meth:`admit`): at ``budget``, else (a request
-        the policy routed: ``faster``, the budgets it may move to) at the first of ``faster`` that admits it;
-        first at the fastest when it overflows at ``budget`` (:meth:`overflow`: a queue building there), then
-        back at ``budget`` and the others, so that a queue at the fastest refuses nothing another budget would
-        answer in time. :class:`Overload` when none admits it. ``rows_at``: rows in flight per budget;
-        ``waited_ms``: how long the oldest in flight at a budget has waited; ``running``: its running batch
-        (:meth:`LoadMonitor.running`)."""
-        order = [budget, *faster]
-        fastest = self.overflow(budget, rows, rows_at.get(budget, 0), rows_at, faster)
-        if fastest is not None:
-            order.remove(fastest)
-            order.insert(0, fastest)
-        for s in order:
-            try:
-                return s, self.admit(s, rows, rows_at.get(s, 0), waited_ms(s), rows_at, running(s), queued_ms)
-            except Overload:
-                if s == order[-1]:
-                    raise
-
-    def _others(self, budget: float, elsewhere: Optional[Dict[float, int]]) -> Dict[Any, int]:
-        """The rows in flight at budgets other than ``budget``, as the policy's pairs (those with any)."""
-        return {(s, self.precision): n for s, n in (elsewhere or {}).items() if s != budget and n > 0}
-
-    def light(self, budget: float) -> bool:
-        """Whether the estimated load at ``budget`` is light enough for an inline run: rate x its batch-1
-        service time below :data:`INLINE_MAX_LOAD`. Above it the next request likely arrives during the
-        run, and forwarded it would compete for the cores with it instead of batching behind it."""
-        one = self.policy.service.ms((budget, self.precision), self.policy.row_weight)  # a row as long as lately
-        return self.rate() * one / 1e3 < INLINE_MAX_LOAD
-
-    def rate(self) -> float:
-        """The arrival rate the latest decision assumed (rows/s; 0 before the first)."""
-        return self.last.rate if self.last is not None else 0.0
-
-    def set_down(self, down: Sequence[float]) -> None:
-        self.policy.unavailable = {(s, self.precision) for s in down}
 
 
 def service_points(config: RouterConfig, sessions: Optional[Dict[float, Any]], profile_path: Optional[str],
@@ -483,179 +131,6 @@ def service_points(config: RouterConfig, sessions: Optional[Dict[float, Any]], p
     return None
 
 
-# --- budget models that fail ----------------------------------------------------------------------
-_DOWN_MARKERS = ("not healthy", "unknown model", "not found", "not ready", "is not available", "unavailable")
-_OVERLOAD_MARKERS = ("timeout", "timed out", "exceeds maximum queue size", "queue size")
-
-
-def classify_failure(message: str) -> str:
-    """A budget model's error: ``overload`` (its queue policy refused or timed out the request), ``down``
-    (the model or its stub is gone: route around it) or ``failed``."""
-    text = message.lower()
-    if any(m in text for m in _OVERLOAD_MARKERS):
-        return "overload"
-    if any(m in text for m in _DOWN_MARKERS):
-        return "down"
-    return "failed"
-
-
-class BudgetHealth:
-    """Which budget models are down (they failed as gone), and the nearest one up for a budget."""
-
-    def __init__(self, sparsities: Sequence[float]):
-        self.sparsities = sorted(sparsities)
-        self.down: Dict[float, float] = {}  # sparsity -> when it went down
-
-    def mark_down(self, budget: float, now: float) -> bool:
-        """True when it was up."""
-        if budget in self.down:
-            return False
-        self.down[budget] = now
-        return True
-
-    def mark_up(self, budget: float) -> bool:
-        return self.down.pop(budget, None) is not None
-
-    def nearest(self, budget: float) -> float:
-        """``budget`` when it is up, else the nearest one up (ties: the sparser, more savings); raises
-        :class:`Overload` when none is."""
-        if budget not in self.down:
-            return budget
-        up = [s for s in self.sparsities if s not in self.down]
-        if not up:
-            raise Overload("no budget model is available; retry later", "unavailable")
-        return min(up, key=lambda s: (abs(s - budget), -s))
-
-
-def probe_feeds(specs: Sequence[Dict[str, Any]], tokens: int = 4) -> Dict[str, np.ndarray]:
-    """One row of zeros for every model input (``specs``: the router config's inputs; free dims ``tokens``)."""
-    feeds = {}
-    for spec in specs:
-        dims = [int(d) for d in spec.get("dims", [])]
-        shape = [1] + [d if d > 0 else tokens for d in dims[1:]] if dims else [1]
-        feeds[spec["name"]] = np.zeros(shape, dtype=_NUMPY_TYPES.get(spec.get("data_type", ""), np.float32))
-    return feeds
-
-
-_NUMPY_TYPES = {"TYPE_INT64": np.int64, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_FP16": np.float16,
-                "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT8": np.int8, "TYPE_FP64": np.float64}
-
-
-class RouterMetrics:
-    """The router's own metrics on Triton's metrics endpoint (Python backend custom metrics).
-
-    Counters: ``elastic_router_requests_total{outcome}`` (served, refused, failed),
-    ``elastic_router_refused_total{reason}`` (bad_request, overload, queue_full, unavailable),
-    ``elastic_router_served_total{sparsity,path}`` (requests per served budget, ``path`` inline: run by the
-    router itself, or forwarded), ``elastic_router_rows_total{sparsity}``, ``elastic_router_events_total{event}``
-    (switch, failover). Gauges, from :meth:`TritonPythonModel.snapshot`:
-    ``elastic_router_served_sparsity``, ``elastic_router_arrival_rate``, ``elastic_router_in_flight``,
-    ``elastic_router_predicted_latency_ms`` (the SLO quantile predicted for the budget served; +Inf when
-    the estimated rate is past its capacity) and ``elastic_router_measured_latency_ms`` (over the recent
-    answers), ``elastic_router_slo_ms``, ``elastic_router_latency_correction`` (the served budget's service
-    time scale: its batches' measured times over the modelled ones), ``elastic_router_overhead_ms`` (the time
-    outside the budget model added to every prediction), ``elastic_router_densest_predicted_latency_ms`` and
-    ``elastic_router_densest_latency_correction`` (the same two for the best-quality budget allowed: how far
-    the load is from serving it), ``elastic_router_budget_up{sparsity}``.
-
-    Counts queue up in memory (:meth:`count`: one append) and a thread of their own adds them every
-    :attr:`FLUSH_S`: each update is a round trip to the server, handled by the thread of the server that
-    also passes on the router's BLS requests and responses, so it stays off the requests' path; and this
-    server crashes (``boost::interprocess::lock_exception``) when metrics are updated from several threads
-    at once (seen under load).
-    """
-
-    OUTCOMES = ("served", "refused", "failed")
-    REASONS = ("bad_request", "overload", "queue_full", "unavailable")
-    PATHS = ("inline", "forwarded")
-    GAUGES = ("served_sparsity", "arrival_rate", "in_flight", "predicted_latency_ms", "measured_latency_ms", "slo_ms",
-              "latency_correction", "overhead_ms", "densest_predicted_latency_ms", "densest_latency_correction")
-    FLUSH_S = 0.5
-
-    def __init__(self, router: str, sparsities: Sequence[float], snapshot=lambda: {}):
-        family, lab = pb_utils.MetricFamily, {"router": router}
-
-        def metrics(name, description, kind, labels):
-            f = family(name=name, description=description, kind=kind)
-            self._families.append(f)
-            return {k: f.Metric(labels={**lab, **extra}) for k, extra in labels.items()}
-
-        self._families: List[Any] = []
-        C, G = family.COUNTER, family.GAUGE
-        self.requests = metrics("elastic_router_requests_total", "requests answered by the router, by outcome", C,
-                                {o: {"outcome": o} for o in self.OUTCOMES})
-        self.refused = metrics("elastic_router_refused_total", "requests refused, by reason", C,
-                               {r: {"reason": r} for r in self.REASONS})
-        self.served = metrics("elastic_router_served_total", "requests served per budget and path", C,
-                              {(s, p): {"sparsity": f"{s:g}", "path": p} for s in sparsities for p in self.PATHS})
-        self.rows = metrics("elastic_router_rows_total", "rows served per budget (sparsity)", C,
-                            {s: {"sparsity": f"{s:g}"} for s in sparsities})
-        self.events = metrics("elastic_router_events_total", "budget switches and failovers", C,
-                              {e: {"event": e} for e in ("switch", "failover")})
-        self.gauges = {g: metrics(f"elastic_router_{g}", f"router gauge: {g.replace('_', ' ')}", G, {0: {}})[0]
-                       for g in self.GAUGES}
-        self.up = metrics("elastic_router_budget_up", "1 while the budget model answers, 0 while routed around", G,
-                          {s: {"sparsity": f"{s:g}"} for s in sparsities})
-        self._snapshot = snapshot
-        self._done: Deque[Tuple[str, Any, Any]] = deque()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-metrics", daemon=True)
-        self._thread.start()
-
-    def count(self, outcome: str, detail: Any = None, n: int = 1) -> None:
-        """``n`` requests answered with ``outcome``; ``detail``: (served rows, path) when served, the reason
-        when refused."""
-        self._done.append((outcome, detail, n))  # deque.append: atomic, no lock
-
-    def event(self, name: str) -> None:
-        self._done.append(("event", name, 1))
-
-    def flush(self) -> None:
-        """Add what was counted since the last flush, and set the gauges (only this thread, or :meth:`close`
-        once it stopped, calls it)."""
-        tally: Counter = Counter()
-        while self._done:
-            outcome, detail, n = self._done.popleft()
-            if outcome == "event":
-                tally[("event", detail)] += n
-                continue
-            tally[("outcome", outcome)] += n
-            if outcome == "refused" and detail in self.refused:
-                tally[("reason", detail)] += n
-            elif outcome == "served" and detail:
-                rows, path = detail
-                tally[("served", (rows[0], path))] += n
-                for s, k in Counter(rows).items():
-                    tally[("rows", s)] += k
-        tables = {"outcome": self.requests, "reason": self.refused, "served": self.served, "rows": self.rows,
-                  "event": self.events}
-        for (kind, k), n in tally.items():
-            metric = tables[kind].get(k)
-            if metric is not None:
-                metric.increment(n)
-        self._set_gauges(self._snapshot())
-
-    def _set_gauges(self, snap: Dict[str, Any]) -> None:
-        for name, metric in self.gauges.items():
-            value = snap.get(name)
-            if value is not None and not math.isnan(value):  # +Inf is a value (the prediction when overloaded)
-                metric.set(float(value))
-        for s, metric in self.up.items():
-            metric.set(0.0 if s in snap.get("down", ()) else 1.0)
-
-    def _run(self) -> None:
-        while not self._closed.wait(self.FLUSH_S):
-            try:
-                self.flush()
-            except Exception:  # the server refused an update (unloading): those counts are lost, not the thread
-                pass
-
-    def close(self) -> None:
-        self._closed.set()
-        self._thread.join(timeout=5)
-        self.flush()
-
-
 # --- the router (Triton Python backend, business-logic scripting) -------------------------------
 def _error(message: str, code: str = "INVALID_ARG") -> Any:
     """A Triton error with ``code`` (``INVALID_ARG``: HTTP 400 / gRPC INVALID_ARGUMENT; ``UNAVAILABLE``: HTTP
@@ -671,33 +146,6 @@ def _error_response(message: str, code: str) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=_error(message, code))
 
 
-def wait_ready(models: Sequence[str], timeout_s: float, is_ready, sleep=time.sleep, clock=time.monotonic) -> bool:
-    """Wait until every model in ``models`` is ready.
-
-    Returns:
-        True once they are; False when the server cannot tell yet (it answers "Server not ready"
-        while it is still loading its startup models: then Triton's own strict readiness and
-        ``--exit-on-error`` stand guard, and ``elastic-export serve`` loads the router last).
-
-    Raises:
-        RuntimeError: naming the models not ready after ``timeout_s`` (the router then fails to
-            load: it is never READY in front of a budget model that is not).
-    """
-    deadline = clock() + timeout_s
-    while True:
-        try:
-            missing = [m for m in models if not is_ready(m)]
-        except Exception as e:  # the server is still starting: it cannot answer for any model
-            if "not ready" in str(e).lower():
-                return False
-            raise
-        if not missing:
-            return True
-        if clock() >= deadline:
-            raise RuntimeError(f"budget models not ready after {timeout_s:g} s: {', '.join(missing)}")
-        sleep(0.2)
-
-
 def length_cost(config: RouterConfig, sessions: Optional[Dict[float, Any]],
                 points: Optional[Dict[float, Dict[int, float]]]) -> Any:
     """What a row costs by its padded length (:mod:`elastic_export.serving.cost`), for token inputs only
@@ -706,8 +154,6 @@ def length_cost(config: RouterConfig, sessions: Optional[Dict[float, Any]],
     ``points``; without sessions, proportional to the tokens."""
     if "input_ids" not in config.inputs:
         return None
-    from elastic_export.serving import cost
-
     dense = config.sparsities[0]
     if not sessions or not points or 8 not in points.get(dense, {}):
         return cost.linear_cost(config.tokens)
@@ -809,8 +255,8 @@ class TritonPythonModel:
         self._precision = np.array([[config.precision]], dtype=object)
         self._lock = threading.Lock()  # the monitor, the policy and the health table, shared by the threads
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrency, thread_name_prefix="router")
-        self.metrics = (RouterMetrics(args.get("model_name", "router"), config.sparsities, self.snapshot)
-                        if hasattr(pb_utils, "MetricFamily") else None)
+        self.metrics = (RouterMetrics(args.get("model_name", "router"), config.sparsities, self.snapshot,
+                                      family=pb_utils.MetricFamily) if hasattr(pb_utils, "MetricFamily") else None)
         self._closed = threading.Event()
         self._batches_before = None  # the server's per-batch statistics at the last read
         self._prober = threading.Thread(target=self._probe_loop, name="router-probe", daemon=True)
@@ -1090,16 +536,12 @@ class TritonPythonModel:
     def _statistics(self) -> Optional[Dict[str, Any]]:
         """Every loaded model's statistics from the server (where ``serve`` said it is:
         :data:`~elastic_export.serving.triton_stats.STATS_URL_ENV`); None under a server started otherwise."""
-        from elastic_export.serving import triton_stats
-
         url = os.environ.get(triton_stats.STATS_URL_ENV)
         return triton_stats.fetch(url) if url else None
 
     def _read_batches(self, stats: Optional[Dict[str, Any]]) -> None:
         """The batches each budget model ran since the last round (the server's ``stats``), to the policy's
         service scales."""
-        from elastic_export.serving import triton_stats
-
         if self.routing is None or stats is None:
             return
         totals = triton_stats.batch_totals(stats)

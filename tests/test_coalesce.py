@@ -8,10 +8,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from elastic_export.serving import router_budgets
 from elastic_export.serving.coalesce import QUEUED_PARAMETER, QueryBatcher
 from elastic_export.serving.openai_schema import Tokens
 from elastic_export.serving.router_client import Served
-from elastic_export.targets import triton_router
 
 
 class Router:
@@ -111,11 +111,11 @@ def test_a_refusal_is_every_merged_querys_and_a_query_whose_client_left_is_never
 
 
 def test_the_router_reads_the_wait_before_it_was_sent():
-    assert QUEUED_PARAMETER == triton_router.QUEUED_PARAMETER  # one name on both sides
-    assert triton_router.queued_ms('{"queued_ms": 12.5}') == 12.5
-    assert triton_router.queued_ms('{"sparsity": 0.5}') == 0.0 and triton_router.queued_ms(None) == 0.0
+    assert QUEUED_PARAMETER == router_budgets.QUEUED_PARAMETER  # one name on both sides
+    assert router_budgets.queued_ms('{"queued_ms": 12.5}') == 12.5
+    assert router_budgets.queued_ms('{"sparsity": 0.5}') == 0.0 and router_budgets.queued_ms(None) == 0.0
     for bad in ('{"queued_ms": "x"}', '{"queued_ms": -3}', '{"queued_ms": NaN}', "[1]", "not json queued_ms"):
-        assert triton_router.queued_ms(bad) == 0.0
+        assert router_budgets.queued_ms(bad) == 0.0
 
 
 def test_a_query_that_waited_past_the_deadline_is_refused_unsent():

@@ -59,7 +59,7 @@ def test_the_manifests_agree_with_serve():
     made = {r["name"]["as"] for r in rules}
     asked = {m["pods"]["metric"]["name"] for m in docs["HorizontalPodAutoscaler"]["spec"]["metrics"]}
     assert asked <= made
-    router = (ROOT / "targets" / "triton_router.py").read_text()
+    router = (ROOT / "elastic_export" / "serving" / "router_metrics.py").read_text()
     for r in rules:  # every series a rule reads is a gauge the router exports
         for name in ("in_flight", "densest_predicted_latency_ms", "slo_ms"):
             if f"elastic_router_{name}" in r["seriesQuery"] + r["metricsQuery"]:

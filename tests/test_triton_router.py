@@ -1,16 +1,17 @@
 """The Triton router (``elastic_export.targets.triton_router``), a real module copied verbatim as ``model.py``.
 
-Its budget choice is tested directly; the model class is loaded from the ``model.py`` a build wrote, with a
-tiny stand-in for Triton's in-server ``triton_python_backend_utils`` (``tests/_triton_fake.py``), initialised
-from the JSON of the ``config.pbtxt`` the build wrote, and forwards to the repository's real ONNX budget models
-(run in onnxruntime). ``test_triton.py`` does the same on the all-MiniLM-L6-v2 repository.
+The serving modules it is glue over are tested on their own (``test_router_budgets.py``, ``test_router_config.py``,
+``test_router_load.py``, ``test_router_health.py``, ``test_router_metrics.py``). Here: the file as a build writes
+it, with those modules copied next to it (and loaded from there by a Python without this package); and the model
+class, loaded from the ``model.py`` a build wrote, with a tiny stand-in for Triton's in-server
+``triton_python_backend_utils`` (``tests/_triton_fake.py``), initialised from the JSON of the ``config.pbtxt`` the
+build wrote, forwarding to the repository's real ONNX budget models (run in onnxruntime). ``test_triton.py`` does
+the same on the all-MiniLM-L6-v2 repository.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
 import threading
 import time
 import types
@@ -23,51 +24,10 @@ import tritonclient.grpc.model_config_pb2  # noqa: F401 - the test extra's: an i
 from _triton_fake import Request, execute, load_router, start_router
 from test_triton import _fake_dir
 
+from elastic_export.serving import router_load
 from elastic_export.targets import triton as TR
 from elastic_export.targets import triton_router
-from elastic_export.targets.triton_router import BudgetError, RouterConfig, choose_budget, row_sparsities
-
-# --- the router's budget choice (pure) ------------------------------------------------------------
-SERVED = [0.0, 0.1, 0.3, 0.5]
-
-
-@pytest.mark.parametrize("requested,served", [
-    (None, 0.1),  # nothing asked: the default
-    (0.0, 0.0), (0.1, 0.1), (0.5, 0.5),  # exact
-    (0.1 + 5e-7, 0.1), (0.3 - 5e-7, 0.3),  # within 1e-6
-    (0.1 + 2e-6, 0.3), (0.05, 0.1), (0.2, 0.3), (0.45, 0.5),  # else the next sparser: more savings, never less
-    ("0.3", 0.3),  # a numeric string (request parameters may carry one)
-])
-def test_choose_budget(requested, served):
-    assert choose_budget(requested, SERVED, default=0.1) == served
-
-
-@pytest.mark.parametrize("requested,message", [
-    (0.6, "above the sparsest served budget 0.5"), (1.0, "outside [0, 1)"), (-0.1, "outside [0, 1)"),
-    (float("nan"), "not a finite number"), ("abc", "not a number"), (True, "not a number"),
-])
-def test_choose_budget_refuses(requested, message):
-    with pytest.raises(BudgetError, match=re.escape(message)):
-        choose_budget(requested, SERVED, default=0.0)
-    with pytest.raises(BudgetError, match="no budgets"):
-        choose_budget(0.1, [], default=0.0)
-
-
-def test_row_sparsities_input_then_parameter():
-    assert row_sparsities(None, None, 2) is None and row_sparsities(None, "", 2) is None
-    assert row_sparsities(None, json.dumps({"other": 1}), 2) is None
-    assert row_sparsities(None, json.dumps({"sparsity": 0.3}), 2) == [0.3, 0.3]
-    assert row_sparsities(None, json.dumps({"sparsity": "0.5"}), 1) == [0.5]
-    assert row_sparsities([0.1], json.dumps({"sparsity": 0.5}), 3) == [0.1] * 3  # the input wins; one for all rows
-    assert row_sparsities([0.1, 0.5], None, 2) == [0.1, 0.5]  # one per row
-    with pytest.raises(BudgetError, match=re.escape("sparsity input has 3 values for a batch of 2; send shape [1, 1]")):
-        row_sparsities([0.1, 0.5, 0.3], None, 2)
-    with pytest.raises(BudgetError, match="has 0 values"):
-        row_sparsities([], None, 2)
-    with pytest.raises(BudgetError, match="not a JSON object"):
-        row_sparsities(None, "{oops", 2)
-    with pytest.raises(BudgetError, match="not a number"):
-        row_sparsities(None, json.dumps({"sparsity": [0.1]}), 2)
+from elastic_export.targets.triton_router import RouterConfig
 
 
 # --- the file ---------------------------------------------------------------------------------------
@@ -82,6 +42,84 @@ def test_model_py_is_the_module_file_verbatim(tmp_path):
     assert (d / "triton" / "elastic" / "1" / "model.py").read_text() == src
     TR.build_repository(d, name="again")  # the repository it wrote is recognised and replaced
     assert sorted(p.name for p in (d / "triton").iterdir()) == ["again", "again_index", "again_s000", "again_s025", "again_s050"]
+
+
+_STANDALONE = r"""
+import json, sys, types
+sys.modules["triton_python_backend_utils"] = pb = types.ModuleType("triton_python_backend_utils")
+try:
+    import elastic_export  # noqa: F401
+    raise SystemExit("elastic_export is importable here")
+except ImportError:
+    pass
+import importlib.util
+spec = importlib.util.spec_from_file_location("model", sys.argv[1])
+model = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(model)
+config = model.RouterConfig(json.loads(sys.argv[2]))
+counted = []
+
+class Family:
+    COUNTER, GAUGE = "counter", "gauge"
+
+    def __init__(self, name, description, kind):
+        pass
+
+    def Metric(self, labels):
+        return types.SimpleNamespace(increment=counted.append, set=lambda v: None)
+
+metrics = model.RouterMetrics("elastic", config.sparsities, family=Family)
+metrics.count("served", ([0.5], "forwarded"))
+metrics.close()
+health = model.BudgetHealth(config.sparsities)
+health.mark_down(0.5, 0.0)
+try:
+    model.choose_budget(0.9, config.sparsities, 0.0)
+except model.BudgetError as e:
+    refused = str(e)
+print(json.dumps({"budget": model.choose_budget(0.3, config.sparsities, 0.0), "default": config.default,
+                  "route": config.route(model.row_sparsities(None, '{"sparsity": 0.1}', 2)), "refused": refused,
+                  "nearest": health.nearest(0.5), "cost": model.length_cost(config, None, None).nominal,
+                  "ready": model.wait_ready(["m"], 1, lambda m: True), "counted": len(counted),
+                  "modules": sorted(m.__name__ for m in (model.router_budgets, model.router_load, model.router_load.slo)),
+                  "files": sorted(m.__file__.rsplit("/", 1)[0] == sys.argv[1].rsplit("/", 1)[0]
+                                  for m in (model.router_budgets, model.router_config, model.router_load))}))
+"""
+
+
+def test_the_built_router_loads_without_the_package(tmp_path):
+    """The portability promise: a built repository's router (``model.py`` and the serving modules copied next
+    to it, verbatim) imports and works in a Python that has numpy but not this package, as a Triton server's
+    may: a clean interpreter (``-S -s``, no site-packages but numpy's) imports the copied ``model.py``,
+    reads the built config and matches, routes, refuses, counts, waits and prices as the package does."""
+    import subprocess
+    import sys
+
+    from _triton_fake import model_config_json
+
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d, default_sparsity=0.1)
+    version = d / "triton" / "elastic" / "1"
+    serving = Path(router_load.__file__).parent
+    for module in triton_router.SERVING_MODULES:  # verbatim copies of the package's own files
+        assert (version / f"{module}.py").read_text() == (serving / f"{module}.py").read_text(), module
+    numpy_only = tmp_path / "site"  # numpy and its bundled libraries, nothing else of this environment
+    numpy_only.mkdir()
+    site = Path(np.__file__).parent.parent
+    for name in ("numpy", "numpy.libs"):
+        if (site / name).exists():
+            (numpy_only / name).symlink_to(site / name)
+    config = model_config_json(d / "triton" / "elastic" / "config.pbtxt")
+    run = subprocess.run([sys.executable, "-S", "-s", "-c", _STANDALONE, str(version / "model.py"), config],
+                         env={"PYTHONPATH": str(numpy_only), "PATH": "/usr/bin:/bin"}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["budget"] == 0.5 and got["default"] == 0.25 and got["route"] == [0.25, 0.25]
+    assert got["refused"] == "sparsity 0.9 is above the sparsest served budget 0.5; served budgets: 0, 0.25, 0.5"
+    assert got["nearest"] == 0.25 and got["cost"] == 16 and got["ready"] is True and got["counted"] > 0
+    assert got["modules"] == ["router_budgets", "router_load", "slo"]  # the copies, not the package's
+    assert got["files"] == [True, True, True]
 
 
 def test_outside_a_server_the_module_imports_and_the_model_refuses(tmp_path, monkeypatch):
@@ -266,93 +304,6 @@ def test_a_budget_model_error_is_an_error_response(tmp_path, monkeypatch, router
     assert response.error().code == response.error().INTERNAL and not model.health.down
 
 
-@pytest.mark.parametrize("message,kind", [
-    ("Stub process 'elastic_s050_0_0' is not healthy.", "down"),
-    ("Request for unknown model: 'elastic_s040' is not found", "down"),
-    ("Request timeout expired", "overload"),
-    ("Exceeds maximum queue size", "overload"),
-    ("onnxruntime: invalid dims", "failed"),
-])
-def test_classify_failure(message, kind):
-    assert triton_router.classify_failure(message) == kind
-
-
-class _Family:
-    """A stand-in for pb_utils.MetricFamily: every update with the thread that made it."""
-
-    COUNTER, GAUGE = "counter", "gauge"
-    updates: list = []
-
-    def __init__(self, name, description, kind):
-        self.name = name
-
-    def Metric(self, labels):  # noqa: N802 (Triton's name)
-        family = self
-
-        class _Metric:
-            def increment(self, value):
-                _Family.updates.append((family.name, dict(labels), value, threading.current_thread().name))
-
-            def set(self, value):
-                _Family.updates.append((family.name, dict(labels), ("set", value), threading.current_thread().name))
-
-        return _Metric()
-
-
-def test_router_metrics_gather_counts_and_update_from_one_thread(monkeypatch):
-    monkeypatch.setattr(triton_router, "pb_utils", types.SimpleNamespace(MetricFamily=_Family))
-    monkeypatch.setattr(_Family, "updates", [])
-    snap = {"served_sparsity": 0.5, "in_flight": 3, "arrival_rate": 41.0, "predicted_latency_ms": math.inf,
-            "measured_latency_ms": math.nan, "down": (0.0,)}
-    metrics = triton_router.RouterMetrics("elastic", [0.0, 0.5], snapshot=lambda: snap)
-    threads = [threading.Thread(target=lambda: [metrics.count("served", ([0.5, 0.5], "forwarded")) for _ in range(50)])
-               for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    metrics.count("served", ([0.0], "inline"))
-    for reason in ("overload", "overload", "bad_request"):
-        metrics.count("refused", reason)
-    metrics.event("switch")
-    metrics.close()  # the last counts flushed
-    totals: dict = {}
-    gauges: dict = {}
-    for name, labels, value, thread in _Family.updates:
-        key = (name, tuple(v for k, v in sorted(labels.items()) if k != "router"))
-        if isinstance(value, tuple):
-            gauges[key] = value[1]
-        else:
-            totals[key] = totals.get(key, 0) + value
-    assert totals == {("elastic_router_requests_total", ("served",)): 201,
-                      ("elastic_router_requests_total", ("refused",)): 3,
-                      ("elastic_router_refused_total", ("overload",)): 2,
-                      ("elastic_router_refused_total", ("bad_request",)): 1,
-                      ("elastic_router_served_total", ("forwarded", "0.5")): 200,
-                      ("elastic_router_served_total", ("inline", "0")): 1,
-                      ("elastic_router_rows_total", ("0.5",)): 400, ("elastic_router_rows_total", ("0",)): 1,
-                      ("elastic_router_events_total", ("switch",)): 1}
-    assert gauges[("elastic_router_served_sparsity", ())] == 0.5 and gauges[("elastic_router_in_flight", ())] == 3
-    assert gauges[("elastic_router_budget_up", ("0",))] == 0.0 and gauges[("elastic_router_budget_up", ("0.5",))] == 1
-    assert gauges[("elastic_router_predicted_latency_ms", ())] == math.inf  # overloaded: Triton shows +Inf
-    assert ("elastic_router_measured_latency_ms", ()) not in gauges  # not measured yet: not set
-    assert len(_Family.updates) < 4 * 50  # gathered, not one update per request
-    assert {thread for *_, thread in _Family.updates} <= {"router-metrics", threading.current_thread().name}
-
-
-@pytest.mark.parametrize("parameters,message", [
-    ({}, "no parameter 'budget_models'"),
-    ({"budget_models": "{oops"}, "is not JSON"),
-    ({"budget_models": "[0.1]"}, "expected [[sparsity, model name], ...]"),
-    ({"budget_models": "[]"}, "lists no budget models"),
-    ({"budget_models": '[[0.5, "m"]]', "default_sparsity": "0.7"}, "above the sparsest served budget"),
-])
-def test_router_config_errors(parameters, message):
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}, "input": [], "output": []}
-    with pytest.raises(ValueError, match=re.escape(message)):
-        RouterConfig(config)
-
-
 # --- rows of one request on several budgets, readiness, load adaptation ---------------------------
 def test_each_row_may_name_its_own_budget(tmp_path, monkeypatch, routers):
     """Rows grouped per budget, each group one call, the outputs back in row order."""
@@ -377,18 +328,6 @@ def triton_fake_tensor(name, array):
     return Tensor(name, array)
 
 
-def test_wait_ready_defers_while_the_server_starts_and_names_missing_models():
-    clock = iter(range(1000))
-    assert triton_router.wait_ready(["a", "b"], 5, lambda m: True, sleep=lambda s: None, clock=lambda: next(clock))
-
-    def starting(model):
-        raise RuntimeError("Failed to check model readiness: Server not ready")
-
-    assert triton_router.wait_ready(["a"], 5, starting, sleep=lambda s: None) is False
-    with pytest.raises(RuntimeError, match="budget models not ready after 5 s: b"):
-        triton_router.wait_ready(["a", "b"], 5, lambda m: m == "a", sleep=lambda s: None, clock=lambda: next(clock))
-
-
 def test_router_refuses_to_load_in_front_of_a_missing_budget_model(tmp_path, monkeypatch):
     import shutil
 
@@ -400,120 +339,6 @@ def test_router_refuses_to_load_in_front_of_a_missing_budget_model(tmp_path, mon
     monkeypatch.setattr(triton_router.time, "sleep", lambda s: None)
     with pytest.raises(RuntimeError, match="not ready after .* elastic_s025"):
         start_router(d / "triton", "elastic", monkeypatch)
-
-
-def _routing(budgets=(0.0, 0.3, 0.6), slo_ms="250", **params):
-    config = RouterConfig({"parameters": {"budget_models": {"string_value": json.dumps(
-        [[s, f"m{i}"] for i, s in enumerate(budgets)])}, "policy": {"string_value": "adaptive"},
-        "slo_ms": {"string_value": slo_ms}, **{k: {"string_value": v} for k, v in params.items()}},
-        "input": [], "output": []})
-    points = {s: {1: 10.0 * (1 - s), 8: 80.0 * (1 - s)} for s in budgets}  # c = 10 ms x (1 - s) per row
-    clock = [0.0]
-    return triton_router.SloRouting(config, points, clock=lambda: clock[0]), clock
-
-
-def test_slo_routing_serves_dense_at_light_load_and_steps_sparser_when_it_cannot_keep_up():
-    routing, clock = _routing()
-    for i in range(200):  # 20 rows/s: dense's 100 rows/s capacity covers it
-        clock[0] = i * 0.05
-        decision = routing.arrive(1)
-    assert decision.pair == (0.0, "fp32") and decision.meets
-    for i in range(400):  # 150 rows/s: only 0.6 (250 rows/s) keeps up
-        clock[0] = 10 + i / 150
-        decision = routing.arrive(1)
-    assert decision.pair == (0.6, "fp32") and decision.predicted_ms <= 250
-
-
-def test_slo_routing_refuses_a_request_predicted_to_miss_the_slo_behind_the_rows_in_flight():
-    routing, _ = _routing()
-    routing.arrive(1)
-    assert routing.admit(0.0, 1, ahead=0) == pytest.approx(10.0)  # nothing ahead: it runs, whatever its size
-    assert routing.admit(0.0, 100, ahead=0) > 250
-    routing.admit(0.0, 1, ahead=10)  # 2 x a + 10 x c + its own: 110 ms
-    with pytest.raises(triton_router.Overload) as err:  # the oldest of those 10 has waited 245 ms already: measured
-        routing.admit(0.0, 1, ahead=10, waited_ms=245.0)
-    assert "predicted 255 ms" in str(err.value)  # its wait so far and its own run, not the wait alone
-    with pytest.raises(triton_router.Overload, match="exceeds the SLO of 250 ms") as err:
-        routing.admit(0.0, 1, ahead=30)
-    assert err.value.reason == "overload"
-
-
-def test_a_request_that_overflows_to_a_slow_fastest_budget_runs_where_it_was_routed():
-    """A queue building at the routed budget sends a request to the fastest one first; when the fastest's
-    own queue has waited too long, the request runs at the routed budget (predicted within the SLO there)
-    rather than being refused: refused only when no budget it may move to admits it."""
-    routing, _ = _routing()
-    rows_at = {0.3: 23, 0.6: 2}  # at 0.3: 2 x 0 + 23 x 7 + 0.6's 2 rows (8 ms) + its own 7: 176 ms > 0.7 x 250
-    assert routing.overflow(0.3, 1, 23, rows_at, [0.6]) == 0.6
-    def waited(at):  # how long the oldest in flight at each budget has waited (ms)
-        return lambda s: at.get(s, 0.0)
-
-    calm = waited({0.6: 10.0})
-    assert routing.place(0.3, 1, rows_at, calm, [0.6]) == (0.6, pytest.approx(173.0))  # the fastest admits it
-    slow = waited({0.6: 236.0})  # the oldest at 0.6 waited 236 ms: 240 with its own run
-    assert routing.place(0.3, 1, rows_at, slow, [0.6]) == (0.3, pytest.approx(176.0))
-    with pytest.raises(triton_router.Overload, match="predicted 240 ms at sparsity 0.6"):
-        routing.place(0.6, 1, rows_at, slow)  # named: its own budget or nothing
-    assert routing.place(0.0, 1, {}, calm, [0.3, 0.6]) == (0.0, pytest.approx(10.0))  # nothing queued: where routed
-
-
-def test_slo_routing_quality_floor_and_budgets_down():
-    routing, clock = _routing(max_sparsity="0.3")
-    for i in range(400):  # 150 rows/s: nothing at or below 0.3 keeps up; the floor holds: 0.3, the fastest allowed
-        clock[0] = i / 150
-        decision = routing.arrive(1)
-    assert decision.pair == (0.3, "fp32") and not decision.meets
-    routing, clock = _routing()
-    routing.set_down([0.0])
-    assert routing.arrive(1).pair == (0.3, "fp32")  # dense is down: the best one up
-
-
-def test_load_monitor_counts_rows_in_flight_per_budget():
-    clock = [0.0]
-    monitor = triton_router.LoadMonitor(clock=lambda: clock[0])
-    assert monitor.arrive(0.3, 4) == 0
-    clock[0] = 0.01
-    assert monitor.arrive(0.3, 2) == 4
-    clock[0] = 0.02
-    assert monitor.arrive(None, 3) == 0
-    assert monitor.in_flight == 3 and monitor.rows_at == {0.3: 6} and monitor.last_arrival == 0.02
-    assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(500.0) and monitor.oldest_ms(0.6, 0.5) == 0.0
-    assert monitor.running(0.3, 0.1) == (4, pytest.approx(100.0))  # the first found it idle: its batch runs
-    clock[0] = 0.2
-    monitor.leave(0.3, 4, ticket=1)  # answered: the next batch takes what waits, now
-    monitor.leave(None, 3, ticket=3)
-    assert monitor.in_flight == 1 and monitor.rows_at == {0.3: 2}
-    assert monitor.oldest_ms(0.3, 0.5) == pytest.approx(490.0)  # the second one is the oldest now
-    assert monitor.running(0.3, 0.5) == (2, pytest.approx(300.0)) and monitor.running(0.6, 0.5) == (0, 0.0)
-    clock[0] = 0.3
-    monitor.arrive(0.3, 5)  # arrived while that batch runs: queued behind it
-    assert monitor.running(0.3, 0.5) == (2, pytest.approx(300.0))
-
-
-def test_a_running_batch_that_overruns_its_modelled_time_slows_the_admissions_predictions():
-    """The batch running at dense (4 rows: 40 ms modelled) has run 120 ms: what queues behind it is predicted
-    at least 3x its modelled time, before the service scale (20 batches) or the admission's correction (30
-    answers) has measured any slow-down; a batch within its modelled time changes nothing."""
-    routing, _ = _routing()
-    routing.arrive(1)
-    assert routing.admit(0.0, 1, ahead=12, running=(4, 30.0)) == pytest.approx(130.0)  # 2 x 0 + 12 x 10 + 10
-    with pytest.raises(triton_router.Overload, match="predicted 390 ms"):
-        routing.admit(0.0, 1, ahead=12, running=(4, 120.0))
-
-
-def test_the_wait_before_a_request_reached_the_router_counts_in_its_admission():
-    """A merged request whose oldest query waited 120 ms in the API is predicted that much later: 130 ms of
-    work ahead is admitted, 250 ms is past the SLO's 250 less its margin. Nothing ahead: it runs unless its
-    wait alone makes it late."""
-    routing, _ = _routing()
-    routing.arrive(1)
-    assert routing.admit(0.0, 1, ahead=12) == pytest.approx(130.0)
-    with pytest.raises(triton_router.Overload, match="predicted 250 ms"):
-        routing.admit(0.0, 1, ahead=12, queued_ms=120.0)
-    assert routing.admit(0.0, 1, ahead=0, queued_ms=200.0) == pytest.approx(10.0)
-    with pytest.raises(triton_router.Overload, match="predicted 240 ms"):
-        routing.admit(0.0, 1, ahead=0, queued_ms=230.0)
-    assert routing.admit(0.0, 1, ahead=0) == pytest.approx(10.0)
 
 
 def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
@@ -528,7 +353,7 @@ def test_adaptive_routing_reads_service_times_from_a_latency_profile(tmp_path):
     points = triton_router.service_points(config, None, str(path), 16)
     assert points == {0.0: {1: 4.0, 8: 32.0}, 0.5: {1: 2.0, 8: 16.0}}
     routing = triton_router.SloRouting(config, points)
-    assert routing.policy.slo_ms == triton_router.DEFAULT_SLO_MS and routing.policy.quantile == 0.99
+    assert routing.policy.slo_ms == router_load.DEFAULT_SLO_MS and routing.policy.quantile == 0.99
     assert triton_router.service_points(config, None, str(tmp_path / "none.json"), 16) is None
 
 
@@ -612,18 +437,3 @@ def test_a_budget_model_missing_from_the_servers_statistics_is_down_and_nothing_
     triton_router.TritonPythonModel._probe(model, {}, {"model_stats": _stats("m0", {})["model_stats"]
                                                         + _stats("m5", {})["model_stats"]})
     assert not model.health.down
-
-
-
-def test_fractional_rows_in_flight_leave_nothing_behind():
-    """Rows cost fractions of a nominal row (their padded shape); every request that leaves takes its share
-    back exactly, so a budget with nothing in flight has 0 rows, not a float residue that the admission would
-    read as work ahead (and as rows at the other budgets, which share the cores)."""
-    monitor = triton_router.LoadMonitor(clock=lambda: 0.0)
-    works = [0.1 * i + 0.302 for i in range(1, 12)]
-    for w in works:
-        monitor.arrive(0.5, w)
-    tickets = range(1, 12)
-    for t, w in zip(tickets, works):
-        monitor.leave(0.5, w, t)
-    assert monitor.rows_at[0.5] == 0 and monitor.in_flight == 0

@@ -265,6 +265,7 @@ def _router_copy(served, name: str, service_ms: float | None = None):
     (``inline: "0"``) and its policy starts from a latency profile written next to it, every budget
     ``service_ms`` at batch 8 (so its service model is exactly ``Affine(0, service_ms / 8)``); else it is
     the router as served (inline, its service times measured on its own sessions at load)."""
+    from elastic_export.serving import router_config
     from elastic_export.targets import triton_router as R
 
     repository = served["dir"] / "triton"
@@ -273,7 +274,7 @@ def _router_copy(served, name: str, service_ms: float | None = None):
     cfg = repository / name / "config.pbtxt"
     text = cfg.read_text().replace('name: "elastic"', f'name: "{name}"', 1)
     if service_ms is not None:
-        inline = f'key: "{R.INLINE_PARAMETER}"\n    value {{ string_value: "1" }}'
+        inline = f'key: "{router_config.INLINE_PARAMETER}"\n    value {{ string_value: "1" }}'
         assert inline in text, text
         text = text.replace(inline, inline.replace('"1"', '"0"'))
         sparsities = [m["sparsity"] for m in load_manifest(served["dir"])["triton"]["models"]]
@@ -296,10 +297,10 @@ def _router_copy(served, name: str, service_ms: float | None = None):
 
 def _router_tokens(served) -> int:
     """The router's nominal tokens (its config's ``warmup_tokens``): a row of that length weighs exactly 1."""
-    from elastic_export.targets import triton_router as R
+    from elastic_export.serving import router_config
 
     text = (served["dir"] / "triton" / "elastic" / "config.pbtxt").read_text()
-    return int(re.search(rf'key: "{R.TOKENS_PARAMETER}"\s*value {{ string_value: "(\d+)" }}', text).group(1))
+    return int(re.search(rf'key: "{router_config.TOKENS_PARAMETER}"\s*value {{ string_value: "(\d+)" }}', text).group(1))
 
 
 def test_a_router_that_always_forwards_answers_the_same(served):
