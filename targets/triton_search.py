@@ -74,7 +74,7 @@ class TritonPythonModel:
         here = os.path.join(args["model_repository"], str(args["model_version"]))
         self.searcher = S.Searcher.from_folder(here, self.settings)
         if hasattr(pb_utils, "is_model_ready"):
-            from elastic_export.targets.triton_router import wait_ready
+            from elastic_export.serving.router_health import wait_ready
 
             wait_ready([self.settings.router], self.settings.ready_timeout_s,
                        lambda m: pb_utils.is_model_ready(model_name=m))
@@ -92,7 +92,7 @@ class TritonPythonModel:
         return None
 
     def _accept(self, request: Any) -> Dict[str, Any]:
-        from elastic_export.targets.triton_router import BudgetError, choose_budget, row_sparsities
+        from elastic_export.serving.router_budgets import BudgetError, choose_budget, row_sparsities
 
         text = pb_utils.get_input_tensor_by_name(request, S.TEXT_INPUT)
         if text is None:

@@ -1,10 +1,11 @@
 """The one rule for matching a requested sparsity to a served budget, and the router's request parameters
-(``elastic_export.serving.router_budgets``)."""
+(``elastic_export.serving.router_budgets``); every place that maps a requested sparsity calls it."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,28 @@ def test_row_sparsities_input_then_parameter():
         row_sparsities(None, "{oops", 2)
     with pytest.raises(BudgetError, match="not a number"):
         row_sparsities(None, json.dumps({"sparsity": [0.1]}), 2)
+
+
+def test_every_place_that_maps_a_requested_sparsity_uses_the_one_rule(tmp_path):
+    """The router file, its configuration's default and the builder's ``--triton-default-sparsity`` map a
+    sparsity as :func:`choose_budget` does (the search model imports it by name)."""
+    from elastic_export.core.errors import UserError
+    from elastic_export.serving.router_config import RouterConfig
+    from elastic_export.targets import triton as TR
+    from elastic_export.targets import triton_router
+
+    assert triton_router.choose_budget is choose_budget and triton_router.BudgetError is BudgetError
+    models = [TR.ServedModel(f"m{i}", s, "onnxruntime_onnx", "x.onnx") for i, s in enumerate(SERVED)]
+    table = {"budget_models": {"string_value": json.dumps([[s, f"m{i}"] for i, s in enumerate(SERVED)])}}
+    for requested in (0.0, 0.05, 0.1 + 5e-7, 0.2, 0.45):
+        want = choose_budget(requested, SERVED, SERVED[0])
+        assert TR._default_budget(models, requested) == want
+        config = RouterConfig({"parameters": {**table, "default_sparsity": {"string_value": repr(requested)}}})
+        assert config.default == want and config.route([requested, requested]) == [want, want]
+    with pytest.raises(UserError, match=re.escape("--triton-default-sparsity: sparsity 0.6 is above the sparsest")):
+        TR._default_budget(models, 0.6)
+    search = (Path(TR.__file__).parent / "triton_search.py").read_text()
+    assert "from elastic_export.serving.router_budgets import BudgetError, choose_budget, row_sparsities" in search
 
 
 def test_budgets_listed_in_messages():

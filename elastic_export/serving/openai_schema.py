@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from elastic_export.serving.router_budgets import TOLERANCE
+
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 SEP = "@"  # model ids NAME@SPARSITY name a budget
 
@@ -69,7 +71,7 @@ def resolve_model(model: Any, name: str, sparsity: float | None) -> float | None
     except ValueError:
         raise ApiError(404, f"The model '{model}' does not exist; GET /v1/models lists the served ones",
                        "model", "model_not_found")
-    if sparsity is not None and abs(sparsity - named) > 1e-6:
+    if sparsity is not None and abs(sparsity - named) > TOLERANCE:  # the same budget, as the router reads it
         raise ApiError(400, f"model '{model}' names sparsity {named:g}, the 'sparsity' field {sparsity:g}",
                        "sparsity", "conflicting_sparsity")
     return named
