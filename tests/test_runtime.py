@@ -98,8 +98,8 @@ def test_elastic_mode_matches_each_budget_file(art, feeds, expected, tmp_path):
     old_dir = _without_dense_index(art, tmp_path)
     old = ElasticRuntime.from_dir(old_dir, mode="elastic", config=SessionConfig(threads=1))
     assert old.sparsities == list(BUDGETS)
-    with pytest.raises(UserError, match="not a listed budget"):
-        old.set_budget(0.0)
+    old.set_budget(0.0)  # no dense model here: the router's rule serves the smallest budget at least as sparse
+    assert old.budget == BUDGETS[0]
     for s in BUDGETS:
         assert _err(old.run(feeds, sparsity=s), expected[s]) <= 1e-4
 
@@ -120,13 +120,28 @@ def _forbidden(what: str):
     return call
 
 
-def test_set_budget_is_exact_and_cheap(rt, monkeypatch):
-    """Exact: only listed budgets. Cheap, without timing anything: a switch creates no onnxruntime
-    session and runs none (both raise here), through every loaded pair and measure_switch_cost."""
-    with pytest.raises(UserError, match="0.35.*listed: 0, 0.2, 0.5, 0.8"):
-        rt.set_budget(0.35)
-    with pytest.raises(UserError, match="not a listed budget"):
-        rt.set_budget(1.0)
+def test_set_budget_follows_the_routers_rule_and_is_cheap(rt, feeds, expected, monkeypatch):
+    """A requested sparsity means what the router makes of it (router_budgets.choose_budget): a loaded one,
+    else the smallest loaded one at least as sparse; sparser than the sparsest, outside [0, 1) or not a
+    number is one line naming the loaded ones. Cheap, without timing anything: a switch creates no
+    onnxruntime session and runs none (both raise here), through every loaded pair and measure_switch_cost."""
+    from elastic_export.serving.router_budgets import choose_budget
+
+    for asked in (0.0, 0.1, 0.2, 0.35, 0.5, 0.50000001, 0.79):
+        rt.set_budget(asked)
+        assert rt.budget == choose_budget(asked, rt.sparsities, 0.0)
+    rt.set_budget(0.35)
+    assert rt.budget == 0.5 and rt.file(0.35) == rt.file(0.5)
+    s, out = rt.serve(feeds, sparsity=0.35)  # this call only: served by 0.5, and serve says so
+    assert s == 0.5 and _err(out, expected[0.5]) == 0.0
+    for bad, match in ((0.95, r"^sparsity 0.95 is above the sparsest served budget 0.8; served budgets: 0, 0.2, 0.5, 0.8$"),
+                       (1.0, r"^sparsity 1 is outside \[0, 1\); served budgets: 0, 0.2, 0.5, 0.8$"),
+                       (-0.1, "outside"), ("abc", "'abc' is not a number"), (True, "not a number")):
+        with pytest.raises(UserError, match=match):
+            rt.set_budget(bad)
+        with pytest.raises(UserError, match=match):
+            rt.run(feeds, sparsity=bad)
+    assert rt.budget == 0.5  # a refused switch leaves the current pair
     monkeypatch.setattr(ort.InferenceSession, "run", _forbidden("ran a session"))
     monkeypatch.setattr(ort, "InferenceSession", _forbidden("created a session"))
     for pair in rt.pairs:
@@ -192,8 +207,10 @@ def test_latency_target_policy_picks_lowest_sparsity_meeting_p90(rt, tmp_path, f
     assert rt.policy is None and rt.choose(8) == 0.0
     with pytest.raises(UserError, match="no p90_ms for sparsity 0.8"):
         rt.set_policy(LatencyTargetPolicy(_profile({0.0: 1.0, 0.2: 1.0, 0.5: 1.0}), target_ms=5))
-    with pytest.raises(UserError, match="not a listed budget"):
-        rt.set_policy(FixedPolicy(0.3))
+    rt.set_policy(FixedPolicy(0.3))  # as the router's --policy fixed maps its default: 0.3 -> 0.5
+    assert rt.choose(1) == 0.5
+    with pytest.raises(UserError, match="above the sparsest served budget 0.8"):
+        rt.set_policy(FixedPolicy(0.9))
 
 
 def test_measure_profile_round_trips(rt, feeds, tmp_path):
@@ -269,8 +286,8 @@ def test_bad_input_is_user_error(art, tmp_path, feeds):
     with pytest.raises(UserError, match="(?i)tensorrt"):  # no TensorRT here, and no engines in the manifest
         ElasticRuntime.from_dir(art, backend="tensorrt")
     rt = ElasticRuntime.from_dir(art, config=SessionConfig(threads=1, opt_level="basic", memory_arena=False))
-    with pytest.raises(UserError, match="unknown|not a listed budget"):
-        rt.run(feeds, sparsity=0.35)
+    with pytest.raises(UserError, match="above the sparsest served budget 0.8"):
+        rt.run(feeds, sparsity=0.85)
     with pytest.raises(UserError, match="missing input 'attention_mask'"):
         rt.run({"input_ids": feeds["input_ids"]})
     broken = tmp_path / "broken"

@@ -217,11 +217,14 @@ def test_subsets_and_bad_pairs(art, feeds):
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="precision 'fp16' is not loaded"):
         rt.run(feeds, sparsity=0.0, precision="fp16")
-    with pytest.raises(UserError, match="sparsity 0.3 is not a listed budget at fp32; listed: 0, 0.6"):
-        rt.set_budget(0.3)
-    with pytest.raises(UserError, match="not a listed budget"):
+    with pytest.raises(UserError, match=r"^sparsity 0.7 is above the sparsest served budget 0.6; served budgets: "
+                                        r"0, 0.6 \(at fp32\)$"):
+        rt.set_budget(0.7)
+    with pytest.raises(UserError, match=r"precision 'fp16' is not loaded; loaded: fp32, int8"):
         rt.set_policy(FixedPolicy(0.6, "fp16"))
     assert rt.pair == (0.0, "fp32")
+    rt.set_budget(0.3, precision="int8")  # matched among the sparsities loaded at int8, as the router's rule does
+    assert rt.pair == (0.6, "int8") and rt.serve_pair(feeds, sparsity=0.1, precision="fp32")[0] == (0.6, "fp32")
     rt = ElasticRuntime.from_dir(art, precision="int8", precisions="fp32,int8", config=ONE)
     assert rt.pair == (0.0, "int8") and rt.precisions == ["fp32", "int8"]
     for kwargs, match in (({"sparsities": (0.35,)}, "sparsities 0.35: not listed budgets; listed: 0, 0.3, 0.6"),

@@ -28,11 +28,35 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from elastic_export.core.errors import UserError
-from elastic_export.core.latency_profile import PRECISION_ORDER, STATS, LatencyProfile, Pair, fmt, fmt_pair, key
+from elastic_export.core.latency_profile import PRECISION_ORDER, STATS, LatencyProfile, Pair, fmt_pair, key
+from elastic_export.serving.router_budgets import BudgetError, choose_budget
 
 # How a served router picks a budget for a request that names none (`--policy`); the router file,
 # copied standalone into the repository, spells the same tuple (checked where the repository is written).
 ROUTER_POLICIES = ("fixed", "adaptive")
+
+
+def match_budget(requested: float | None, listed: Sequence[float], default: float | None = None,
+                 precision: str | None = None) -> float:
+    """The loaded sparsity that serves ``requested``, by the router's one rule
+    (:func:`elastic_export.serving.router_budgets.choose_budget`: within its tolerance of a listed one, else
+    the smallest listed one at least as sparse), so a sparsity means the same in-process and served.
+
+    Args:
+        requested: the sparsity asked for; None: ``default``.
+        listed: the loaded sparsities (at one precision).
+        default: what None gets (default: the densest listed).
+        precision: named in the message (where several are loaded).
+
+    Raises:
+        UserError: outside [0, 1), not a number, or sparser than the sparsest listed one (one line
+            naming them).
+    """
+    fallback = default if default is not None else (min(listed) if listed else 0.0)
+    try:
+        return choose_budget(requested, listed, fallback)
+    except BudgetError as e:
+        raise UserError(f"{e}" + (f" (at {precision})" if precision else "")) from None
 
 
 def quality_order(pairs: Sequence[Pair], quality: Mapping[Pair, float] | None = None) -> list[Pair]:
@@ -113,7 +137,8 @@ class FixedPolicy(Policy):
     """Always the same pair.
 
     Args:
-        sparsity: one of the runtime's sparsities.
+        sparsity: a sparsity, matched to the loaded ones as a request's is (:func:`match_budget`: 0.35
+            with 0.3 and 0.4 loaded serves 0.4), as the router's ``--policy fixed`` matches its default.
         precision: one of its precisions (None: the runtime's current precision).
     """
 
@@ -122,11 +147,13 @@ class FixedPolicy(Policy):
         self._pair: Pair | None = None
 
     def bind_pairs(self, pairs: Sequence[Pair], precision: str) -> None:
-        pair = (self.sparsity, self.precision or precision)
-        if pair not in pairs:
-            listed = fmt(sorted({s for s, p in pairs if p == pair[1]})) or "none at this precision"
-            raise UserError(f"sparsity {fmt_pair(pair)} is not a listed budget; listed: {listed}")
-        self._pair = pair
+        p = self.precision or precision
+        listed = sorted({s for s, q in pairs if q == p})
+        if not listed:
+            loaded = sorted({q for _, q in pairs}, key=lambda q: PRECISION_ORDER.index(q) if q in PRECISION_ORDER else 99)
+            raise UserError(f"precision {p!r} is not loaded; loaded: {', '.join(loaded)}")
+        multi = len({q for _, q in pairs}) > 1
+        self._pair = (match_budget(self.sparsity, listed, precision=p if multi else None), p)
 
     def select(self, batch: int) -> Pair:
         return self._pair or (self.sparsity, self.precision or "fp32")

@@ -12,10 +12,13 @@ DESIGN.md §4::
   ``fp16`` and ``int8``, their twins where the directory has them): ``from_dir(...,
   precisions=("fp32", "int8"))`` loads both, ``sparsities=(0.0, 0.3)`` only those budgets.
   A served unit is a **pair** (sparsity, precision); :attr:`ElasticRuntime.pairs` lists them.
-  :meth:`ElasticRuntime.set_budget` takes an *exact* listed sparsity (compared after rounding to
-  6 decimals, so ``0.1`` from a JSON file matches ``0.1``) and optionally a loaded precision
-  (default: the current one); anything else is a :class:`UserError` naming the listed ones. No
-  nearest-budget guessing: a caller that asks for 0.35 must not silently get 0.3 or 0.4.
+  A requested sparsity (:meth:`ElasticRuntime.set_budget`, ``run(..., sparsity=)``) is matched to the
+  loaded ones at the precision asked for (default: the current one) by the served router's one rule
+  (:func:`elastic_export.serving.router_budgets.choose_budget`, through :func:`match_budget`): within
+  1e-6 of a loaded sparsity gets it (``0.1`` from a JSON file is ``0.1``), otherwise the smallest
+  loaded sparsity at least as sparse (more savings, never less: 0.35 with 0.3 and 0.4 loaded is
+  0.4, as the router serves it; :meth:`ElasticRuntime.serve` says which answered). Outside [0, 1),
+  not a number, or sparser than the sparsest loaded one: a one-line :class:`UserError` naming them.
   Switching is O(1): a dict lookup and an assignment under a lock, no session is created (every
   session is created in :meth:`ElasticRuntime.from_dir`).
 * **Outputs.** :meth:`ElasticRuntime.run` returns a ``dict`` output name -> ``numpy`` array, in
@@ -84,6 +87,7 @@ from elastic_export.serving.policies import (  # noqa: F401 - re-exported
     LoadAdaptivePolicy,
     Policy,
     frontier,
+    match_budget,
     quality_order,
 )
 from elastic_export.targets.onnxruntime import SessionConfig  # noqa: F401 - re-exported: from_dir's config
@@ -187,29 +191,32 @@ class ElasticRuntime:
         return self._policy
 
     def _resolve(self, sparsity: float | None, precision: str | None) -> Pair:
-        """The loaded pair for ``sparsity`` (None: the current one) at ``precision`` (None: the
-        current one); UserError (one line, naming what is loaded) otherwise."""
+        """The loaded pair that serves ``sparsity`` (None: the current one) at ``precision`` (None: the
+        current one), by the router's rule (:func:`match_budget`: 0.35 with 0.3 and 0.4 loaded is
+        0.4), among the sparsities loaded at that precision; UserError (one line, naming what is
+        loaded) otherwise."""
         cur_s, cur_p = self._current
-        s = cur_s if sparsity is None else _key(sparsity)
+        s = cur_s if sparsity is None else sparsity
         p = cur_p if precision is None else precision
-        if (s, p) in self._budgets:
+        if type(s) is float and (s, p) in self._budgets:  # a loaded one as given: no search
             return s, p
         if p not in self.precisions:
             raise UserError(f"precision {p!r} is not loaded; loaded: {', '.join(self.precisions)} "
                             f"(load it with ElasticRuntime.from_dir(..., precisions=...))")
         listed = [x for x, q in self.pairs if q == p]
-        raise UserError(f"sparsity {sparsity!r} is not a listed budget" + (f" at {p}" if len(self.precisions) > 1 else "")
-                        + f"; listed: {_fmt(listed)}")
+        return match_budget(s, listed, precision=p if len(self.precisions) > 1 else None), p
 
     def set_budget(self, sparsity: float, precision: str | None = None) -> None:
         """Switch to a loaded pair (O(1): no session is created) and drop any policy.
 
         Args:
-            sparsity: exactly one of :attr:`sparsities` (0.0 is the dense model).
+            sparsity: a sparsity, matched to :attr:`sparsities` by the router's rule (module
+                docstring): a listed one, else the smallest listed one above it (0.0 is the dense model).
             precision: one of :attr:`precisions` (None: keep the current precision).
 
         Raises:
-            UserError: not a listed sparsity, or a precision not loaded (the message lists them).
+            UserError: a sparsity outside [0, 1), not a number or above the sparsest listed one, or a
+                precision not loaded (the message lists them).
         """
         pair = self._resolve(sparsity, precision)
         with self._lock:
@@ -263,15 +270,16 @@ class ElasticRuntime:
 
         Args:
             feeds: input name -> array (the manifest's inputs; extra names are ignored).
-            sparsity: a listed sparsity for this call only (the current pair is unchanged);
-                None with ``precision`` None: the policy's choice, or the current pair.
+            sparsity: a sparsity for this call only (the current pair is unchanged), matched as
+                :meth:`set_budget` matches it; None with ``precision`` None: the policy's choice, or
+                the current pair.
             precision: a loaded precision for this call only (None: the current one).
 
         Returns:
             output name -> array, in the manifest's output order.
 
         Raises:
-            UserError: unknown sparsity, a precision not loaded, or a missing input.
+            UserError: a sparsity no loaded budget serves, a precision not loaded, or a missing input.
         """
         return self.serve_pair(feeds, sparsity, precision)[1]
 
@@ -337,8 +345,8 @@ class ElasticRuntime:
         return self._tokenizer
 
     def file(self, sparsity: float, precision: str | None = None) -> str:
-        """The file (relative to the directory) that serves ``sparsity`` (at ``precision``, default
-        the current one)."""
+        """The file (relative to the directory) that serves ``sparsity`` (matched as :meth:`set_budget`
+        matches it; at ``precision``, default the current one)."""
         return self._budgets[self._resolve(sparsity, precision)].file
 
     def close(self) -> None:
