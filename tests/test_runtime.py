@@ -25,6 +25,7 @@ from elastic_export.serving.runtime import (
     LatencyTargetPolicy,
     LoadAdaptivePolicy,
     load_profile,
+    make_policy,
     measure_switch_cost,
     save_profile,
 )
@@ -211,6 +212,25 @@ def test_latency_target_policy_picks_lowest_sparsity_meeting_p90(rt, tmp_path, f
     assert rt.choose(1) == 0.5
     with pytest.raises(UserError, match="above the sparsest served budget 0.8"):
         rt.set_policy(FixedPolicy(0.9))
+
+
+def test_adaptive_policy_counts_every_request_the_runtime_serves(rt, feeds):
+    """make_policy("adaptive") (the router's --policy adaptive, tests/test_policies.py) on the runtime: every
+    request it serves is an arrival, named budget or not, as at the router; a light rate is served dense, a
+    rate past dense's capacity sparser (service times given, a manual clock)."""
+    clock = [0.0]
+    points = {s: {1: 10.0 * (1 - s), 8: 80.0 * (1 - s)} for s in rt.sparsities}
+    rt.set_policy(make_policy("adaptive", slo_ms=250, points=points, clock=lambda: clock[0]))
+    one = {k: v[:1] for k, v in feeds.items()}
+    for i in range(40):  # 20 rows/s
+        clock[0] = i * 0.05
+        s, _ = rt.serve(one)
+    assert s == 0.0 and rt.policy.last.rate == pytest.approx(20, rel=0.1)
+    for i in range(450):  # 150 rows/s, each naming 0.8: counted all the same
+        clock[0] = 2 + (i + 1) / 150
+        assert rt.serve(one, sparsity=0.8)[0] == 0.8
+    assert rt.policy.last.rate > 100 and rt.choose(1) > 0.0 and rt.serve(one)[0] == rt.policy.last.pair[0]
+    rt.set_budget(0.0)
 
 
 def test_measure_profile_round_trips(rt, feeds, tmp_path):

@@ -8,6 +8,13 @@ pair serves a request.
 * :class:`LoadAdaptivePolicy`: queue depth and/or arrival rate -> a level, with hysteresis; the
   levels run from the highest quality down (with several precisions: the frontier, each level
   faster than every level above it).
+* :class:`SloAdaptivePolicy`: the served router's ``--policy adaptive`` in-process: the same
+  :class:`elastic_export.serving.slo.SloPolicy` (built by :func:`elastic_export.serving.router_load.
+  adaptive_policy`), the best-quality budget whose predicted latency quantile meets an SLO at the
+  measured arrival rate.
+
+By name (:data:`POLICIES`, :func:`make_policy`): ``fixed``, ``latency``, ``load``, ``adaptive``;
+``fixed`` and ``adaptive`` mean what the router's ``--policy`` of that name means (:data:`ROUTER_POLICIES`).
 
 **Quality order.** Where the profile (or the caller) gives a quality figure for every candidate
 pair, higher is better. Without one, the default order is: lower sparsity first, and at equal
@@ -20,16 +27,21 @@ otherwise.
 pairs (ascending) and its current precision, then ``policy.select(batch)`` per request, which may
 return a pair or a bare sparsity (served at the runtime's current precision): a policy written
 before precisions existed (``bind(sparsities)``, ``select -> float``) keeps working; the base
-class's ``bind_pairs`` calls its ``bind`` with the sparsities of the current precision.
+class's ``bind_pairs`` calls its ``bind`` with the sparsities of the current precision. Every
+request the runtime serves is reported first with ``policy.arrive(rows)`` (named budget or not, as
+the router counts every request in its arrival rate); ``select`` is then called for those that name none.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import time
+from typing import Any, Callable, Mapping, Sequence
 
 from elastic_export.core.errors import UserError
 from elastic_export.core.latency_profile import PRECISION_ORDER, STATS, LatencyProfile, Pair, fmt_pair, key
+from elastic_export.serving import slo
 from elastic_export.serving.router_budgets import BudgetError, choose_budget
+from elastic_export.serving.router_load import adaptive_policy, arrival
 
 # How a served router picks a budget for a request that names none (`--policy`); the router file,
 # copied standalone into the repository, spells the same tuple (checked where the repository is written).
@@ -132,17 +144,22 @@ class Policy:
     def observe(self, queue_depth: int, arrival_rate: float | None = None) -> None:
         """Load report from the server (ignored by policies that do not use it)."""
 
+    def arrive(self, rows: int) -> None:
+        """A request of ``rows`` rows arrived (every request the runtime serves; ignored by policies that
+        do not count arrivals)."""
+
 
 class FixedPolicy(Policy):
     """Always the same pair.
 
     Args:
         sparsity: a sparsity, matched to the loaded ones as a request's is (:func:`match_budget`: 0.35
-            with 0.3 and 0.4 loaded serves 0.4), as the router's ``--policy fixed`` matches its default.
+            with 0.3 and 0.4 loaded serves 0.4), as the router's ``--policy fixed`` matches its default
+            (default 0.0: the densest loaded, the router's default too).
         precision: one of its precisions (None: the runtime's current precision).
     """
 
-    def __init__(self, sparsity: float, precision: str | None = None) -> None:
+    def __init__(self, sparsity: float = 0.0, precision: str | None = None) -> None:
         self.sparsity, self.precision = key(sparsity), precision
         self._pair: Pair | None = None
 
@@ -330,3 +347,95 @@ class LoadAdaptivePolicy(Policy):
 
     def select(self, batch: int) -> Pair:
         return self.levels[self.level]
+
+
+class SloAdaptivePolicy(Policy):
+    """The served router's ``--policy adaptive``, in-process: the best-quality budget whose predicted latency
+    quantile at the measured arrival rate meets the SLO. It is the router's own
+    :class:`~elastic_export.serving.slo.SloPolicy`, built by the router's
+    :func:`~elastic_export.serving.router_load.adaptive_policy` and fed each arrival by its
+    :func:`~elastic_export.serving.router_load.arrival` (every request the runtime serves counts, as every
+    request counts at the router), so both pick the same budget for the same arrivals and service times.
+    What the router adds around it (admission, overflow, service-scale and overhead corrections from its
+    budget models' statistics) is not done in-process.
+
+    Args:
+        slo_ms: the objective (ms) for the ``quantile`` of the latency (None: the router's default, 250).
+        points: per sparsity (at the policy's precision) or per pair, measured ``{batch: ms}`` service
+            times (p50 of a batch alone, as the router measures at start-up); or give ``profile``.
+        profile: a latency profile whose ``stat`` rows at the policy's precision give the points
+            (:func:`~elastic_export.serving.slo.service_points_from_profile`, as the router reads one).
+        quantile: which quantile the SLO bounds (the router's ``slo_quantile``; 0.99: p99).
+        max_sparsity: a quality floor (the router's ``max_sparsity``; None: every loaded budget).
+        precision: the precision served (None: the runtime's current one when it binds).
+        stat: the profile's statistic read as service time.
+        clock: seconds, monotonic (tests inject one).
+    """
+
+    def __init__(self, slo_ms: float | None = None, points: Mapping[float | Pair, Mapping[int, float]] | None = None,
+                 *, profile: LatencyProfile | None = None, quantile: float = slo.DEFAULT_QUANTILE,
+                 max_sparsity: float | None = None, precision: str | None = None, stat: str = "p50_ms",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if (points is None) == (profile is None):
+            raise UserError("SloAdaptivePolicy takes service times: points or a profile (one of them)")
+        self.slo_ms, self.quantile, self.max_sparsity = slo_ms, quantile, max_sparsity
+        self.points, self.profile, self.precision, self.stat, self.clock = points, profile, precision, stat, clock
+        self.policy: slo.SloPolicy | None = None  # the router's policy, once bound
+        self.last: Any = None  # the latest decision (slo.Decision)
+
+    def bind_pairs(self, pairs: Sequence[Pair], precision: str) -> None:
+        p = self.precision or precision
+        sparsities = sorted({s for s, q in pairs if q == p})
+        if not sparsities:
+            raise UserError(f"SloAdaptivePolicy: precision {p!r} is not loaded; loaded: "
+                            f"{', '.join(sorted({q for _, q in pairs}))}")
+        try:
+            self.policy = adaptive_policy(sparsities, p, self._points(sparsities, p), self.slo_ms, self.quantile,
+                                       self.max_sparsity, self.clock)
+        except ValueError as e:
+            raise UserError(f"SloAdaptivePolicy: {e}") from None
+        self.last = None
+
+    def _points(self, sparsities: Sequence[float], precision: str) -> dict[float, dict[int, float]]:
+        """``{sparsity: {batch: ms}}`` for every loaded sparsity at ``precision``; UserError naming one lacking."""
+        if self.profile is not None:
+            got = slo.service_points_from_profile(self.profile.rows(precision), precision, sparsities, self.stat)
+            have = {s: pts for (s, _), pts in (got or {}).items()}
+        else:
+            have = {_pair(k, precision): {int(b): float(ms) for b, ms in v.items()} for k, v in self.points.items()}
+            have = {s: have[(s, precision)] for s in sparsities if (s, precision) in have}
+        lacking = [s for s in sparsities if s not in have]
+        if lacking:
+            where = f"the latency profile's {self.stat} rows" if self.profile is not None else "points"
+            raise UserError(f"SloAdaptivePolicy: {where} lack sparsity {fmt_pair((lacking[0], precision))}; "
+                            f"give service times for every loaded budget")
+        return have
+
+    def arrive(self, rows: int) -> None:
+        self.last = arrival(self._bound(), self.clock(), rows)
+
+    def select(self, batch: int) -> Pair:
+        """The latest arrival's decision (before any: the best-quality budget)."""
+        return self.last.pair if self.last is not None else self._bound().current
+
+    def _bound(self) -> slo.SloPolicy:
+        if self.policy is None:
+            raise UserError("SloAdaptivePolicy is not bound to a runtime (ElasticRuntime.set_policy binds it)")
+        return self.policy
+
+
+# The runtime's policies by name (make_policy); "fixed" and "adaptive" are the router's --policy of that name.
+POLICIES: dict[str, type[Policy]] = {"fixed": FixedPolicy, "latency": LatencyTargetPolicy, "load": LoadAdaptivePolicy,
+                                     "adaptive": SloAdaptivePolicy}
+
+
+def make_policy(name: str, **kwargs: Any) -> Policy:
+    """The runtime policy called ``name`` (:data:`POLICIES`) built with ``kwargs``: ``make_policy("adaptive",
+    slo_ms=50, profile=load_profile(DIR))`` is the router's ``--policy adaptive --slo-ms 50`` in-process.
+
+    Raises:
+        UserError: an unknown name (the message lists the known ones).
+    """
+    if name not in POLICIES:
+        raise UserError(f"policy {name!r}: unknown; choose from {', '.join(POLICIES)}")
+    return POLICIES[name](**kwargs)

@@ -2,6 +2,8 @@
 
 * :class:`LoadMonitor`: requests and rows in flight per budget, the oldest one's wait and the batch the
   budget model is running, as the router sees them (arrivals and answers).
+* :func:`adaptive_policy`, :func:`arrival`: the adaptive policy built and fed one arrival, shared with the
+  in-process runtime's ``adaptive`` policy (:class:`elastic_export.serving.policies.SloAdaptivePolicy`).
 * :class:`SloRouting`: the router's use of :class:`elastic_export.serving.slo.SloPolicy` (``policy:
   adaptive``): the best-quality budget whose predicted latency quantile meets the SLO, and admission (a
   request predicted to miss the SLO behind the rows in flight is refused with
@@ -82,6 +84,28 @@ class LoadMonitor:
         return sum(n for t, n in since.values() if t <= start), (now - start) * 1e3
 
 
+def adaptive_policy(sparsities: Sequence[float], precision: str, points: Dict[float, Dict[int, float]],
+                    slo_ms: Optional[float] = None, quantile: float = slo.DEFAULT_QUANTILE,
+                    max_sparsity: Optional[float] = None, clock=time.monotonic) -> "slo.SloPolicy":
+    """The adaptive policy (``policy: adaptive``) over ``sparsities`` (densest first) at ``precision``: an
+    :class:`~elastic_export.serving.slo.SloPolicy` on ``points`` (per sparsity, measured ``{batch: ms}``),
+    an arrival-rate estimate on ``clock`` and ``slo_ms`` (None: :data:`DEFAULT_SLO_MS`). The router's
+    :class:`SloRouting` and the in-process runtime's ``adaptive`` policy
+    (:class:`elastic_export.serving.policies.SloAdaptivePolicy`) both build it here, so they decide alike."""
+    pairs = [(s, precision) for s in sparsities]
+    service = slo.ServiceModel({(s, precision): points[s] for s in sparsities})
+    return slo.SloPolicy(pairs, service, slo_ms or DEFAULT_SLO_MS, quantile=quantile, max_sparsity=max_sparsity,
+                         rate=slo.RateEstimator(clock=clock))
+
+
+def arrival(policy: "slo.SloPolicy", now: float, rows: int, work: Optional[float] = None) -> "slo.Decision":
+    """An arrival of ``rows`` rows costing ``work`` rows of the nominal length (default: ``rows``) at ``now``:
+    counted in the policy's arrival rate and row weight; the policy's decision for it."""
+    policy.rate.arrive(now, rows)
+    policy.note_rows(rows, rows if work is None else work)
+    return policy.decide(now)
+
+
 class SloRouting:
     """The router's use of :class:`elastic_export.serving.slo.SloPolicy` (``policy: adaptive``): the
     best-quality budget whose predicted latency quantile meets the SLO, and admission (a request predicted
@@ -95,20 +119,15 @@ class SloRouting:
     """
 
     def __init__(self, config: Any, points: Dict[float, Dict[int, float]], clock=time.monotonic):
-        pairs = [(s, config.precision) for s in config.sparsities]
-        service = slo.ServiceModel({(s, config.precision): points[s] for s in config.sparsities})
-        self.policy = slo.SloPolicy(pairs, service, config.slo_ms or DEFAULT_SLO_MS, quantile=config.slo_quantile,
-                                    max_sparsity=config.max_sparsity, rate=slo.RateEstimator(clock=clock))
+        self.policy = adaptive_policy(config.sparsities, config.precision, points, config.slo_ms, config.slo_quantile,
+                                      config.max_sparsity, clock)
         self.precision, self._clock = config.precision, clock
         self.last = None  # the latest decision
 
     def arrive(self, rows: int, work: Optional[float] = None) -> Any:
         """Count an arrival of ``rows`` rows costing ``work`` rows of the nominal length (default: ``rows``);
         the decision (pair, prediction, rate) for it."""
-        now = self._clock()
-        self.policy.rate.arrive(now, rows)
-        self.policy.note_rows(rows, rows if work is None else work)
-        self.last = self.policy.decide(now)
+        self.last = arrival(self.policy, self._clock(), rows, work)
         return self.last
 
     def admit(self, budget: float, rows: int, ahead: int, waited_ms: float = 0.0,

@@ -39,7 +39,10 @@ DESIGN.md §4::
   :class:`FixedPolicy`, :class:`LatencyTargetPolicy` (the highest-quality pair whose measured p90
   at the request's batch size meets a target, from ``DIR/latency_profile.json``:
   :mod:`elastic_export.core.latency_profile`), :class:`LoadAdaptivePolicy` (queue depth and/or
-  arrival rate -> level, with hysteresis; the server reports load with :meth:`ElasticRuntime.observe`).
+  arrival rate -> level, with hysteresis; the server reports load with :meth:`ElasticRuntime.observe`),
+  :class:`SloAdaptivePolicy` (the served router's ``--policy adaptive``: its SLO policy, fed every
+  request served here as an arrival). By name: :func:`make_policy` (``fixed``, ``latency``, ``load``,
+  ``adaptive``).
 * **Threads.** One lock guards the budget state (current pair, policy state); ``run`` takes it
   only to read which pair to use, so runs at different pairs proceed concurrently
   (onnxruntime's ``InferenceSession.run`` is thread-safe).
@@ -82,11 +85,14 @@ from elastic_export.core.manifest import Manifest
 from elastic_export.core.precisions import FILE_KEYS
 from elastic_export.serving.backends import DEFAULT_BACKEND, Backend, RunnableBudget, get_backend, manifest_sparsity
 from elastic_export.serving.policies import (  # noqa: F401 - re-exported
+    POLICIES,
     FixedPolicy,
     LatencyTargetPolicy,
     LoadAdaptivePolicy,
     Policy,
+    SloAdaptivePolicy,
     frontier,
+    make_policy,
     match_budget,
     quality_order,
 )
@@ -259,6 +265,17 @@ class ElasticRuntime:
         with self._lock:
             return self._current if self._policy is None else self._select(batch)
 
+    def _arrive(self, batch: int, choose: bool) -> Pair | None:
+        """Report a request of ``batch`` rows to the policy (:meth:`Policy.arrive`: every request, as the
+        router counts every request in its arrival rate) and, when ``choose``, the pair it gets (the
+        policy's, else the current one)."""
+        with self._lock:
+            if self._policy is not None:
+                self._policy.arrive(batch)
+            if not choose:
+                return None
+            return self._current if self._policy is None else self._select(batch)
+
     def choose(self, batch: int = 1) -> float:
         """The sparsity a request of ``batch`` rows gets now (:meth:`choose_pair` for the precision too)."""
         return self.choose_pair(batch)[0]
@@ -296,10 +313,9 @@ class ElasticRuntime:
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
             raise UserError(f"missing input {missing[0]!r}; the model takes {', '.join(self.input_names)}")
-        if sparsity is None and precision is None:
-            pair = self.choose_pair(_batch(feeds, self.input_names))
-        else:
-            pair = self._resolve(sparsity, precision)
+        named = sparsity is not None or precision is not None
+        pair = self._resolve(sparsity, precision) if named else None
+        pair = self._arrive(_batch(feeds, self.input_names), choose=not named) or pair
         got = self._budgets[pair].run({n: feeds[n] for n in self.input_names})
         if isinstance(got, dict):
             return pair, {n: got[n] for n in self.output_names}
