@@ -196,10 +196,9 @@ def run_seed(model: Path, calib: Path, evalset: Path, work: Path, seed: int, bud
     out = {"seed": seed, "seconds_rank_and_export": round(seconds, 1),
            "warning": next((x for x in old_lines if x.startswith("warning:")), None),
            "targets_line": next((x for x in new_lines if x.startswith("targets:")), None), "arms": {}}
-    for name, r in zip(arms, res["results"]):
-        out["arms"][name] = {f"{b['sparsity']:.2f}": {k: b[k] for k in ("knn@1", "knn@10", "fidelity_cosine",
-                                                                          "gflops")}
-                             for b in r["budgets"] if b["precision"] == "fp32"}
+    for name, path in arms.items():
+        out["arms"][name] = {f"{r['sparsity']:.2f}": {k: r[k] for k in ("knn@1", "knn@10", "fidelity_cosine", "gflops")}
+                             for r in res["records"] if r["dir"] == str(path) and r["precision"] == "fp32"}
     out["images"] = res["datasets"]["images"]
     return out
 

@@ -4,6 +4,7 @@ copy of its options (a reused ``Options`` never resumes another ``--out``'s chec
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from elastic_export import pipeline
 from elastic_export.cli.main import main
 from elastic_export.ranking import driver
 from elastic_export.ranking.file import META_KEY, Ranking
-from elastic_export.ranking.options import DEFAULT_TARGETS, cover_budgets, targets_spec
+from elastic_export.ranking.options import DEEP_SCHEDULE, DEFAULT_TARGETS, ElasticConfig, cover_budgets, targets_spec
 
 # tiny and quick: 2 elastic steps on 8 calibration texts, nothing but the ONNX files
 FAST = ["--seq-len", "16", "--calib-size", "8", "--batch-size", "4", "--steps", "2", "--targets-per-step", "2",
@@ -61,6 +62,7 @@ def test_targets_extend_to_the_largest_budget_and_a_reused_ranking_warns(tmp_pat
     extended = _cli(capsys, *model, "--budgets", "0.5..0.9", "--out", "b")
     assert ("targets: the elastic targets stop at 0.7 but --budgets go to 0.9; optimising 0.05..0.9:0.05 "
             "(18 targets) instead (recorded in the ranking file)") in extended
+    assert not any(x.startswith("ranking: budgets past") for x in extended)  # --steps given: kept
     hyper = _hyper(tmp_path / "b" / "ranking.safetensors")
     assert max(hyper["targets"]) == 0.9 and hyper["targets"][-4:] == [0.75, 0.8, 0.85, 0.9]
     assert hyper["targets_extended_from"] == list(DEFAULT_TARGETS)
@@ -72,6 +74,23 @@ def test_targets_extend_to_the_largest_budget_and_a_reused_ranking_warns(tmp_pat
                         "(or drop --ranking)"]
     assert not any(x.startswith("warning:") for x in _cli(capsys, *model, "--budgets", "0.5..0.9", "--out", "d",
                                                            "--ranking", "b/ranking.safetensors"))
+
+
+def test_budgets_past_the_default_targets_rank_with_the_deep_schedule(tmp_path, monkeypatch, capsys, bert_dir):
+    """No schedule given, budgets to 0.9: the main job says it ranks with 64 steps of 4 targets at lr 0.02, and
+    the ranking file records them."""
+    monkeypatch.chdir(tmp_path)
+    fast = [a for a in FAST if a not in ("--steps", "--targets-per-step", "2")]
+    lines = _cli(capsys, "--model", str(bert_dir), *fast, "--budgets", "0.5,0.9", "--out", "deep")
+    assert ("ranking: budgets past 0.7 rank with 64 steps of 4 targets at lr 0.02 (the default 40 x 2 holds up to "
+            "0.7; give --steps, --targets-per-step or --lr to choose)") in lines
+    hyper = _hyper(tmp_path / "deep" / "ranking.safetensors")
+    assert (hyper["steps"], hyper["targets_per_step"], hyper["lr"]) == (64, 4, 0.02)
+    # the default schedule given on the command line is kept
+    lines = _cli(capsys, "--model", str(bert_dir), *fast, "--steps", "40", "--budgets", "0.5,0.9", "--out", "kept")
+    assert not any(x.startswith("ranking: budgets past") for x in lines)
+    hyper = _hyper(tmp_path / "kept" / "ranking.safetensors")
+    assert (hyper["steps"], hyper["targets_per_step"]) == (40, 2) and "keep_schedule" not in hyper
 
 
 def test_rank_leaves_the_callers_options_alone(tmp_path, monkeypatch):
@@ -91,3 +110,16 @@ def test_rank_leaves_the_callers_options_alone(tmp_path, monkeypatch):
     assert [Path(o.checkpoint).name for o in seen] == [".one.ranking-checkpoint.safetensors",
                                                        ".two.ranking-checkpoint.safetensors"]
     assert max(seen[0].elastic.targets) == 0.9
+    # budgets past the default targets rank with the 64 x 4 schedule; the caller's config stays the default
+    assert (seen[0].elastic.steps, seen[0].elastic.targets_per_step, seen[0].elastic.lr) == (64, 4, 0.02)
+    assert (opts.elastic.steps, opts.elastic.targets_per_step) == (ElasticConfig().steps, ElasticConfig().targets_per_step)
+
+
+def test_only_the_default_schedule_deepens_past_the_default_targets():
+    plain = ElasticConfig()
+    deep = plain.deepened(True)
+    assert {k: getattr(deep, k) for k in DEEP_SCHEDULE} == DEEP_SCHEDULE and deep.targets == plain.targets
+    assert plain.deepened(False) == plain  # targets not extended: the default schedule
+    for given in ({"steps": 50}, {"targets_per_step": 3}, {"lr": 0.05}, {"keep_schedule": True}):  # given: kept
+        config = replace(plain, **given)
+        assert config.deepened(True) == config

@@ -157,6 +157,14 @@ def export_options(fn):
     return apply_options(*EXPORT_OPTIONS)(fn)
 
 
+def _given(*names: str) -> bool:
+    """Whether any of these options was given on the command line (or its environment), not defaulted."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return False
+    return any(ctx.get_parameter_source(n) not in (None, click.core.ParameterSource.DEFAULT) for n in names)
+
+
 def elastic_config(kw: dict) -> ElasticConfig:
     """Pop the elastic-ranking options out of ``kw`` into an :class:`ElasticConfig`."""
     for name in ("steps", "targets_per_step", "calib_size", "batch_size", "fisher_projections"):
@@ -171,7 +179,8 @@ def elastic_config(kw: dict) -> ElasticConfig:
     for name in ("token_weight", "relational_weight"):
         if kw[name] < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, got {kw[name]}")
-    return ElasticConfig(targets=targets, steps=kw.pop("steps"), lr=kw.pop("lr"),
+    return ElasticConfig(targets=targets, keep_schedule=_given("steps", "targets_per_step", "lr"),
+                         steps=kw.pop("steps"), lr=kw.pop("lr"),
                          temperature=kw.pop("temperature"), targets_per_step=kw.pop("targets_per_step"),
                          loss=kw.pop("loss"), token_weight=kw.pop("token_weight"),
                          relational_weight=kw.pop("relational_weight"),

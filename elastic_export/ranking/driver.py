@@ -83,7 +83,7 @@ def rank_encoder(encoder: Encoder, inventory: Inventory, opts: Any, echo: Callab
         hyper.update(calib_size=opts.calib_size, batch_size=opts.batch_size)
     if opts.method == "elastic":
         hyper.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()
-                      if k not in ("checkpoint_every",)})
+                      if k not in ("checkpoint_every", "keep_schedule")})
     meta = make_meta(inventory, encoder.fingerprint(), opts.method, hyper, desc)
     echo(f"ranked {sum(L.heads + L.neurons for L in inventory.layers)} units with {opts.method!r} "
          f"in {time.time() - t0:.1f}s")
@@ -103,13 +103,19 @@ def rank_or_reuse(encoder: Encoder, inventory: Inventory, opts: Any, calib: Cali
     out = Path(opts.out)
     checkpoint = opts.checkpoint or str(out.parent / f".{out.name}.ranking-checkpoint.safetensors")
     opts = replace(opts, checkpoint=checkpoint)  # a copy: the caller's Options stay as they were
-    asked = opts.elastic.targets
+    asked, plain = opts.elastic.targets, opts.elastic
     if opts.method == "elastic":
-        opts = replace(opts, elastic=replace(opts.elastic, targets=cover_budgets(asked, opts.budgets)))
+        covered = cover_budgets(asked, opts.budgets)
+        opts = replace(opts, elastic=replace(plain, targets=covered).deepened(covered != asked))
     if opts.elastic.targets != asked:
         echo(f"targets: the elastic targets stop at {max(asked):g} but --budgets go to {max(opts.budgets):g}; "
              f"optimising {targets_spec(opts.elastic.targets)} ({len(opts.elastic.targets)} targets) instead "
              "(recorded in the ranking file)")
+    if opts.elastic.steps != plain.steps:
+        e = opts.elastic
+        echo(f"ranking: budgets past {max(asked):g} rank with {e.steps} steps of {e.targets_per_step} targets at lr "
+             f"{e.lr:g} (the default {plain.steps} x {plain.targets_per_step} holds up to {max(asked):g}; give "
+             "--steps, --targets-per-step or --lr to choose)")
     t_rank = time.time()
     ranking = rank_encoder(encoder, inventory, opts, echo, calib)
     if opts.elastic.targets != asked:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_TARGETS = tuple(round(0.05 * i, 2) for i in range(1, 15))  # 0.05 .. 0.70, 14 targets
 TARGET_STEP = 0.05  # the default targets' step; the step that extends a single target
@@ -38,6 +38,11 @@ def targets_spec(targets: Iterable[float]) -> str:
     if len(ts) >= 3 and len(gaps) == 1:
         return f"{ts[0]:g}..{ts[-1]:g}:{gaps.pop():g}"
     return ",".join(f"{t:g}" for t in ts)
+
+
+#: the schedule that ranks budgets past the default targets (steps, targets per step, lr): on a small ViT at
+#: 90 % only it held the longer ranking's k-NN (docs/results.md, benchmarks/vit_ranking.py)
+DEEP_SCHEDULE = {"steps": 64, "targets_per_step": 4, "lr": 0.02}
 
 
 @dataclass
@@ -71,6 +76,8 @@ class ElasticConfig:
             matrix products in bfloat16, about twice as fast on CPUs with AVX-512 BF16 or AMX and on
             GPUs; scores, masks and losses stay fp32); ``auto``: bf16 where the device has native
             bf16 products, else fp32 (the ranking file records which ran).
+        keep_schedule: never :meth:`deepened` (the command line sets it when ``--steps``,
+            ``--targets-per-step`` or ``--lr`` is given).
     """
 
     targets: tuple[float, ...] = DEFAULT_TARGETS
@@ -87,3 +94,15 @@ class ElasticConfig:
     init: str = "fisher"
     fisher_projections: int = 2
     compute: str = "auto"
+    keep_schedule: bool = False
+
+    def deepened(self, extended: bool) -> "ElasticConfig":
+        """This config with :data:`DEEP_SCHEDULE` when its targets were ``extended`` past the default ones and
+        its steps, targets per step and lr are the defaults; unchanged otherwise (a schedule given is kept:
+        ``keep_schedule`` or other values).
+        The 40 x 2 default holds the 64 x 4 ranking's quality up to 0.7; past it, on a ViT at 0.9, only the
+        64 x 4 schedule held (40 x 4, 52 x 2, 64 x 2 and lr 0.02 alone did not)."""
+        plain = ElasticConfig()
+        if not extended or self.keep_schedule or any(getattr(self, k) != getattr(plain, k) for k in DEEP_SCHEDULE):
+            return self
+        return replace(self, **DEEP_SCHEDULE)
