@@ -220,3 +220,32 @@ def test_round_trips_are_robust_to_a_slow_trip_and_flat_from_one_row_count():
     assert trips.ms(6) == pytest.approx(45.0)
     trips.add(1, 900.0)  # a slow trip among many of its row count: its median holds
     assert trips.ms(6) == pytest.approx(45.0)
+
+
+def test_each_query_is_refused_on_its_own_wait_and_the_next_round_trip():
+    """Round trips measured at 60 ms: when the slot frees, a query that waited 190 ms would end at 250, past the
+    200 ms deadline: refused unsent; the query that waited 100 ms goes (160 ms), with its own wait as the
+    request's queued_ms, so the router does not refuse it for the old one's."""
+    async def go():
+        now, router = [0.0], Router()
+        b = QueryBatcher(router, max_rows=64, max_in_flight=1, deadline_ms=200.0,
+                         late=lambda ms: RuntimeError(f"late {ms:.0f}"), clock=lambda: now[0])
+        for _ in range(8):
+            b.round_trips.add(1, 60.0)
+        t0 = asyncio.ensure_future(b.embed(_q(0), None))
+        await _settle()
+        old = asyncio.ensure_future(b.embed(_q(1), None))  # arrives at 0: predicted 60 + 60, accepted
+        await _settle()
+        now[0] = 0.090
+        young = asyncio.ensure_future(b.embed(_q(2), None))
+        await _settle()
+        now[0] = 0.190  # the slot frees: query 1 waited 190 ms, query 2 100 ms
+        router.gates[0].set()
+        await _settle()
+        with pytest.raises(RuntimeError, match="late 250"):
+            await old
+        assert router.sent[1][0] == [2] and router.sent[1][2] == pytest.approx(100.0)
+        router.gates[1].set()
+        await asyncio.gather(t0, young)
+        assert b.stats.late == 1
+    asyncio.run(go())

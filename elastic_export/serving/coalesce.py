@@ -7,10 +7,11 @@ finds fewer is sent at once: no wait at a light load); the queries that arrive m
 go together in the next request: those that ask for the same budget (or none), oldest first, up to
 ``max_rows`` rows and ``max_tokens`` padded tokens, shorter ones first where the oldest leaves room, so
 that a request pads little. Each waits until a slot frees: the time it waited here travels with the
-request (:data:`QUEUED_PARAMETER`), and the router's admission counts it; one that has waited past the
-deadline (a share of the SLO) is refused unsent, and one predicted past it on arrival (the running
-request's rest and the next one's round trip, from the latest measured: :class:`RoundTrips`) is refused at
-once, so that overload is refused fast instead of queued. Plain asyncio with an
+request (:data:`QUEUED_PARAMETER`), and the router's admission counts it. A query predicted past the
+deadline (a share of the SLO) is refused unsent: on arrival (the running request's rest and the next
+one's round trip, from the latest measured: :class:`RoundTrips`), so that overload is refused fast
+instead of queued, and again when a request is formed (its own wait and that request's round trip), so
+that no doomed query makes the router refuse the young ones merged with it. Plain asyncio with an
 injected clock; the router call is injected too (:class:`~elastic_export.serving.router_client.RouterClient`).
 """
 
@@ -227,14 +228,20 @@ class QueryBatcher:
         return batch
 
     def _drop_late(self) -> None:
-        """Queries past the deadline end now, unsent (counted in ``stats.late``)."""
+        """Queries that would end past the deadline end now, unsent (counted in ``stats.late``): each on its own
+        wait and the round trip of a request carrying it and every younger query (up to ``max_rows``; 0 before
+        enough trips are measured). Youngest first: once one fails, every older one would too. The router
+        admits a merged request on its oldest query's wait, so a doomed query sent along would have it refuse
+        the young ones that could still be answered in time."""
         if self.deadline_ms is None:
             return
-        now = self.clock()
-        for item in self._waiting:
-            waited = (now - item.arrived) * 1e3
-            if waited > self.deadline_ms and not item.future.done():
-                item.future.set_exception(self.late(waited))
+        now, rows, doomed = self.clock(), 0, False
+        for item in reversed(self._waiting):  # oldest first in the list: youngest first here
+            rows = min(self.max_rows, rows + len(item.rows))
+            ms = (now - item.arrived) * 1e3 + (self.round_trips.ms(rows) or 0.0)
+            doomed = doomed or ms > self.deadline_ms
+            if doomed and not item.future.done():
+                item.future.set_exception(self.late(ms))
                 self.stats.late += 1
 
     async def _run(self, batch: list[_Item]) -> None:

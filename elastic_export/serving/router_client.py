@@ -185,14 +185,14 @@ class RouterClient:
 
     def batcher(self, info: RouterInfo) -> Any:
         """The :class:`~elastic_export.serving.coalesce.QueryBatcher` that merges concurrent queries (made once,
-        from the router's ``info``); a query that waited past :data:`DEADLINE_SHARE` of the SLO is refused (503)
-        instead of sent."""
+        from the router's ``info``); a query predicted past :data:`DEADLINE_SHARE` of the SLO (on arrival, or
+        its wait and the next round trip) is refused (503) instead of sent."""
         if self._batcher is None:
             slo_ms = info.slo_ms
             from elastic_export.serving.coalesce import LoopLag, QueryBatcher
 
-            def late(waited_ms: float) -> ApiError:
-                return ApiError(503, f"overloaded: the query would wait {waited_ms:.0f} ms for the model server, past "
+            def late(ms: float) -> ApiError:
+                return ApiError(503, f"overloaded: the query would be answered in about {ms:.0f} ms, past "
                                      f"the SLO of {slo_ms:g} ms; retry later", None, "overloaded", {"Retry-After": "1"})
 
             self._lag = LoopLag()
