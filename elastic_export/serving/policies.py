@@ -71,6 +71,16 @@ def match_budget(requested: float | None, listed: Sequence[float], default: floa
         raise UserError(f"{e}" + (f" (at {precision})" if precision else "")) from None
 
 
+def _loaded_at(pairs: Sequence[Pair], precision: str, who: str = "") -> list[float]:
+    """The sparsities loaded at ``precision``, ascending; UserError (one line, ``who`` first) naming the loaded
+    precisions when there are none."""
+    listed = sorted({s for s, q in pairs if q == precision})
+    if not listed:
+        loaded = sorted({q for _, q in pairs}, key=lambda q: PRECISION_ORDER.index(q) if q in PRECISION_ORDER else 99)
+        raise UserError(f"{who}precision {precision!r} is not loaded; loaded: {', '.join(loaded)}")
+    return listed
+
+
 def quality_order(pairs: Sequence[Pair], quality: Mapping[Pair, float] | None = None) -> list[Pair]:
     """``pairs`` best first.
 
@@ -165,10 +175,7 @@ class FixedPolicy(Policy):
 
     def bind_pairs(self, pairs: Sequence[Pair], precision: str) -> None:
         p = self.precision or precision
-        listed = sorted({s for s, q in pairs if q == p})
-        if not listed:
-            loaded = sorted({q for _, q in pairs}, key=lambda q: PRECISION_ORDER.index(q) if q in PRECISION_ORDER else 99)
-            raise UserError(f"precision {p!r} is not loaded; loaded: {', '.join(loaded)}")
+        listed = _loaded_at(pairs, p)
         multi = len({q for _, q in pairs}) > 1
         self._pair = (match_budget(self.sparsity, listed, precision=p if multi else None), p)
 
@@ -385,10 +392,7 @@ class SloAdaptivePolicy(Policy):
 
     def bind_pairs(self, pairs: Sequence[Pair], precision: str) -> None:
         p = self.precision or precision
-        sparsities = sorted({s for s, q in pairs if q == p})
-        if not sparsities:
-            raise UserError(f"SloAdaptivePolicy: precision {p!r} is not loaded; loaded: "
-                            f"{', '.join(sorted({q for _, q in pairs}))}")
+        sparsities = _loaded_at(pairs, p, "SloAdaptivePolicy: ")
         try:
             self.policy = adaptive_policy(sparsities, p, self._points(sparsities, p), self.slo_ms, self.quantile,
                                        self.max_sparsity, self.clock)
