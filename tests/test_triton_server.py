@@ -825,6 +825,16 @@ def _serve_once(*args: str) -> subprocess.CompletedProcess:
                           env=ENV, timeout=READY_S + 120)
 
 
+def _serve_on_a_free_block(*args: str, attempts: int = 3) -> subprocess.CompletedProcess:
+    """``serve ARGS --port P`` on a free port block; again on another block (bounded) when one of its ports was
+    taken between the check and serve's bind (free_port_block's race: the caller retries)."""
+    for _ in range(attempts):
+        r = _serve_once(*args, "--port", str(TS.free_port_block()))
+        if not (r.returncode == 2 and " is in use; choose another --port" in r.stderr):
+            return r
+    raise AssertionError("no free port block after retries")
+
+
 def _one_error_line(r: subprocess.CompletedProcess) -> str:
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, r.stderr)
@@ -865,7 +875,7 @@ def test_a_budget_model_that_fails_to_load_is_one_error_line(minilm_small, tmp_p
     served_file = d / "triton" / "elastic_s050" / "1" / "model.onnx"
     served_file.unlink()
     served_file.write_bytes(b"not an onnx file")
-    line = _one_error_line(_serve_once(str(d), "--port", str(TS.free_port_block()), "--ready-timeout", "120"))
+    line = _one_error_line(_serve_on_a_free_block(str(d), "--ready-timeout", "120"))
     assert "elastic_s050" in line and "UNAVAILABLE" in line, line
 
 
