@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,17 +136,55 @@ READY_S = 240  # every server start
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[subprocess.Popen, int, list[str]]:
-    """``elastic-export serve DIR`` on a free port block, until it prints its ready line (bounded).
+# --- a server on a free port block, again on another when a port was taken before it bound ---------
+BUSY_PORT = re.compile(r"\b(?:is|already) in use\b", re.IGNORECASE)
+
+
+class PortInUse(Exception):
+    """What a start callable of :func:`on_a_free_block` raises when its server's failure says one of its ports
+    was in use, after stopping that server (by its pid)."""
+
+
+def busy_port(text: str) -> bool:
+    """Whether a server's failure says a port was in use: serve's ``port P on H (what) is in use``,
+    tritonserver's ``Socket '127.0.0.1:P' already in use`` / ``Address already in use``, uvicorn's
+    ``error while attempting to bind on address (...): address already in use``, nginx's ``bind() to
+    127.0.0.1:P failed (98: Address already in use)``."""
+    return BUSY_PORT.search(text) is not None
+
+
+def on_a_free_block(start, attempts: int = 3):
+    """``start(port)`` with ``port`` from ``free_port_block()``, and again on a fresh block (``attempts`` tries
+    in all) while it raises :class:`PortInUse`: the block is free when checked, and another process can take
+    one of its ports before the server binds it (free_port_block's race: the caller retries). Whatever else
+    ``start`` raises is raised at once."""
+    taken = []
+    for _ in range(attempts):
+        port = TS.free_port_block()
+        try:
+            return start(port)
+        except PortInUse as e:
+            taken.append(f"block {port}: {e}")
+    raise AssertionError(f"a port was in use in each of {attempts} free port blocks:\n" + "\n".join(taken))
+
+
+def serve_process(directory, *extra: str, attempts: int = 3, cwd=None, env=None,
+                  free_on: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, list[str]]:
+    """``elastic-export serve DIR`` on a free port block (:func:`on_a_free_block`; ``free_on``: hosts besides
+    127.0.0.1 where the block must be free too), until it prints its ready line (bounded); ``env`` is added
+    to :data:`ENV`.
 
     Returns the process, its port and the lines it printed up to the ready line; ``p.lines`` holds those
     and, as they come, the lines it prints later (a reader thread: :func:`wait_for_line`), and
     ``p.server_pid`` is its tritonserver's pid."""
-    for _ in range(attempts):
-        port = TS.free_port_block()
+    def start(port: int) -> tuple[subprocess.Popen, int, list[str]]:
+        taken = [h for h in free_on if not all(TS.port_free(h, port + i) for i in range(len(TS.PORT_USES)))]
+        if taken:
+            raise PortInUse(f"not free on {', '.join(taken)}")
         p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(directory), "--port", str(port),
                               "--ready-timeout", str(READY_S),
-                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd,
+                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**ENV, **(env or {})}, cwd=cwd,
                              start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         # a reader thread from the start: the deadline holds even while serve prints nothing
         p.lines = lines = []
@@ -165,9 +204,12 @@ def serve_process(directory, *extra: str, attempts: int = 3, cwd=None) -> tuple[
             p.server_pid = tritonserver_of(p.pid)
             return p, port, list(lines[:ready + 1])
         stop_process(p)
-        if not any("in use" in x for x in lines):
-            raise AssertionError("serve did not become ready:\n" + "\n".join(lines[-20:]))
-    raise AssertionError("no free port block after retries")
+        busy = [x for x in lines if busy_port(x)]
+        if busy:
+            raise PortInUse(busy[0])
+        raise AssertionError("serve did not become ready:\n" + "\n".join(lines[-20:]))
+
+    return on_a_free_block(start, attempts)
 
 
 def _follow(p: subprocess.Popen, lines: list[str]) -> None:
@@ -193,7 +235,8 @@ def wait_for_line(p: subprocess.Popen, text: str, timeout_s: float = 60.0, start
 
 
 def stop_process(p) -> tuple[int, str]:
-    """SIGTERM to serve (by its pid), bounded; the rest of its output (after the ready line)."""
+    """SIGTERM to serve (by its pid), bounded; the rest of its output (after the ready line; all of it for
+    a serve that never printed one)."""
     if p.poll() is None:
         p.send_signal(signal.SIGTERM)
     follower = getattr(p, "follower", None)
@@ -204,7 +247,7 @@ def stop_process(p) -> tuple[int, str]:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
         follower.join(timeout=30)
-        ready = next(i for i, x in enumerate(p.lines) if x.startswith("ready:"))
+        ready = next((i for i, x in enumerate(p.lines) if x.startswith("ready:")), -1)
         return p.returncode, "\n".join(p.lines[ready + 1:])
     try:
         rest, _ = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)

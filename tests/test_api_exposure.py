@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from _helpers import ENV, READY_S, _follow, link_copy, stop_process, tritonserver_of
+from _helpers import ENV, link_copy, serve_process, stop_process
 
 from elastic_export.serving.api_guard import API_KEY_ENV, Exposure
 from elastic_export.targets import tritonserver as TS
@@ -29,38 +29,11 @@ LIMITS = ["--payload-limit", "1000000", "--max-client-batch-size", "8", "--max-c
 
 
 def start_serve(directory, *extra: str, env=None, attempts: int = 3):
-    """``elastic-export serve DIR --port P ...`` until its ready line, polled against a deadline (a reader
-    thread follows its output from the start: ``p.lines``); (process, port); ``p.server_pid`` is its
-    tritonserver. The ports must be free on 127.0.0.1 and on :data:`HOST`."""
-    for _ in range(attempts):
-        port = TS.free_port_block()
-        if not all(TS.port_free(HOST, port + i) for i in range(4)):
-            continue
-        p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(directory), "--port", str(port),
-                              "--ready-timeout", str(READY_S), *extra], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env={**ENV, **(env or {})}, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        p.lines = lines = []
-        p.follower = threading.Thread(target=_follow, args=(p, lines), daemon=True)
-        p.follower.start()
-        deadline = time.monotonic() + READY_S + 120
-        while not any(x.startswith("ready:") for x in lines) and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        p.follower.join(timeout=30 if p.poll() is not None else 0)
-        if any(x.startswith("ready:") for x in lines):
-            p.server_pid = tritonserver_of(p.pid)
-            return p, port
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(TS.STOP_TIMEOUT_S + 30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(30)
-        p.follower.join(timeout=30)
-        if not any("in use" in x for x in lines):
-            raise AssertionError("serve did not become ready:\n" + "\n".join(lines[-20:]))
-    raise AssertionError("no free port block after retries")
+    """``elastic-export serve DIR --port P ...`` until its ready line (:func:`_helpers.serve_process`, again on
+    another block when a port was taken); (process, port); ``p.lines`` follows its output, ``p.server_pid`` is
+    its tritonserver. The ports must be free on 127.0.0.1 and on :data:`HOST`."""
+    p, port, _ = serve_process(directory, *extra, env=env, attempts=attempts, free_on=(HOST,))
+    return p, port
 
 
 def gone(pid: int | None) -> bool:

@@ -27,7 +27,17 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient  # the test extra's: an import error fails, never skips
 import tritonclient.http as httpclient
-from _helpers import READY_S, link_copy, serve_process, stop_process, tritonserver_of, wait_for_line
+from _helpers import (
+    READY_S,
+    PortInUse,
+    busy_port,
+    link_copy,
+    on_a_free_block,
+    serve_process,
+    stop_process,
+    tritonserver_of,
+    wait_for_line,
+)
 from test_index import assert_same_top, brute_force, write_jsonl
 from tritonclient.utils import InferenceServerException
 
@@ -826,13 +836,16 @@ def _serve_once(*args: str) -> subprocess.CompletedProcess:
 
 
 def _serve_on_a_free_block(*args: str, attempts: int = 3) -> subprocess.CompletedProcess:
-    """``serve ARGS --port P`` on a free port block; again on another block (bounded) when one of its ports was
-    taken between the check and serve's bind (free_port_block's race: the caller retries)."""
-    for _ in range(attempts):
-        r = _serve_once(*args, "--port", str(TS.free_port_block()))
-        if not (r.returncode == 2 and " is in use; choose another --port" in r.stderr):
-            return r
-    raise AssertionError("no free port block after retries")
+    """``serve ARGS --port P`` on a free port block; again on another block (:func:`_helpers.on_a_free_block`)
+    when serve's error says one of its ports was taken between the check and its bind."""
+    def once(port: int) -> subprocess.CompletedProcess:
+        r = _serve_once(*args, "--port", str(port))
+        busy = [x for x in r.stderr.splitlines() if busy_port(x)] if r.returncode == 2 else []
+        if busy:
+            raise PortInUse(busy[0])
+        return r
+
+    return on_a_free_block(once, attempts)
 
 
 def _one_error_line(r: subprocess.CompletedProcess) -> str:
@@ -864,7 +877,7 @@ def test_serve_refuses_serving_settings_out_of_range(tmp_path, option, value, me
 
 
 def test_serve_refuses_a_directory_without_manifest(tmp_path):
-    assert "no manifest.json" in _one_error_line(_serve_once(str(tmp_path), "--port", str(TS.free_port_block())))
+    assert "no manifest.json" in _one_error_line(_serve_on_a_free_block(str(tmp_path)))
 
 
 def test_a_budget_model_that_fails_to_load_is_one_error_line(minilm_small, tmp_path):
@@ -887,10 +900,22 @@ def test_the_router_does_not_load_in_front_of_a_missing_budget_model(minilm_smal
     build_repository(d, platform="python", kind="cpu")
     cfg = d / "triton" / "elastic" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace('"300.0"', '"2.0"'))  # the router's wait for its budget models
-    server = TS.TritonServer(d / "triton", port=TS.free_port_block(), log=tmp_path / "server.log")
+
+    def start(port: int) -> TS.TritonServer:
+        server = TS.TritonServer(d / "triton", port=port, log=tmp_path / "server.log")
+        try:
+            server.start(load=["elastic_s000", "elastic_s010"])
+            server.wait_ready(READY_S, models=["elastic_s000", "elastic_s010"])
+        except BaseException as e:
+            server.stop()
+            if isinstance(e, UserError) and busy_port(str(e)):
+                (tmp_path / "server.log").unlink(missing_ok=True)  # the next start's log alone
+                raise PortInUse(str(e)) from None
+            raise
+        return server
+
+    server = on_a_free_block(start)
     try:
-        server.start(load=["elastic_s000", "elastic_s010"])
-        server.wait_ready(READY_S, models=["elastic_s000", "elastic_s010"])
         with pytest.raises(UserError, match="'elastic' failed to load.*not ready after 2 s: elastic_s050"):
             server.load("elastic", timeout_s=READY_S)
         assert server.model_states().get("elastic") != "READY"
@@ -1000,14 +1025,28 @@ def test_sigterm_while_starting_stops_the_server(minilm_small, tmp_path):
     the moment serve started it, so it cannot be ready when the SIGTERM lands, and let go once serve's
     stop has signalled it (its SIGTERM pending) or killed it."""
     d = link_copy(minilm_small, tmp_path / "art")
-    p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(d), "--port", str(TS.free_port_block())],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
-    server = None
+
+    def start(port: int) -> tuple[subprocess.Popen, int | None]:
+        p = subprocess.Popen([sys.executable, "-m", "elastic_export", "serve", str(d), "--port", str(port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+        server = None
+        try:
+            deadline = time.monotonic() + 120
+            while server is None and p.poll() is None and time.monotonic() < deadline:  # until serve started tritonserver
+                server = tritonserver_of(p.pid)  # its child named tritonserver (not the numpy probe before it)
+                time.sleep(0.05)
+        except BaseException:
+            _kill_serve(p)
+            raise
+        if server is None and p.poll() is not None:  # serve ended before starting one: a port taken?
+            _, err = p.communicate(timeout=30)
+            busy = [x for x in err.splitlines() if busy_port(x)]
+            if busy:
+                raise PortInUse(busy[0])
+        return p, server
+
+    p, server = on_a_free_block(start)
     try:
-        deadline = time.monotonic() + 120
-        while server is None and p.poll() is None and time.monotonic() < deadline:  # until serve started tritonserver
-            server = tritonserver_of(p.pid)  # its child named tritonserver (not the numpy probe before it)
-            time.sleep(0.05)
         assert server is not None, "serve never started a server"
         os.kill(server, signal.SIGSTOP)
         try:
@@ -1021,14 +1060,19 @@ def test_sigterm_while_starting_stops_the_server(minilm_small, tmp_path):
                 os.kill(server, signal.SIGCONT)
         _, err = p.communicate(timeout=TS.STOP_TIMEOUT_S + 30)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
+        _kill_serve(p)
         if server is not None and TS.alive(server):
             os.killpg(server, signal.SIGKILL)
     assert p.returncode == 130 and err.strip().splitlines()[-1:] == ["interrupted"], (p.returncode, err[-1000:])
     _assert_server_gone(server, p.pid)
     assert not _serving(d / "triton"), "a server of this repository is still running"
+
+
+def _kill_serve(p: subprocess.Popen) -> None:
+    """SIGKILL to serve's process group (by its pid), if serve still runs."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
 
 
 def _pending(pid: int, sig: int) -> bool:
