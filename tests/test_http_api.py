@@ -6,6 +6,8 @@ served budget; ``/v1/models``; OpenAI-shaped errors; search equal to a brute-for
 from __future__ import annotations
 
 import base64
+import contextlib
+import logging
 import signal
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from _helpers import ENV, link_copy, serve_process, stop_process
+from _helpers import ENV, PortInUse, busy_port, link_copy, on_a_free_block, serve_process, stop_process
 from test_index import brute_force, corpus_docs, write_jsonl
 
 from elastic_export.targets import tritonserver as TS
@@ -40,9 +42,8 @@ class Live:
 
 def start_api(directory: Path, grpc: str, attempts: int = 3) -> tuple[subprocess.Popen, str]:
     """``python -m elastic_export.serving.http_api`` on a free 127.0.0.1 port, polled until ``/health``
-    answers (bounded)."""
-    for _ in range(attempts):
-        port = TS.free_port_block()
+    answers (bounded); again on another port when uvicorn says the port was in use."""
+    def start(port: int) -> tuple[subprocess.Popen, str]:
         p = subprocess.Popen([sys.executable, "-m", "elastic_export.serving.http_api", str(directory), "--grpc", grpc,
                               "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
@@ -53,8 +54,12 @@ def start_api(directory: Path, grpc: str, attempts: int = 3) -> tuple[subprocess
                     return p, url
             except httpx.HTTPError:
                 time.sleep(0.1)
-        stop_api(p)
-    raise AssertionError("the HTTP API did not start")
+        out = stop_api(p)
+        if busy_port(out):
+            raise PortInUse(next(x for x in out.splitlines() if busy_port(x)))
+        raise AssertionError("the HTTP API did not start:\n" + out[-2000:])
+
+    return on_a_free_block(start, attempts)
 
 
 def stop_api(p: subprocess.Popen) -> str:
@@ -354,12 +359,43 @@ def test_search_equals_brute_force_dense_and_stays_load_adaptive(live):
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+@contextlib.contextmanager
+def _uvicorn_errors():
+    """The messages uvicorn logs as errors in the block (a bind failure: ``... address already in use``),
+    seen by a filter on its ``uvicorn.error`` logger: uvicorn's logging config, applied by each ``Config``,
+    replaces that logger's handlers and leaves its filters."""
+    seen: list[str] = []
+
+    class Seen(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.levelno >= logging.ERROR:
+                seen.append(record.getMessage())
+            return True
+
+    logger, f = logging.getLogger("uvicorn.error"), Seen()
+    logger.addFilter(f)
+    try:
+        yield seen
+    finally:
+        logger.removeFilter(f)
+
+
 def test_in_process_entry_point_starts_and_stops(live):
     """``run(create_app(DIR, grpc), host, port)``, what ``serve`` calls: serves, and ``stop()`` frees the port."""
     from elastic_export.serving.http_api import create_app, run
 
-    port = TS.free_port_block()
-    server = run(create_app(live.directory, live.grpc), "127.0.0.1", port)
+    def start(port: int):
+        with _uvicorn_errors() as errors:
+            try:
+                return run(create_app(live.directory, live.grpc), "127.0.0.1", port)
+            except RuntimeError as e:  # "did not start on 127.0.0.1:P" (stopped): why, uvicorn said
+                busy = [x for x in errors if busy_port(x)]
+                if busy:
+                    raise PortInUse(f"{e}: {busy[0]}") from None
+                raise
+
+    server = on_a_free_block(start)
+    port = server.port
     try:
         r = httpx.post(server.url + "/v1/embeddings", json={"model": "elastic@0.1", "input": TEXTS[:2]},
                        timeout=TIMEOUT_S)

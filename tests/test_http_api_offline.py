@@ -4,6 +4,7 @@ the module loads neither FastAPI nor FAISS nor torch."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -11,7 +12,6 @@ import pytest
 from _helpers import ENV, link_copy
 
 from elastic_export.serving.openai_schema import ApiError
-from elastic_export.targets import tritonserver as TS
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,10 @@ def client(minilm_small, tmp_path_factory):
     from elastic_export.serving.http_api import create_app
 
     d = link_copy(minilm_small, tmp_path_factory.mktemp("api_offline") / "art", ignore=("triton", "index"))
-    nobody = TS.free_port_block()  # nothing listens there
-    with TestClient(create_app(d, f"127.0.0.1:{nobody}", max_batch=8, timeout_s=5)) as c:
-        yield c
+    with socket.socket() as nobody:  # bound and never listening: refused, and no other server can take it meanwhile
+        nobody.bind(("127.0.0.1", 0))
+        with TestClient(create_app(d, f"127.0.0.1:{nobody.getsockname()[1]}", max_batch=8, timeout_s=5)) as c:
+            yield c
 
 
 def test_unreachable_router_is_503_retry_after(client):

@@ -17,7 +17,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from _helpers import link_copy, stop_process
+from _helpers import PortInUse, busy_port, link_copy, on_a_free_block, stop_process
 from test_api_exposure import KEY, assert_nothing_left, auth, poll, start_serve
 
 from elastic_export.serving.api_guard import API_KEY_ENV
@@ -51,19 +51,36 @@ class Nginx:
 
     def __init__(self, folder, upstreams: list[int]):
         assert os.path.exists(NGINX), "nginx is not installed: apt-get install -y nginx-light (as .ci/run does)"
-        self.folder, self.port = folder, TS.free_port_block()
+        self.folder = folder
+        on_a_free_block(lambda port: self.start(port, upstreams))
+
+    def start(self, port: int, upstreams: list[int]) -> None:
+        """nginx on ``port``, until it answers; stopped again, and :class:`PortInUse`, when its bind found the
+        port in use."""
+        self.port, log = port, self.folder / "error.log"
+        log.unlink(missing_ok=True)  # this start's lines only
         self.write(upstreams)
-        self.process = subprocess.Popen([NGINX, "-p", str(folder), "-c", str(folder / "nginx.conf")],
+        self.process = subprocess.Popen([NGINX, "-p", str(self.folder), "-c", str(self.folder / "nginx.conf")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        poll(lambda: self.answers() or self.process.poll() is not None, 30, "nginx listening")
-        assert self.process.poll() is None, (folder / "error.log").read_text()
+        try:
+            poll(lambda: self.answers() or self.process.poll() is not None, 30, "nginx listening")
+        except BaseException:
+            self.stop()
+            raise
+        if self.process.poll() is not None:
+            text = log.read_text() if log.exists() else ""
+            busy = [x for x in text.splitlines() if busy_port(x)]
+            if busy:
+                raise PortInUse(busy[-1])
+        assert self.process.poll() is None, log.read_text()
 
     def write(self, upstreams: list[int]) -> None:
         (self.folder / "nginx.conf").write_text(nginx_conf(self.folder, self.port, upstreams))
 
     def answers(self) -> bool:
         try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code in (200, 502, 503)
+            r = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5)  # from nginx, not another on its port
+            return r.status_code in (200, 502, 503) and r.headers.get("server", "").startswith("nginx")
         except httpx.TransportError:
             return False
 
