@@ -335,8 +335,34 @@ def router_modules() -> dict[str, str]:
     """The serving modules the router is glue over (:data:`~elastic_export.targets.triton_router.SERVING_MODULES`),
     by file name, each the text of the package's own file: copied next to its ``model.py``, so that a Triton
     whose Python lacks this package loads the router from its own folder."""
+    return serving_sources(router.SERVING_MODULES)
+
+
+def stale_model_files(repository: Path, entry: dict) -> list[str]:
+    """The Python files of a built repository (``entry``: the manifest's ``triton`` entry) that are not this
+    package's current text: the router's ``model.py`` and serving modules, each Python budget model's. A
+    repository built by another version of elastic-export runs its own ``model.py`` over this version's
+    serving modules, which need not agree: it is built anew."""
+    want: dict[Path, str] = {}
+    if entry.get("router"):
+        version = repository / entry["router"] / "1"
+        want[version / "model.py"] = router_source()
+        want.update({version / f: t for f, t in router_modules().items()})
+    for m in entry.get("models", []) + ([entry["index"]] if isinstance(entry.get("index"), dict) else []):
+        if m.get("platform") == "python":
+            version = repository / m["name"] / "1"
+            want[version / "model.py"] = _package_source(ORT_MODEL_FILE)
+            want.update({version / f: t for f, t in serving_sources(ort_model.SERVING_MODULES).items()})
+    if isinstance(entry.get("search"), dict) and entry["search"].get("name"):
+        want[repository / entry["search"]["name"] / "1" / "model.py"] = _package_source(SEARCH_FILE)
+    return sorted(str(p.relative_to(repository)) for p, text in want.items()
+                  if not p.is_file() or p.read_text() != text)
+
+
+def serving_sources(modules: Sequence[str]) -> dict[str, str]:
+    """``{file name: text}`` of these :mod:`elastic_export.serving` modules, the package's own files."""
     serving = resources.files("elastic_export.serving")
-    return {f"{m}.py": (serving / f"{m}.py").read_text() for m in router.SERVING_MODULES}
+    return {f"{m}.py": (serving / f"{m}.py").read_text() for m in modules}
 
 
 # --- what to serve --------------------------------------------------------------------------------
@@ -634,6 +660,8 @@ def _stage(directory: Path, staging: Path, plan: RepositoryPlan, configs: dict[s
             _place(data, version / data.name)
         if m.platform == "python":
             (version / "model.py").write_text(_package_source(ORT_MODEL_FILE))
+            for filename, text in serving_sources(ort_model.SERVING_MODULES).items():
+                (version / filename).write_text(text)
     (staging / plan.name / "1").mkdir(parents=True)
     if plan.profile is not None:
         shutil.copyfile(plan.profile, staging / plan.name / "1" / router.PROFILE_FILE)

@@ -4,11 +4,13 @@
 model's ``<model>/1/model.py``, next to the budget's ``model.onnx``: the same inputs, outputs, dims and
 dynamic batching as an ``onnxruntime_onnx`` model, for servers that have only the Python backend (the
 ``tritonserver`` of PyPI's ``nvidia-pytriton`` wheel, which ``elastic-export serve`` runs). It imports
-numpy and onnxruntime only, and builds its session here rather than through the package's session
-factory, so that it also runs where elastic-export is not installed.
+numpy, onnxruntime and :mod:`elastic_export.serving.length_groups` only (the builder copies that module
+next to it), and builds its session here rather than through the package's session factory, so that it
+also runs where elastic-export is not installed.
 
 The requests of one ``execute`` call (what the dynamic batcher gathered) run as one batch where their
-non-batch shapes agree (texts padded to one length, images of one size), else one run per shape.
+non-batch shapes agree (texts padded to one length, images of one size), else one run per shape; a
+batch of texts that asks only for pooled outputs runs as groups of rows of similar length.
 A run that fails answers its requests with onnxruntime's message; when every run of the call failed,
 ``execute`` raises instead, the one way Triton's Python backend counts requests as failed
 (``nv_inference_request_failure``; an error response counts as a success).
@@ -34,6 +36,14 @@ try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # outside a Triton server: the module imports, the model needs the server
     pb_utils = None
+
+# The serving module this file uses, which the builder copies next to it (``<model>/1/``):
+SERVING_MODULES = ("length_groups",)
+try:  # the package, where it is installed
+    from elastic_export.serving import length_groups
+except ImportError:  # a Python without it: the copy next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import length_groups
 
 THREADS_PARAMETER = "intra_op_threads"
 WARMUP_PARAMETER = "warmup_tokens"
@@ -154,6 +164,8 @@ class TritonPythonModel:
         self.session = open_session(path, params)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]
+        batch_dim = 0 if int(config.get("max_batch_size") or 0) > 0 else 1
+        self.row_outputs = {t["name"] for t in config["output"] if len(t.get("dims", [])) == 1 + batch_dim}
 
     def execute(self, requests: List[Any]) -> List[Any]:
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
@@ -165,7 +177,7 @@ class TritonPythonModel:
             names = [n for n in self.outputs if any(n in wanted[i] for i in group)]
             batch = {n: np.concatenate([feeds[i][n] for i in group]) for n in self.inputs}
             try:
-                results = dict(zip(names, self.session.run(names, batch)))
+                results = dict(zip(names, self._run(names, batch)))
             except Exception as e:  # onnxruntime's own message (bad token ids, shapes) back to the client
                 failed.append(str(e))
                 for i in group:
@@ -180,6 +192,13 @@ class TritonPythonModel:
         if len(failed) == len(groups):  # every request failed: raise, so that Triton counts them as failed
             raise RuntimeError("; ".join(dict.fromkeys(failed)))
         return responses
+
+    def _run(self, names: List[str], batch: Dict[str, np.ndarray]) -> List[np.ndarray]:
+        """One batch; pooled rows (no token axis asked for) as groups of similar length
+        (:mod:`~elastic_export.serving.length_groups`), each trimmed to its longest row."""
+        if set(names) <= self.row_outputs:
+            return length_groups.run_grouped(self.session.run, names, batch)
+        return self.session.run(names, batch)
 
     def finalize(self) -> None:
         self.session = None

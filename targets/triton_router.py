@@ -75,10 +75,11 @@ except ImportError:  # outside a Triton server (the builder, the tests): no mode
 
 # The serving modules this file is glue over, and which the builder copies next to it (``<router>/1/``):
 SERVING_MODULES = ("router_budgets", "router_config", "router_load", "router_health", "router_metrics", "slo", "cost",
-                   "triton_stats")
+                   "triton_stats", "length_groups")
 try:  # the package, where it is installed (``elastic-export serve``, the tests)
     from elastic_export.serving import (
         cost,
+        length_groups,
         router_budgets,
         router_config,
         router_health,
@@ -89,6 +90,7 @@ try:  # the package, where it is installed (``elastic-export serve``, the tests)
 except ImportError:  # a Python without it: the copies next to this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cost
+    import length_groups
     import router_budgets
     import router_config
     import router_health
@@ -418,7 +420,11 @@ class TritonPythonModel:
         start = time.monotonic()
         if job.inline:  # nothing else in flight: run it here, no round trip to the budget model
             arrays = feeds if feeds is not None else {t.name(): t.as_numpy() for t in job.tensors}
-            arrays = self._inline.submit(self.sessions[job.budget].run, names, arrays).result()
+            run = self.sessions[job.budget].run
+            if set(names) <= self.config.row_outputs:  # pooled rows: run as groups of similar length
+                arrays = self._inline.submit(length_groups.run_grouped, run, names, arrays).result()
+            else:
+                arrays = self._inline.submit(run, names, arrays).result()
             outputs = [pb_utils.Tensor(n, a) for n, a in zip(names, arrays)]
         else:
             outputs = self._forward_with_failover(job, feeds, names)

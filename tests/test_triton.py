@@ -150,7 +150,9 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, repo, tm
     policy = onnx_flavor.dynamic_batching.default_queue_policy  # other backends: bounded, late work rejected
     assert policy.max_queue_size == TR.QUEUE_BATCHES * 16 and policy.timeout_action == policy.REJECT
     files = sorted(p.name for p in (d / "triton" / "elastic_s050" / "1").iterdir())
-    assert files == ["model.onnx", "model.py"]
+    assert files == ["length_groups.py", "model.onnx", "model.py"]
+    assert (d / "triton" / "elastic_s050" / "1" / "length_groups.py").read_text() == TR.serving_sources(
+        ["length_groups"])["length_groups.py"]  # the package's own file, verbatim
     assert (d / "triton" / "elastic_s050" / "1" / "model.py").read_text() == TR._package_source(TR.ORT_MODEL_FILE)
     assert (d / "triton" / "elastic" / "1" / "model.py").read_text() == TR.router_source()
     t = load_manifest(d)["triton"]
@@ -159,6 +161,60 @@ def test_python_budget_backend_runs_the_onnx_in_the_python_backend(art, repo, tm
     assert routing["inline"] == "1" and routing["intra_op_threads"] == "1"  # idle requests run in the router
     assert routing["warmup_tokens"] == str(load_manifest(d)["tokens"]) and routing["allow_spinning"] == "0"
     assert "inline" not in _parse(repo / "elastic" / "config.pbtxt").parameters  # onnxruntime models: BLS only
+
+
+def test_an_inline_run_of_pooled_rows_goes_in_groups_of_similar_length(art, tmp_path, routers, monkeypatch):
+    """Merged queries of 5-30 tokens pad to the longest: the router's inline run cuts them into groups of
+    similar length, each trimmed to its longest row (fewer padded tokens), and answers what the whole padded
+    batch does; a request that asks for the token axis too runs whole. A budget model's ``model.py`` (a
+    forwarded batch) groups the same way."""
+    import shutil as sh
+
+    from _triton_fake import Request, execute
+
+    from elastic_export.serving.length_groups import length_groups
+
+    d = tmp_path / "py"
+    sh.copytree(art, d, copy_function=os.link, ignore=sh.ignore_patterns("triton"))
+    r = _cli("build", "triton", str(d), "--budget-backend", "python", "--max-batch", "32", "--ort-threads", "1")
+    assert r.returncode == 0, r.stderr
+    model, server = routers(d / "triton", "elastic")
+    assert model.config.row_outputs == {"sentence_embedding"}
+    session, widths = model.sessions[0.5], []
+
+    class Seen:  # the real session, its feeds' shapes noted
+        def run(self, names, feeds):
+            widths.append(feeds["input_ids"].shape)
+            return session.run(names, feeds)
+
+    model.sessions[0.5] = Seen()
+    monkeypatch.setattr(model.routing.policy.rate, "rate", lambda now=None: 0.0)  # idle: 20 rows run inline
+    rng = np.random.default_rng(0)
+    lengths = rng.permutation([6] * 10 + [30] * 10)
+    ids = rng.integers(1000, 20000, (20, 30)).astype(np.int64)
+    mask = (np.arange(30)[None, :] < lengths[:, None]).astype(np.int64)
+    feeds = {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+    (pooled,) = execute(model, [Request(feeds, {"sparsity": 0.5}, ("sentence_embedding", "served_sparsity"))])
+    assert server.calls == [] and len(length_groups(lengths.tolist())) == 2
+    assert sorted(widths) == [(10, 6), (10, 30)]
+    want = session.run(["sentence_embedding"], feeds)[0]
+    np.testing.assert_allclose(pooled.as_dict()["sentence_embedding"], want, rtol=0, atol=1e-5)
+    widths.clear()
+    (tokens,) = execute(model, [Request(feeds, {"sparsity": 0.5}, ("sentence_embedding", "last_hidden_state"))])
+    assert widths == [(20, 30)] and not tokens.has_error()
+
+    # the budget model's own model.py (a forwarded batch) does the same
+    from _triton_fake import fake_pb_utils, load_router, model_config_json
+
+    version = d / "triton" / "elastic_s050" / "1"
+    budget = load_router(version / "model.py", fake_pb_utils(server), monkeypatch).TritonPythonModel()
+    budget.initialize({"model_config": model_config_json(version.parent / "config.pbtxt"),
+                       "model_repository": str(version.parent), "model_version": "1"})
+    session, widths[:] = budget.session, []
+    budget.session = Seen()
+    (pooled,) = budget.execute([Request(feeds, None, ("sentence_embedding",))])
+    assert sorted(widths) == [(10, 6), (10, 30)]
+    np.testing.assert_allclose(pooled.as_dict()["sentence_embedding"], want, rtol=0, atol=1e-5)
 
 
 def test_large_python_budget_models_are_not_held_twice(art, tmp_path, monkeypatch):

@@ -103,12 +103,7 @@ def test_the_built_router_loads_without_the_package(tmp_path):
     serving = Path(router_load.__file__).parent
     for module in triton_router.SERVING_MODULES:  # verbatim copies of the package's own files
         assert (version / f"{module}.py").read_text() == (serving / f"{module}.py").read_text(), module
-    numpy_only = tmp_path / "site"  # numpy and its bundled libraries, nothing else of this environment
-    numpy_only.mkdir()
-    site = Path(np.__file__).parent.parent
-    for name in ("numpy", "numpy.libs"):
-        if (site / name).exists():
-            (numpy_only / name).symlink_to(site / name)
+    numpy_only = _numpy_only(tmp_path)
     config = model_config_json(d / "triton" / "elastic" / "config.pbtxt")
     run = subprocess.run([sys.executable, "-S", "-s", "-c", _STANDALONE, str(version / "model.py"), config],
                          env={"PYTHONPATH": str(numpy_only), "PATH": "/usr/bin:/bin"}, cwd=tmp_path,
@@ -120,6 +115,38 @@ def test_the_built_router_loads_without_the_package(tmp_path):
     assert got["nearest"] == 0.25 and got["cost"] == 16 and got["ready"] is True and got["counted"] > 0
     assert got["modules"] == ["router_budgets", "router_load", "slo"]  # the copies, not the package's
     assert got["files"] == [True, True, True]
+
+
+def _numpy_only(tmp_path: Path) -> Path:
+    """A folder with numpy and its bundled libraries, nothing else of this environment (a PYTHONPATH)."""
+    numpy_only = tmp_path / "site"
+    numpy_only.mkdir()
+    site = Path(np.__file__).parent.parent
+    for name in ("numpy", "numpy.libs"):
+        if (site / name).exists():
+            (numpy_only / name).symlink_to(site / name)
+    return numpy_only
+
+
+def test_a_built_python_budget_model_imports_without_the_package(tmp_path):
+    """A Python-backend budget model's ``model.py`` imports in a Python with numpy only, its serving module
+    (``length_groups``) from the copy next to it, and that copy groups rows."""
+    import subprocess
+    import sys
+
+    d = _fake_dir(tmp_path / "a")
+    TR.build_repository(d, platform="python", dense=False)
+    version = d / "triton" / "elastic_s050" / "1"
+    code = ("import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('m', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(json.dumps([m.length_groups.__file__, m.length_groups.length_groups([5] * 8 + [30] * 8)]))")
+    run = subprocess.run([sys.executable, "-S", "-s", "-c", code, str(version / "model.py")],
+                         env={"PYTHONPATH": str(_numpy_only(tmp_path)), "PATH": "/usr/bin:/bin"}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    where, groups = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(where) == version / "length_groups.py"
+    assert groups == [list(range(8)), list(range(8, 16))]
 
 
 def test_outside_a_server_the_module_imports_and_the_model_refuses(tmp_path, monkeypatch):

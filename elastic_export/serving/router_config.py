@@ -54,6 +54,8 @@ class RouterConfig:
         precision: the precision the budget models serve (``fp32`` / ``fp16``).
         inputs: the input names forwarded to the budget model.
         outputs: the output names the budget model answers with.
+        row_outputs: those of one vector per row (no token axis): a batch asking only for them runs in
+            groups of similar length (:mod:`~elastic_export.serving.length_groups`).
         text: whether the config declares the ``text`` input.
         ready_timeout_s: how long ``initialize`` waits for the budget models to be ready.
         max_concurrency: requests the router works on at once (its worker threads); more wait.
@@ -92,6 +94,9 @@ class RouterConfig:
         self.inputs = [n for n in names if n not in OWN_TENSORS]
         self.input_specs = [t for t in specs if t["name"] in self.inputs]
         self.outputs = [t["name"] for t in model_config.get("output", []) if t["name"] not in OWN_TENSORS]
+        batch_dim = 0 if int(model_config.get("max_batch_size") or 0) > 0 else 1  # dims hold it without batching
+        self.row_outputs = {t["name"] for t in model_config.get("output", [])  # one vector per row (no token axis)
+                            if t["name"] in self.outputs and len(t.get("dims", [])) == 1 + batch_dim}
 
     def _read_serving(self, params: Dict[str, str]) -> None:
         """The SLO, precision, limits and lengths (each parameter optional, with its default)."""
