@@ -609,14 +609,15 @@ def ensure_repository(directory: Path, budget_backend: str, policy: str | None, 
                       echo: Callable[[str], None], slo_quantile: float | None = None,
                       max_sparsity: float | None = None) -> dict:
     """``DIR/triton/`` as asked: built when missing, when it was built with other serving settings (a setting
-    left None accepts what the repository has), or when its search model is not of the directory's index
-    (one built, replaced or removed since).
+    left None accepts what the repository has), when its search model is not of the directory's index
+    (one built, replaced or removed since), or when its Python model files are another elastic-export's
+    (:func:`~elastic_export.targets.triton.stale_model_files`).
 
     Returns:
         The manifest's ``triton`` entry.
     """
     from elastic_export.core.manifest import Manifest
-    from elastic_export.targets.triton import build_repository
+    from elastic_export.targets.triton import build_repository, stale_model_files
 
     manifest = Manifest.load(directory)
     entry = manifest.triton
@@ -628,7 +629,11 @@ def ensure_repository(directory: Path, budget_backend: str, policy: str | None, 
             and all(v is None or entry.get(k) == v for k, v in asked.items())
             and (entry.get("search") or {}).get("index") == (manifest.index or None)
             and "index" in entry)  # built before the indexing lane: build it anew
-    if same:
+    stale = stale_model_files(directory / entry["dir"], entry) if same else []
+    if stale:
+        echo(f"rebuilding {directory / entry['dir']}: {stale[0]}{f' and {len(stale) - 1} more' if len(stale) > 1 else ''} "
+             "not this elastic-export's")
+    elif same:
         echo(f"serving the existing {directory / entry['dir']}")
         return entry
     kind = "cpu" if budget_backend == "python" else "auto"

@@ -1312,3 +1312,26 @@ def test_serve_passes_the_slo_quantile_and_the_quality_floor_to_the_repository(m
     entry = TS.ensure_repository(d, "python", None, None, said.append, slo_quantile=0.95)
     assert not any(x.startswith("serving the existing") for x in said)
     assert load_manifest(d)["triton"]["slo_quantile"] == 0.95 == entry["slo_quantile"]
+
+
+def test_a_repository_of_another_versions_model_files_is_built_anew(minilm_small, tmp_path):
+    """A repository whose router or budget ``model.py`` (or a serving module copied beside it) is not this
+    package's text (built by another elastic-export) is rebuilt, in one line saying why, rather than served
+    with its old files over this version's modules; as built, it is served as it is (no server started)."""
+    from elastic_export.targets.triton import stale_model_files
+
+    d = link_copy(minilm_small, tmp_path / "art")
+    said: list[str] = []
+    entry = TS.ensure_repository(d, "python", None, None, said.append)
+    assert stale_model_files(d / "triton", entry) == []
+    for changed in ("elastic/1/model.py", "elastic_s050/1/length_groups.py"):
+        path = d / "triton" / changed
+        path.write_text(path.read_text() + "\n# from another version\n")
+        assert stale_model_files(d / "triton", load_manifest(d)["triton"]) == [changed]
+        said.clear()
+        TS.ensure_repository(d, "python", None, None, said.append)
+        assert said[0] == f"rebuilding {d / 'triton'}: {changed} not this elastic-export's"
+        assert "# from another version" not in path.read_text()
+    said.clear()
+    TS.ensure_repository(d, "python", None, None, said.append)
+    assert said == [f"serving the existing {d / 'triton'}"]
