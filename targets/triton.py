@@ -348,11 +348,10 @@ def stale_model_files(repository: Path, entry: dict) -> list[str]:
         version = repository / entry["router"] / "1"
         want[version / "model.py"] = router_source()
         want.update({version / f: t for f, t in router_modules().items()})
+    budget_files = {"model.py": _package_source(ORT_MODEL_FILE), **serving_sources(ort_model.SERVING_MODULES)}
     for m in entry.get("models", []) + ([entry["index"]] if isinstance(entry.get("index"), dict) else []):
         if m.get("platform") == "python":
-            version = repository / m["name"] / "1"
-            want[version / "model.py"] = _package_source(ORT_MODEL_FILE)
-            want.update({version / f: t for f, t in serving_sources(ort_model.SERVING_MODULES).items()})
+            want.update({repository / m["name"] / "1" / f: t for f, t in budget_files.items()})
     if isinstance(entry.get("search"), dict) and entry["search"].get("name"):
         want[repository / entry["search"]["name"] / "1" / "model.py"] = _package_source(SEARCH_FILE)
     return sorted(str(p.relative_to(repository)) for p, text in want.items()

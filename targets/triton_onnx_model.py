@@ -164,8 +164,7 @@ class TritonPythonModel:
         self.session = open_session(path, params)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = [t["name"] for t in config["output"]]
-        batch_dim = 0 if int(config.get("max_batch_size") or 0) > 0 else 1
-        self.row_outputs = {t["name"] for t in config["output"] if len(t.get("dims", [])) == 1 + batch_dim}
+        self.row_outputs = length_groups.row_outputs(config)
 
     def execute(self, requests: List[Any]) -> List[Any]:
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
@@ -177,7 +176,7 @@ class TritonPythonModel:
             names = [n for n in self.outputs if any(n in wanted[i] for i in group)]
             batch = {n: np.concatenate([feeds[i][n] for i in group]) for n in self.inputs}
             try:
-                results = dict(zip(names, self._run(names, batch)))
+                results = dict(zip(names, length_groups.run_grouped(self.session.run, names, batch, self.row_outputs)))
             except Exception as e:  # onnxruntime's own message (bad token ids, shapes) back to the client
                 failed.append(str(e))
                 for i in group:
@@ -192,13 +191,6 @@ class TritonPythonModel:
         if len(failed) == len(groups):  # every request failed: raise, so that Triton counts them as failed
             raise RuntimeError("; ".join(dict.fromkeys(failed)))
         return responses
-
-    def _run(self, names: List[str], batch: Dict[str, np.ndarray]) -> List[np.ndarray]:
-        """One batch; pooled rows (no token axis asked for) as groups of similar length
-        (:mod:`~elastic_export.serving.length_groups`), each trimmed to its longest row."""
-        if set(names) <= self.row_outputs:
-            return length_groups.run_grouped(self.session.run, names, batch)
-        return self.session.run(names, batch)
 
     def finalize(self) -> None:
         self.session = None

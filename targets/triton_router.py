@@ -420,11 +420,8 @@ class TritonPythonModel:
         start = time.monotonic()
         if job.inline:  # nothing else in flight: run it here, no round trip to the budget model
             arrays = feeds if feeds is not None else {t.name(): t.as_numpy() for t in job.tensors}
-            run = self.sessions[job.budget].run
-            if set(names) <= self.config.row_outputs:  # pooled rows: run as groups of similar length
-                arrays = self._inline.submit(length_groups.run_grouped, run, names, arrays).result()
-            else:
-                arrays = self._inline.submit(run, names, arrays).result()
+            arrays = self._inline.submit(length_groups.run_grouped, self.sessions[job.budget].run, names, arrays,
+                                         self.config.row_outputs).result()  # pooled rows: in groups of similar length
             outputs = [pb_utils.Tensor(n, a) for n, a in zip(names, arrays)]
         else:
             outputs = self._forward_with_failover(job, feeds, names)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from elastic_export.serving.length_groups import MIN_ROWS, length_groups, padded_tokens, run_grouped
+from elastic_export.serving.length_groups import MIN_ROWS, length_groups, padded_tokens, row_outputs, run_grouped
 
 
 def _flat(groups):
@@ -68,6 +68,26 @@ def test_each_group_runs_trimmed_to_its_longest_row_and_rows_come_back_in_order(
     (out,) = run_grouped(run, ["y"], feeds)
     assert sorted(shapes) == [(10, 5), (10, 30)]
     np.testing.assert_array_equal(out, feeds["input_ids"][:, :1] * 2)
+
+
+def test_a_batch_asking_for_an_output_that_is_not_pooled_runs_whole():
+    feeds, shapes = _padded([5, 30] * 10), []
+
+    def run(names, part):
+        shapes.append(part["input_ids"].shape)
+        return [part["input_ids"][:, :1]]
+
+    run_grouped(run, ["tokens"], feeds, pooled={"pooled"})
+    assert shapes == [(20, 30)]
+    run_grouped(run, ["pooled"], feeds, pooled={"pooled"})
+    assert sorted(shapes[1:]) == [(10, 5), (10, 30)]
+
+
+def test_row_outputs_are_the_outputs_without_a_token_axis():
+    outputs = [{"name": "sentence_embedding", "dims": [384]}, {"name": "last_hidden_state", "dims": [-1, 384]}]
+    assert row_outputs({"max_batch_size": 128, "output": outputs}) == {"sentence_embedding"}
+    unbatched = [{"name": n, "dims": [-1, *t["dims"]]} for n, t in ((t["name"], t) for t in outputs)]
+    assert row_outputs({"max_batch_size": 0, "output": unbatched}) == {"sentence_embedding"}
 
 
 def test_feeds_without_a_mask_run_whole():

@@ -12,13 +12,20 @@ imports it from its copy next to ``model.py``).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set
 
 import numpy as np
 
 MIN_ROWS = 8  # rows in a group: smaller batches cost more per row than their padding saves (measured)
 MIN_SAVING = 0.15  # a cut must save this share of its part's padded tokens
 MASK = "attention_mask"
+
+
+def row_outputs(model_config: Mapping[str, Any]) -> Set[str]:
+    """The outputs of a Triton model config (its JSON) that hold one vector per row, no token axis: ``dims`` of
+    one axis, beside the batch dim where the config has no ``max_batch_size`` (its dims then hold it)."""
+    batch_dim = 0 if int(model_config.get("max_batch_size") or 0) > 0 else 1
+    return {t["name"] for t in model_config.get("output", []) if len(t.get("dims", [])) == 1 + batch_dim}
 
 
 def padded_tokens(lengths: Sequence[int]) -> int:
@@ -54,11 +61,13 @@ def _cut(sorted_lengths: List[int], min_rows: int, min_saving: float) -> List[in
 
 
 def run_grouped(run: Callable[[List[str], Dict[str, np.ndarray]], Sequence[np.ndarray]], names: List[str],
-                feeds: Mapping[str, np.ndarray], mask: str = MASK, **cut) -> List[np.ndarray]:
+                feeds: Mapping[str, np.ndarray], pooled: Optional[Collection[str]] = None, mask: str = MASK,
+                **cut) -> List[np.ndarray]:
     """``run(names, feeds)`` for a padded batch, as :func:`length_groups` groups of its rows, each trimmed to
-    its longest row (by ``feeds[mask]``), the outputs (one row each) back in the rows' order. Feeds without
-    the mask run whole."""
-    if mask not in feeds:
+    its longest row (by ``feeds[mask]``), the outputs (one row each) back in the rows' order. It runs whole
+    when ``names`` asks for an output not in ``pooled`` (None: every output is one row each; see
+    :func:`row_outputs`) or the feeds have no mask."""
+    if mask not in feeds or (pooled is not None and not set(names) <= set(pooled)):
         return list(run(names, dict(feeds)))
     lengths = np.asarray(feeds[mask]).sum(axis=1)
     groups = length_groups(lengths.tolist(), **cut)

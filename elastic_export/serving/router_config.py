@@ -14,8 +14,10 @@ import json
 from typing import Any, Dict, List, Optional
 
 try:
+    from elastic_export.serving.length_groups import row_outputs
     from elastic_export.serving.router_budgets import choose_budget, number
 except ImportError:  # a copy next to the router's model.py, in a Python without this package
+    from length_groups import row_outputs
     from router_budgets import choose_budget, number
 
 SPARSITY_INPUT = "sparsity"
@@ -94,9 +96,7 @@ class RouterConfig:
         self.inputs = [n for n in names if n not in OWN_TENSORS]
         self.input_specs = [t for t in specs if t["name"] in self.inputs]
         self.outputs = [t["name"] for t in model_config.get("output", []) if t["name"] not in OWN_TENSORS]
-        batch_dim = 0 if int(model_config.get("max_batch_size") or 0) > 0 else 1  # dims hold it without batching
-        self.row_outputs = {t["name"] for t in model_config.get("output", [])  # one vector per row (no token axis)
-                            if t["name"] in self.outputs and len(t.get("dims", [])) == 1 + batch_dim}
+        self.row_outputs = row_outputs(model_config) & set(self.outputs)
 
     def _read_serving(self, params: Dict[str, str]) -> None:
         """The SLO, precision, limits and lengths (each parameter optional, with its default)."""
