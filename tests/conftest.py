@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one torch thread each, not one per core each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -306,3 +308,18 @@ def routers(monkeypatch) -> Callable[..., Any]:
     for model in started:
         model.finalize()
         assert not model._prober.is_alive(), "finalize left the router's prober thread running"
+
+
+# The files that take longest, first: under pytest-xdist (``-n 2 --dist loadfile``) each file runs whole on
+# one worker, in collection order, so a long file collected last would leave the other worker idle at the end.
+SLOW_FIRST = ("test_triton_server.py", "test_pipeline.py", "test_golden_export.py", "test_api_exposure.py",
+              "test_reliability.py", "test_http_api.py", "test_cli_families.py", "test_distributed.py",
+              "test_replicas.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept

@@ -205,7 +205,7 @@ def test_update_variable_cannot_make_ci_pass():
     file keeps its bytes (so a pin bumped without a regenerated file still fails CI)."""
     before = GOLDEN.read_bytes()
     env = {**os.environ, "ELASTIC_EXPORT_UPDATE_GOLDEN": "1", "CI": "true", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0",
                         "tests/test_golden_export.py::test_main_job_matches_the_golden_export"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
