@@ -65,7 +65,8 @@ DOC_SHARE = 0.2  # mix: the share of requests that are documents
 MIN_DOC_TOKENS = 16
 INDEX_BATCH = 64  # documents per indexing request
 INDEX_QUERY_RATE = 0.25  # x short's dense reference: the queries beside the indexing client
-INDEX_STEP_FACTOR = 3  # the index trace runs this many --step-s (an indexing request takes seconds)
+INDEX_STEP_FACTOR = 6  # the index trace runs this many --step-s: an indexing request takes seconds, and the
+# figure counts finished requests (at 3, 2 or 3 of them on a slow host: 26-41 % in reruns of one setting)
 REF_BATCH = 16  # ideal batching: texts sorted by length, this many per batch
 REF_ROUNDS = 3  # interleaved rounds of the reference; each budget's time is their median
 REF_SAMPLE = {"short": 320, "mix": 160, "t128": 64}  # requests timed per reference round

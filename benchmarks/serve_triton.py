@@ -697,11 +697,14 @@ def where_it_goes(directory: Path, manifest: Manifest, sparsity: float, tokens: 
 
 
 def machine() -> str:
-    import onnxruntime
+    """The host line of the results: CPU with the vector extensions that decide onnxruntime's kernels (hosts
+    of one CPU name differ: some have AVX-512, some only AVX2), cores, versions."""
+    from elastic_export.measure.timing import machine as host
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return (f"{cpu}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, onnxruntime "
-            f"{onnxruntime.__version__}, Triton 2.51 (nvidia-pytriton wheel, CPU, Python backend)")
+    h = host()
+    return (f"{h['cpu']} ({', '.join(h['cpu_features']) or 'no AVX2'}), {h['logical_cpus']} logical CPUs, Python "
+            f"{platform.python_version()}, onnxruntime {h['onnxruntime']}, Triton 2.51 (nvidia-pytriton wheel, CPU, "
+            f"Python backend)")
 
 
 async def measure(server: TritonServer, directory: Path, manifest: Manifest, t: dict, args) -> dict:
