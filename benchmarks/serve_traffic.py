@@ -407,6 +407,58 @@ class Server:
 
 
 # --- the load ----------------------------------------------------------------------------------------
+def _proc_stats() -> dict[int, tuple[int, float, list[str]]]:
+    """Every process's parent, CPU seconds (user + system) and command line, from ``/proc`` (Linux)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            args = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # it ended meanwhile
+            continue
+        rest = stat[stat.rindex(")") + 2:].split()
+        out[int(d.name)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick, args)
+    return out
+
+
+def _part(pid: int, root: int, args: list[str]) -> str:
+    """What a process of the server's tree is: the API (``serve``), tritonserver, or a Python backend stub
+    by its model (the router, a budget model, the indexing lane)."""
+    if pid == root:
+        return "api"
+    if "tritonserver" in Path(args[0]).name:
+        return "tritonserver"
+    model = next((Path(a).parent.parent.name for a in args if a.endswith("model.py")), "")
+    if model.endswith("_index"):
+        return "lane"
+    return "budget models" if re.search(r"_s\d{3}$", model) else "router" if model else "other"
+
+
+def cpu_by_part(root: int) -> dict[str, float]:
+    """CPU seconds so far of the server's process tree (``root``: the ``serve`` process) by :func:`_part`, and
+    of this client process; a step's use is the difference of two readings."""
+    stats, tree, out = _proc_stats(), {root}, {"client": 0.0}
+    grew = True
+    while grew:  # the descendants of root
+        new = {pid for pid, (ppid, _, _) in stats.items() if ppid in tree and pid not in tree}
+        tree |= new
+        grew = bool(new)
+    for pid in tree & set(stats):
+        part = _part(pid, root, stats[pid][2])
+        out[part] = out.get(part, 0.0) + stats[pid][1]
+    out["client"] = stats.get(os.getpid(), (0, 0.0, []))[1]
+    return out
+
+
+def cpu_use(before: dict[str, float], after: dict[str, float], seconds: float, requests: int) -> dict:
+    """A step's CPU by part: cores busy on average, and ms of CPU per request offered."""
+    used = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {"cores": {k: v / seconds for k, v in used.items()},
+            "ms_per_request": {k: 1e3 * v / max(1, requests) for k, v in used.items()}}
+
+
 async def send(client, url: str, texts: list[str], input_type: str) -> dict:
     """One ``POST /v1/embeddings``: latency, outcome (ok / refused: 503 / lost), served sparsity, vectors."""
     t0 = time.perf_counter()
@@ -500,11 +552,12 @@ async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, 
     for i, m in enumerate(args.rates):
         rows = np.flatnonzero(idx == i)
         await asyncio.sleep(DRAIN_S)
-        before = await padding_metrics(client, _metrics_urls(server))
+        before, cpu0, t0 = await padding_metrics(client, _metrics_urls(server)), cpu_by_part(server.proc.pid), time.perf_counter()
         recs = await open_loop(client, url, times[rows] - i * args.step_s, [requests[j] for j in rows])
+        cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, len(rows))
         after = await padding_metrics(client, _metrics_urls(server))
         oracle = oracle_budget(m * dense, ref, args.cores)
-        s = {"multiple": m, "rate_rps": m * dense, **summarise(recs, args.slo_ms, quality, oracle)}
+        s = {"multiple": m, "rate_rps": m * dense, **summarise(recs, args.slo_ms, quality, oracle), "cpu": cpu}
         if after:
             s["padding_metrics"] = {k: (v, before.get(k)) for k, v in after.items()}
             s["padding_waste"] = padding_waste(s["padding_metrics"])
@@ -536,12 +589,15 @@ async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, 
     url = server.api + "/v1/embeddings"
     await asyncio.sleep(DRAIN_S)
     batches = index_requests(corpus, 64, args.seed)
+    cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
     recs, idx = await asyncio.gather(open_loop(client, url, times, requests),
                                      indexing_client(client, url, batches, seconds))
+    cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, len(times))
     idx["reference_docs_per_s"] = refs["index_docs_per_s"]
     idx["fraction_of_reference"] = idx["documents_per_s"] / refs["index_docs_per_s"]
     oracle = oracle_budget(rate, refs["short"], args.cores)
-    s = {"multiple": INDEX_QUERY_RATE, "rate_rps": rate, **summarise(recs, args.slo_ms, quality, oracle), "index": idx}
+    s = {"multiple": INDEX_QUERY_RATE, "rate_rps": rate, **summarise(recs, args.slo_ms, quality, oracle), "index": idx,
+         "cpu": cpu}
     print(_progress("index", s) + f"; indexing {idx['documents_per_s']:.1f} documents/s "
           f"({100 * idx['fraction_of_reference']:.0f} % of the reference), {idx['requests']} requests, "
           f"{idx['refused']} refused, all dense: {idx['all_dense']}", flush=True)
@@ -599,6 +655,25 @@ def _ref_line(name: str, ref: dict) -> str:
     return f"- {name}: " + ", ".join(f"{'dense' if s == 0 else f'{s:g}'} {r:.1f}" for s, r in ref.items())
 
 
+CPU_PARTS = ("api", "tritonserver", "router", "budget models", "lane", "client")
+
+
+def cpu_lines(steps: list[dict]) -> list[str]:
+    """Where a trace's CPU went, per step: ms of CPU per request offered by part and the cores busy in all
+    (``/proc`` of the server's processes and of this client, over the step)."""
+    steps = [s for s in steps if "cpu" in s]
+    if not steps:
+        return []
+    parts = [p for p in CPU_PARTS if any(p in s["cpu"]["ms_per_request"] for s in steps)]
+    lines = ["CPU per request offered (ms; `/proc` of each process over the step) and cores busy in all:", "",
+             "| rate | " + " | ".join(parts) + " | cores busy |", "|---" * (len(parts) + 2) + "|"]
+    for s in steps:
+        ms, cores = s["cpu"]["ms_per_request"], s["cpu"]["cores"]
+        lines.append(f"| {s['multiple']:g}x | " + " | ".join(_cell(ms.get(p), ".2f") for p in parts)
+                     + f" | {sum(cores.values()):.2f} |")
+    return lines
+
+
 def report_lines(out: dict) -> list[str]:
     lines = [f"# Serving the traffic applications send ({out['date']})", "", f"Machine: {out['machine']}", "",
              f"Command: `{out['command']}`", "",
@@ -621,7 +696,7 @@ def report_lines(out: dict) -> list[str]:
               "Triton's /metrics (a counter: its increase over the step)"
               + ("" if out["padding_exposed"] else ": the server exposes none, so the column is n/a") + ".", ""]
     for trace, steps in out["traces"].items():
-        lines += [f"## {trace}", "", *table_lines(trace, steps), ""]
+        lines += [f"## {trace}", "", *table_lines(trace, steps), "", *cpu_lines(steps), ""]
         for s in steps:
             if "documents" in s:
                 d = s["documents"]

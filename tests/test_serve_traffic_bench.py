@@ -4,7 +4,10 @@ model's tokens, seeded), the oracle's rule, a step's figures and issue 53's verd
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,41 @@ def test_a_padding_counter_counts_its_increase_over_the_step(bench):
     assert bench._step_value("elastic_api_padded_tokens_total", 900.0, 400.0) == 500.0
     assert bench._step_value("elastic_padding_waste", 0.25, 0.5) == 0.25  # a gauge: its value at the end
     assert bench._step_value("x_padded_total", 7.0, None) == 7.0
+
+
+def test_cpu_by_part_reads_the_servers_process_tree_from_proc(bench):
+    """A real process tree: the root counts as the API, its child running a stub's command line as the budget
+    model it names, the lane's and the router's likewise; the CPU a child burns shows up in its part."""
+    import subprocess
+
+    stub = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    tree = ("import subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', sys.argv[1], f'/r/triton/{m}/1/model.py'])\n"
+            "        for m in ('elastic_s030', 'elastic_index', 'elastic')]\n"
+            "print('up', flush=True); time.sleep(30)")
+    root = subprocess.Popen([sys.executable, "-c", tree, stub], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its group: killed whole by its pid below
+    try:
+        assert root.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 20
+        while True:  # until every stub has burnt its 0.3 s (bounded)
+            got = bench.cpu_by_part(root.pid)
+            if all(got.get(p, 0) >= 0.25 for p in ("budget models", "lane", "router")) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        os.killpg(root.pid, signal.SIGKILL)
+        root.wait(timeout=10)
+    assert set(got) == {"api", "budget models", "lane", "router", "client"}
+    assert all(got[p] >= 0.25 for p in ("budget models", "lane", "router")), got
+    assert got["client"] > 0  # this process's own CPU so far
+
+
+def test_cpu_use_and_its_table(bench):
+    use = bench.cpu_use({"api": 1.0, "client": 2.0}, {"api": 1.5, "client": 2.2, "router": 0.1}, 2.0, 100)
+    assert use["cores"] == pytest.approx({"api": 0.25, "client": 0.1, "router": 0.05})
+    assert use["ms_per_request"] == pytest.approx({"api": 5.0, "client": 2.0, "router": 1.0})
+    lines = bench.cpu_lines([{"multiple": 0.5, "cpu": use}, {"multiple": 1.0}])
+    assert lines[2] == "| rate | api | router | client | cores busy |"
+    assert lines[4] == "| 0.5x | 5.00 | 1.00 | 2.00 | 0.40 |"
+    assert bench.cpu_lines([{"multiple": 1.0}]) == []
