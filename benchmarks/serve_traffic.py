@@ -57,6 +57,8 @@ from serve_triton import (  # noqa: E402
     write_results,
 )
 
+from elastic_export.targets.triton import DEFAULT_NAME, INDEX_SUFFIX, SEARCH_SUFFIX  # noqa: E402
+
 TRACES = ("short", "mix", "t128", "index")
 RATES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # x the trace's dense reference
 SHORT_TOKENS = (5, 30)  # a short query's model tokens (specials included)
@@ -66,7 +68,7 @@ MIN_DOC_TOKENS = 16
 INDEX_BATCH = 64  # documents per indexing request
 INDEX_QUERY_RATE = 0.25  # x short's dense reference: the queries beside the indexing client
 INDEX_STEP_FACTOR = 6  # the index trace runs this many --step-s: an indexing request takes seconds, and the
-# figure counts finished requests (at 3, 2 or 3 of them on a slow host: 26-41 % in reruns of one setting)
+# figure counts finished requests, so a window of a few of them reads in coarse steps
 REF_BATCH = 16  # ideal batching: texts sorted by length, this many per batch
 REF_ROUNDS = 3  # interleaved rounds of the reference; each budget's time is their median
 REF_SAMPLE = {"short": 320, "mix": 160, "t128": 64}  # requests timed per reference round
@@ -425,21 +427,23 @@ def _proc_stats() -> dict[int, tuple[int, float, list[str]]]:
 
 def _part(pid: int, root: int, args: list[str]) -> str:
     """What a process of the server's tree is: the API (``serve``), tritonserver, or a Python backend stub
-    by its model (the router, a budget model, the indexing lane)."""
+    by its model's name (the repository's: the router, the indexing lane, the search model, a budget model)."""
     if pid == root:
         return "api"
     if "tritonserver" in Path(args[0]).name:
         return "tritonserver"
-    model = next((Path(a).parent.parent.name for a in args if a.endswith("model.py")), "")
-    if model.endswith("_index"):
-        return "lane"
-    return "budget models" if re.search(r"_s\d{3}$", model) else "router" if model else "other"
+    model = next((Path(a).parent.parent.name for a in args if a.endswith("model.py")), None)
+    if model is None:
+        return "other"
+    if model == DEFAULT_NAME:
+        return "router"
+    return "lane" if model.endswith(INDEX_SUFFIX) else "search" if model.endswith(SEARCH_SUFFIX) else "budget models"
 
 
 def cpu_by_part(root: int) -> dict[str, float]:
     """CPU seconds so far of the server's process tree (``root``: the ``serve`` process) by :func:`_part`, and
     of this client process; a step's use is the difference of two readings."""
-    stats, tree, out = _proc_stats(), {root}, {"client": 0.0}
+    stats, tree, out = _proc_stats(), {root}, {}
     grew = True
     while grew:  # the descendants of root
         new = {pid for pid, (ppid, _, _) in stats.items() if ppid in tree and pid not in tree}
@@ -552,7 +556,8 @@ async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, 
     for i, m in enumerate(args.rates):
         rows = np.flatnonzero(idx == i)
         await asyncio.sleep(DRAIN_S)
-        before, cpu0, t0 = await padding_metrics(client, _metrics_urls(server)), cpu_by_part(server.proc.pid), time.perf_counter()
+        before = await padding_metrics(client, _metrics_urls(server))
+        cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
         recs = await open_loop(client, url, times[rows] - i * args.step_s, [requests[j] for j in rows])
         cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, len(rows))
         after = await padding_metrics(client, _metrics_urls(server))
@@ -655,7 +660,7 @@ def _ref_line(name: str, ref: dict) -> str:
     return f"- {name}: " + ", ".join(f"{'dense' if s == 0 else f'{s:g}'} {r:.1f}" for s, r in ref.items())
 
 
-CPU_PARTS = ("api", "tritonserver", "router", "budget models", "lane", "client")
+CPU_PARTS = ("api", "tritonserver", "router", "budget models", "lane", "search", "other", "client")
 
 
 def cpu_lines(steps: list[dict]) -> list[str]:
