@@ -507,7 +507,7 @@ async def indexing_client(client, url: str, batches: list[list[str]], seconds: f
 
 
 BATCH_METRICS = ("elastic_api_query_tokens_total", "elastic_api_query_batches_total", "elastic_api_queries_batched_total",
-                 "elastic_api_queries_late_total")  # the API's merged queries (serving/api_guard.py)
+                 "elastic_api_queries_late_total", "elastic_api_queries_refused_total")  # serving/api_guard.py
 
 
 async def padding_metrics(client, urls: list[str]) -> dict[str, float]:
@@ -566,9 +566,21 @@ async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, 
         if after:
             s["padding_metrics"] = {k: (v, before.get(k)) for k, v in after.items()}
             s["padding_waste"] = padding_waste(s["padding_metrics"])
+            s["refused_where"] = refused_where(s["refused"], s["padding_metrics"])
         steps.append(s)
         print(_progress(trace, s), flush=True)
     return steps
+
+
+def refused_where(refused: int, metrics: dict) -> dict[str, int]:
+    """Where a step's refusals happened, from the API's counters: on arrival (predicted past the deadline),
+    late (waited past it, unsent) and the rest (the router's admission, after a round trip)."""
+    def delta(name: str) -> int:
+        after, before = metrics.get(name, (0.0, 0.0))
+        return int(after - (before or 0.0))
+
+    arrival, late = delta("elastic_api_queries_refused_total"), delta("elastic_api_queries_late_total")
+    return {"arrival": arrival, "late": late, "router": max(0, refused - arrival - late)}
 
 
 def _metrics_urls(server: Server) -> list[str]:
@@ -582,7 +594,8 @@ def _progress(trace: str, s: dict) -> str:
             f"{f(s['p50_ms'], '.0f')} p99 {f(s['p99_ms'], '.0f')} ms, refusals p99 {f(s['refusal_p99_ms'], '.1f')} "
             f"ms, sparsity {f(s['mean_sparsity'], '.2f')}, dense {f(s['dense_share'], '.0%')}, quality "
             f"{f(s['served_quality'], '.4f')} vs oracle {s.get('oracle_sparsity', '-')} "
-            f"({f(s.get('oracle_quality'), '.4f')})" + (f"; errors {s['errors']}" if s["errors"] else ""))
+            f"({f(s.get('oracle_quality'), '.4f')})" + (f"; refused where {s['refused_where']}" if s["refused"] else "")
+            + (f"; errors {s['errors']}" if s["errors"] else ""))
 
 
 async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, quality: dict) -> list[dict]:

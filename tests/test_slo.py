@@ -738,6 +738,18 @@ def test_short_rows_are_charged_their_padded_length_not_the_nominal_one():
     assert short.row_weight == pytest.approx(0.25, abs=0.01) and np.mean([s == 0.0 for s in served[-200:]]) >= 0.99
 
 
+def test_the_row_weight_of_a_fresh_policy_is_the_mean_of_the_rows_seen():
+    """The starting weight 1 is a guess: a fresh server's first 20 short rows (a quarter of the nominal cost)
+    set it to a quarter, not to 0.9 (20 steps of a 200-row moving average); then 6 rows of the nominal
+    length move it to their plain mean with those 20."""
+    policy = _policy(lambda: 0.0)
+    for _ in range(20):
+        policy.note_rows(1, 0.25)
+    assert policy.row_weight == pytest.approx(0.25)
+    policy.note_rows(6, 6.0)
+    assert policy.row_weight == pytest.approx((20 * 0.25 + 6) / 26)
+
+
 def test_the_row_weight_follows_the_latest_rows():
     policy = _policy(lambda: 0.0)
     for _ in range(200):

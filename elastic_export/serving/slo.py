@@ -581,14 +581,19 @@ class SloPolicy:
         self.switches = 0
         self.unavailable: set = set()
         self.row_weight = 1.0  # a row's mean cost lately, in rows of the nominal length (note_rows)
+        self.rows_seen = 0  # rows noted so far, up to the memory: until then the weight is their plain mean
 
     def note_rows(self, rows: int, work: float, memory_rows: float = ROW_WEIGHT_MEMORY) -> None:
         """An arrival of ``rows`` rows that cost ``work`` rows of the nominal length (their padded shape,
         :mod:`elastic_export.serving.cost`): the mean weight of a row over about the latest ``memory_rows``
         rows, which scales each row's service time in :meth:`predict` (the queue is of the rows that arrive,
-        each as costly as they are, not of fewer nominal rows). Rows of the nominal length leave it at 1."""
+        each as costly as they are, not of fewer nominal rows). Rows of the nominal length leave it at 1.
+        Until ``memory_rows`` rows are seen the weight is the plain mean of those seen: the starting 1 is a
+        guess, not a measurement (as a moving average it held a fresh server's first short queries at about
+        the nominal cost for 200 rows, and the router served a load step's first second sparse)."""
         if rows > 0:
-            self.row_weight += (work / rows - self.row_weight) * min(1.0, rows / memory_rows)
+            self.rows_seen = min(memory_rows, self.rows_seen + rows)
+            self.row_weight += (work / rows - self.row_weight) * min(1.0, rows / self.rows_seen)
 
     def predict(self, pair: Pair, rate: float, slower: float = 0.0) -> float:
         """Predicted latency quantile (ms) at ``pair`` under ``rate``: the budget model's queue and service,
