@@ -266,6 +266,12 @@ def measure_references(directory: Path, encoder, corpus: Corpus, traces: list[st
         rt.close()
 
 
+def reference_drift(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per trace measured again: its dense reference before and after the load and the relative change."""
+    return {t: {"before": before[t][0.0], "after": a[0.0], "change": a[0.0] / before[t][0.0] - 1.0}
+            for t, a in after.items() if isinstance(a, dict) and t in before}
+
+
 # --- the oracle and the verdicts (pure) --------------------------------------------------------------
 def oracle_budget(rate: float, ref: dict[float, float], cores: int) -> float:
     """The densest budget s with rate x (1/ref[s] + CPU_PER_REQUEST_S / cores) <= ORACLE_UTILISATION (its
@@ -644,7 +650,8 @@ def _cell(v, spec: str, scale: float = 1.0) -> str:
 
 
 def table_lines(trace: str, steps: list[dict]) -> list[str]:
-    head = ("| rate | req/s | offered | answered | refused | lost | SLO met | p50 ms | p99 ms | refusals p99 ms | "
+    head = ("| rate | req/s | offered | answered | refused (on arrival / late / router) | lost | SLO met | p50 ms | "
+            "p99 ms | refusals p99 ms | "
             "mean sparsity | dense | quality | oracle (quality) | vs oracle | padding |")
     lines = [head, "|---" * 16 + "|"]
     for s in steps:
@@ -653,8 +660,11 @@ def table_lines(trace: str, steps: list[dict]) -> list[str]:
                   if k in pm]
         pad = (f"{100 * s['padding_waste']:.0f} % ({merged[0]:g} queries in {merged[1]:g} requests)"
                if s.get("padding_waste") is not None and len(merged) == 2 else "n/a")
+        where = s.get("refused_where")
+        refused = f"{s['refused']}" + (f" ({where['arrival']} / {where['late']} / {where['router']})"
+                                       if where and s["refused"] else "")
         lines.append(
-            f"| {s['multiple']:g}x | {s['rate_rps']:.1f} | {s['offered']} | {s['answered']} | {s['refused']} | "
+            f"| {s['multiple']:g}x | {s['rate_rps']:.1f} | {s['offered']} | {s['answered']} | {refused} | "
             f"{s['lost']} | {100 * s['slo_attainment']:.1f} % | {_cell(s['p50_ms'], '.0f')} | "
             f"{_cell(s['p99_ms'], '.0f')} | {_cell(s['refusal_p99_ms'], '.1f')} | {_cell(s['mean_sparsity'], '.2f')} | "
             f"{_cell(s['dense_share'], '.0f', 100)} % | {_cell(s['served_quality'], '.4f')} | "
@@ -706,6 +716,11 @@ def report_lines(out: dict) -> list[str]:
     if "index_docs_per_s" in out["reference"]:
         lines.append(f"- indexing: dense {INDEX_BATCH}-document requests "
                      f"{out['reference']['index_docs_per_s']:.1f} documents/s")
+    if out.get("reference_after"):
+        lines += ["", "The dense reference again after the load, the server stopped (the host's own speed moves on a "
+                  "shared machine; a large change means the rates above were multiples of a different machine):",
+                  *(f"- {t}: dense {d['after']:.1f} (before {d['before']:.1f}, {100 * d['change']:+.0f} %)"
+                    for t, d in out["reference_after"].items())]
     lines += ["", f"Oracle: the densest budget s with rate x (1/ref_rate(s) + {CPU_PER_REQUEST_S * 1e3:g} ms / "
               f"{out['cores']} cores) <= {ORACLE_UTILISATION:g}, ref_rate the trace's reference at s (the sparsest "
               "when none fits). Quality: recall@10 per budget (`elastic-export eval`), mean over answered queries. "
@@ -799,11 +814,13 @@ def main(argv: list[str] | None = None) -> int:
     refs = measure_references(d, encoder, corpus, args.traces, sparsities, args.seed, args.ref_rounds)
     with Server(d, args.slo_ms, args.server_log) as server:
         traces = asyncio.run(run_load(server, corpus, refs, args, quality))
+    after = measure_references(d, encoder, corpus, [t for t in args.traces if t != "index"] or ["short"], [0.0],
+                               args.seed, args.ref_rounds)
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
            "command": "python benchmarks/serve_traffic.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "slo_ms": args.slo_ms, "step_s": args.step_s, "ref_rounds": args.ref_rounds, "seed": args.seed, "cores": args.cores,
            "artifacts": str(d), "max_len": corpus.max_len, "quality_metric": metric, "quality": quality,
-           "reference": refs, "traces": traces,
+           "reference": refs, "reference_after": reference_drift(refs, after), "traces": traces,
            "padding_exposed": any("padding_metrics" in s for st in traces.values() for s in st)}
     out["verdict"] = {k: v for t, st in traces.items() for k, v in verdict(t, st, args.slo_ms).items()}
     text = "\n".join(report_lines(out))

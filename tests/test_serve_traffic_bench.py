@@ -132,6 +132,24 @@ def test_verdicts_as_issue_53_states_them(bench):
     assert not all(bench.verdict("index", [{**idx, "refused": 2}], 250.0).values())
 
 
+def test_refusals_are_told_apart_by_where_they_happened(bench):
+    """The API's counters say how many were refused on arrival and late; the rest of a step's refusals were
+    the router's. The table shows the three beside the total."""
+    metrics = {"elastic_api_queries_refused_total": (130.0, 100.0), "elastic_api_queries_late_total": (25.0, 5.0)}
+    assert bench.refused_where(70, metrics) == {"arrival": 30, "late": 20, "router": 20}
+    assert bench.refused_where(3, {}) == {"arrival": 0, "late": 0, "router": 3}
+    step = {**_step(1.5), "rate_rps": 900.0, "offered": 100, "answered": 30, "refused": 70, "lost": 0, "p50_ms": 50.0,
+            "mean_sparsity": 0.6, "refused_where": bench.refused_where(70, metrics)}
+    assert "| 70 (30 / 20 / 20) |" in bench.table_lines("short", [step])[-1]
+
+
+def test_the_reference_measured_again_after_the_load_shows_the_hosts_drift(bench):
+    before = {"short": {0.0: 500.0, 0.6: 1200.0}, "t128": {0.0: 80.0}, "index_docs_per_s": 47.0}
+    drift = bench.reference_drift(before, {"short": {0.0: 600.0}, "t128": {0.0: 80.0}})
+    assert drift["short"] == {"before": 500.0, "after": 600.0, "change": pytest.approx(0.2)}
+    assert drift["t128"]["change"] == 0.0 and set(drift) == {"short", "t128"}
+
+
 def test_a_padding_counter_counts_its_increase_over_the_step(bench):
     assert bench._step_value("elastic_api_padded_tokens_total", 900.0, 400.0) == 500.0
     assert bench._step_value("elastic_padding_waste", 0.25, 0.5) == 0.25  # a gauge: its value at the end
