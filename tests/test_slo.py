@@ -481,15 +481,20 @@ def test_admission_bounds_the_wait_behind_rows_in_flight():
 
 
 def test_admission_counts_the_rows_in_flight_at_other_pairs_which_share_the_cores():
+    """The other pairs' rows run beside the request's own work (processor sharing): they delay it by the less
+    of their work and its own, never by their whole backlog in series."""
     now = [0.0]
     policy = _policy(lambda: now[0])
     dense = (0.0, "fp32")
     elsewhere = {(0.6, "fp32"): 8, (0.3, "fp32"): 8, dense: 50}  # its own pair's entry is rows_ahead's, not counted twice
+    beside = 114 * 0.52 + 114 * 0.76  # the other pairs' work: 146 ms
     ok, ms, _ = policy.admit(dense, 1, 0, elsewhere)
-    assert ok and ms == pytest.approx(16.0 + 114 * 0.52 + 114 * 0.76)
-    ok, ms, _ = policy.admit(dense, 1, 8, elsewhere)  # + 2 x 2 + 8 x 14 ahead at its own pair
-    assert not ok and ms == pytest.approx(116.0 + 16.0 + 114 * 0.52 + 114 * 0.76)
+    assert ok and ms == pytest.approx(16.0 + 16.0)  # its 16 ms at half speed beside them
+    ok, ms, _ = policy.admit(dense, 1, 8, elsewhere)  # + 2 x 2 + 8 x 14 ahead at its own pair: 132 ms in series
+    assert not ok and ms == pytest.approx(132.0 + min(132.0, beside))
     assert policy.admit(dense, 1, 8)[0]  # the same wait without the other pairs' work fits
+    ok, ms, _ = policy.admit(dense, 1, 0, {(0.6, "fp32"): 1})  # less work beside it than its own: that much
+    assert ok and ms == pytest.approx(16.0 + 16.0 * 0.52)
 
 
 def test_a_queue_building_at_the_served_pair_overflows_to_the_fastest():
@@ -503,7 +508,10 @@ def test_a_queue_building_at_the_served_pair_overflows_to_the_fastest():
     short = max(n for n in range(1, 40) if policy.request_ms(dense, 1, n) <= limit)
     assert not policy.overflows(dense, 1, 0) and not policy.overflows(dense, 1, short)
     assert policy.overflows(dense, 1, short + 1)
-    assert policy.overflows(dense, 1, 2, {(0.1, "fp32"): short})  # work at the other pairs shares the cores
+    # work at the other pairs shares the cores: a queue that fits alone overflows beside as much work
+    half = min(n for n in range(1, 40) if 2 * policy.request_ms(dense, 1, n) > limit)
+    assert not policy.overflows(dense, 1, half) and policy.overflows(dense, 1, half, {(0.1, "fp32"): short})
+    assert not policy.overflows(dense, 1, 2, {(0.1, "fp32"): short})  # beside it, not in series before it
     assert policy.fastest() == (0.6, "fp32")
     policy.unavailable = {(0.6, "fp32")}
     assert policy.fastest() == (0.5, "fp32")

@@ -150,8 +150,8 @@ class RouterClient:
         info = await self.info()
         if self.index_model is None:
             return await self.embed(rows, 0.0)
-        if few_documents(rows):
-            served = await self.embed(rows, 0.0)
+        if few_documents(rows):  # its own request, now: beside the merged queries, not waiting for their slot
+            served = await self._infer(rows, 0.0)
             if served.sparsity == 0.0:
                 return served
         if self._lane is None:  # created on the serving loop

@@ -669,14 +669,16 @@ class SloPolicy:
     def raw_request_ms(self, pair: Pair, rows: int, rows_ahead: int,
                        elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
         """A request's own modelled latency (ms, uncorrected): ``rows_ahead`` rows in flight at ``pair``
-        first (the batch running and the one queued behind it), the rows in flight at other pairs
-        (``elsewhere``: the pairs share the machine's cores, so their work delays this one's), then its own
-        batch."""
+        first (the batch running and the one queued behind it), then its own batch, the two in series (one
+        model runs one batch at a time); the rows in flight at other pairs (``elsewhere``) run beside them
+        on the same cores (processor sharing: each model runs at half speed while both have work), so they
+        delay it by their own work or by its, whichever is less, not by their whole backlog in series."""
         f = self.service.affine(pair)
         ahead = 2 * f.a + f.c * rows_ahead if rows_ahead > 0 else 0.0
-        shared = sum(self.service.ms(p, n) for p, n in (elsewhere or {}).items()
+        own = ahead + f.ms(rows)
+        beside = sum(self.service.ms(p, n) for p, n in (elsewhere or {}).items()
                      if n > 0 and p != pair and p in self.service.fits)
-        return ahead + shared + f.ms(rows)
+        return own + min(own, beside)
 
     def request_ms(self, pair: Pair, rows: int, rows_ahead: int,
                    elsewhere: Optional[Mapping[Pair, int]] = None) -> float:
