@@ -600,7 +600,7 @@ def _progress(trace: str, s: dict) -> str:
             f"{f(s['p50_ms'], '.0f')} p99 {f(s['p99_ms'], '.0f')} ms, refusals p99 {f(s['refusal_p99_ms'], '.1f')} "
             f"ms, sparsity {f(s['mean_sparsity'], '.2f')}, dense {f(s['dense_share'], '.0%')}, quality "
             f"{f(s['served_quality'], '.4f')} vs oracle {s.get('oracle_sparsity', '-')} "
-            f"({f(s.get('oracle_quality'), '.4f')})" + (f"; refused where {s['refused_where']}" if s["refused"] else "")
+            f"({f(s.get('oracle_quality'), '.4f')})" + (f"; refused where {s.get('refused_where')}" if s["refused"] else "")
             + (f"; errors {s['errors']}" if s["errors"] else ""))
 
 
@@ -613,15 +613,18 @@ async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, 
     url = server.api + "/v1/embeddings"
     await asyncio.sleep(DRAIN_S)
     batches = index_requests(corpus, 64, args.seed)
+    before = await padding_metrics(client, _metrics_urls(server))
     cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
     recs, idx = await asyncio.gather(open_loop(client, url, times, requests),
                                      indexing_client(client, url, batches, seconds))
     cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, len(times))
+    after = await padding_metrics(client, _metrics_urls(server))
     idx["reference_docs_per_s"] = refs["index_docs_per_s"]
     idx["fraction_of_reference"] = idx["documents_per_s"] / refs["index_docs_per_s"]
     oracle = oracle_budget(rate, refs["short"], args.cores)
     s = {"multiple": INDEX_QUERY_RATE, "rate_rps": rate, **summarise(recs, args.slo_ms, quality, oracle), "index": idx,
          "cpu": cpu}
+    s["refused_where"] = refused_where(s["refused"], {k: (v, before.get(k)) for k, v in after.items()})
     print(_progress("index", s) + f"; indexing {idx['documents_per_s']:.1f} documents/s "
           f"({100 * idx['fraction_of_reference']:.0f} % of the reference), {idx['requests']} requests, "
           f"{idx['refused']} refused, all dense: {idx['all_dense']}", flush=True)
