@@ -272,6 +272,26 @@ def reference_drift(before: dict, after: dict) -> dict[str, dict[str, float]]:
             for t, a in after.items() if isinstance(a, dict) and t in before}
 
 
+class StepReference:
+    """A trace's dense reference measured again just before each step (one round, in this process, while
+    the server is idle between steps): the host's speed moves on a shared machine, and a step's rate is
+    then shown as a multiple of the machine it met as well as of the run's opening reference."""
+
+    def __init__(self, directory: Path, encoder, corpus: Corpus, seed: int):
+        from elastic_export.serving.runtime import ElasticRuntime
+
+        self.rt, self.encoder, self.corpus, self.seed = ElasticRuntime.from_dir(directory), encoder, corpus, seed
+
+    def dense(self, trace: str) -> float:
+        """``trace``'s dense requests/s now (``index`` is measured on the short queries it sends)."""
+        trace = "short" if trace == "index" else trace
+        req = trace_requests(self.corpus, trace, REF_SAMPLE[trace], self.seed + 7)
+        return reference_rates(self.rt, self.encoder, req, [0.0], 1)[0.0]
+
+    def close(self) -> None:
+        self.rt.close()
+
+
 # --- the oracle and the verdicts (pure) --------------------------------------------------------------
 def oracle_budget(rate: float, ref: dict[float, float], cores: int) -> float:
     """The densest budget s with rate x (1/ref[s] + CPU_PER_REQUEST_S / cores) <= ORACLE_UTILISATION (its
@@ -553,7 +573,8 @@ async def warm(client, url: str, corpus: Corpus) -> None:
         await send(client, url, [corpus.long[i]], "query")
 
 
-async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, args, quality: dict) -> list[dict]:
+async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, args, quality: dict,
+                 step_ref: StepReference | None = None) -> list[dict]:
     """Seeded Poisson steps at ``args.rates`` x the trace's dense reference, each open loop for --step-s."""
     dense = ref[0.0]
     times, idx = phase_times([m * dense for m in args.rates], [args.step_s] * len(args.rates), args.seed)
@@ -562,13 +583,15 @@ async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, 
     for i, m in enumerate(args.rates):
         rows = np.flatnonzero(idx == i)
         await asyncio.sleep(DRAIN_S)
+        now = step_ref.dense(trace) if step_ref is not None else None
         before = await padding_metrics(client, _metrics_urls(server))
         cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
         recs = await open_loop(client, url, times[rows] - i * args.step_s, [requests[j] for j in rows])
         cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, len(rows))
         after = await padding_metrics(client, _metrics_urls(server))
         oracle = oracle_budget(m * dense, ref, args.cores)
-        s = {"multiple": m, "rate_rps": m * dense, **summarise(recs, args.slo_ms, quality, oracle), "cpu": cpu}
+        s = {"multiple": m, "rate_rps": m * dense, **summarise(recs, args.slo_ms, quality, oracle), "cpu": cpu,
+             "reference_now": now}
         if after:
             s["padding_metrics"] = {k: (v, before.get(k)) for k, v in after.items()}
             s["padding_waste"] = padding_waste(s["padding_metrics"])
@@ -595,7 +618,8 @@ def _metrics_urls(server: Server) -> list[str]:
 
 def _progress(trace: str, s: dict) -> str:
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    return (f"{trace} {s['multiple']:g}x ({s['rate_rps']:.1f}/s): offered {s['offered']}, answered {s['answered']}, "
+    return (f"{trace} {s['multiple']:g}x ({s['rate_rps']:.1f}/s, {_own_multiple(s)}): offered {s['offered']}, "
+            f"answered {s['answered']}, "
             f"refused {s['refused']}, lost {s['lost']}, SLO {100 * s['slo_attainment']:.1f} %, p50 "
             f"{f(s['p50_ms'], '.0f')} p99 {f(s['p99_ms'], '.0f')} ms, refusals p99 {f(s['refusal_p99_ms'], '.1f')} "
             f"ms, sparsity {f(s['mean_sparsity'], '.2f')}, dense {f(s['dense_share'], '.0%')}, quality "
@@ -604,7 +628,8 @@ def _progress(trace: str, s: dict) -> str:
             + (f"; errors {s['errors']}" if s["errors"] else ""))
 
 
-async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, quality: dict) -> list[dict]:
+async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, quality: dict,
+                      step_ref: StepReference | None = None) -> list[dict]:
     """Short queries at 0.25x their dense reference beside one indexing client, for INDEX_STEP_FACTOR steps."""
     seconds = INDEX_STEP_FACTOR * args.step_s
     rate = INDEX_QUERY_RATE * refs["short"][0.0]
@@ -612,6 +637,7 @@ async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, 
     requests = trace_requests(corpus, "short", len(times), args.seed + 1)
     url = server.api + "/v1/embeddings"
     await asyncio.sleep(DRAIN_S)
+    now = step_ref.dense("index") if step_ref is not None else None
     batches = index_requests(corpus, 64, args.seed)
     before = await padding_metrics(client, _metrics_urls(server))
     cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
@@ -623,7 +649,7 @@ async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, 
     idx["fraction_of_reference"] = idx["documents_per_s"] / refs["index_docs_per_s"]
     oracle = oracle_budget(rate, refs["short"], args.cores)
     s = {"multiple": INDEX_QUERY_RATE, "rate_rps": rate, **summarise(recs, args.slo_ms, quality, oracle), "index": idx,
-         "cpu": cpu}
+         "cpu": cpu, "reference_now": now}
     s["refused_where"] = refused_where(s["refused"], {k: (v, before.get(k)) for k, v in after.items()})
     print(_progress("index", s) + f"; indexing {idx['documents_per_s']:.1f} documents/s "
           f"({100 * idx['fraction_of_reference']:.0f} % of the reference), {idx['requests']} requests, "
@@ -631,7 +657,8 @@ async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, 
     return [s]
 
 
-async def run_load(server: Server, corpus: Corpus, refs: dict, args, quality: dict) -> dict:
+async def run_load(server: Server, corpus: Corpus, refs: dict, args, quality: dict,
+                   step_ref: StepReference | None = None) -> dict:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=2000)
@@ -641,9 +668,9 @@ async def run_load(server: Server, corpus: Corpus, refs: dict, args, quality: di
         out = {}
         for trace in args.traces:
             if trace == "index":
-                out[trace] = await index_trace(client, server, corpus, refs, args, quality)
+                out[trace] = await index_trace(client, server, corpus, refs, args, quality, step_ref)
             else:
-                out[trace] = await ladder(client, server, corpus, trace, refs[trace], args, quality)
+                out[trace] = await ladder(client, server, corpus, trace, refs[trace], args, quality, step_ref)
         return out
 
 
@@ -653,10 +680,10 @@ def _cell(v, spec: str, scale: float = 1.0) -> str:
 
 
 def table_lines(trace: str, steps: list[dict]) -> list[str]:
-    head = ("| rate | req/s | offered | answered | refused (on arrival / late / router) | lost | SLO met | p50 ms | "
-            "p99 ms | refusals p99 ms | "
+    head = ("| rate | req/s | x the step's own reference | offered | answered | refused (on arrival / late / router) "
+            "| lost | SLO met | p50 ms | p99 ms | refusals p99 ms | "
             "mean sparsity | dense | quality | oracle (quality) | vs oracle | padding |")
-    lines = [head, "|---" * 16 + "|"]
+    lines = [head, "|---" * 17 + "|"]
     for s in steps:
         pm = s.get("padding_metrics") or {}
         merged = [_step_value(k, *pm[k]) for k in ("elastic_api_queries_batched_total", "elastic_api_query_batches_total")
@@ -667,13 +694,20 @@ def table_lines(trace: str, steps: list[dict]) -> list[str]:
         refused = f"{s['refused']}" + (f" ({where['arrival']} / {where['late']} / {where['router']})"
                                        if where and s["refused"] else "")
         lines.append(
-            f"| {s['multiple']:g}x | {s['rate_rps']:.1f} | {s['offered']} | {s['answered']} | {refused} | "
+            f"| {s['multiple']:g}x | {s['rate_rps']:.1f} | {_own_multiple(s)} | {s['offered']} | {s['answered']} | "
+            f"{refused} | "
             f"{s['lost']} | {100 * s['slo_attainment']:.1f} % | {_cell(s['p50_ms'], '.0f')} | "
             f"{_cell(s['p99_ms'], '.0f')} | {_cell(s['refusal_p99_ms'], '.1f')} | {_cell(s['mean_sparsity'], '.2f')} | "
             f"{_cell(s['dense_share'], '.0f', 100)} % | {_cell(s['served_quality'], '.4f')} | "
             f"{s.get('oracle_sparsity', '-')} ({_cell(s.get('oracle_quality'), '.4f')}) | "
             f"{_cell(s.get('quality_vs_oracle'), '+.4f')} | {pad} |")
     return lines
+
+
+def _own_multiple(step: dict) -> str:
+    """The step's rate over the dense reference measured just before it, with that reference (or n/a)."""
+    now = step.get("reference_now")
+    return f"{step['rate_rps'] / now:.2f}x of {now:.1f}" if now else "n/a"
 
 
 def _step_value(name: str, after: float, before: float | None) -> float:
@@ -719,6 +753,8 @@ def report_lines(out: dict) -> list[str]:
     if "index_docs_per_s" in out["reference"]:
         lines.append(f"- indexing: dense {INDEX_BATCH}-document requests "
                      f"{out['reference']['index_docs_per_s']:.1f} documents/s")
+    lines += ["", "Before each step the trace's dense reference is measured again in this process (one round, the "
+              "server idle between steps): the column 'x the step's own reference' is the step's rate over it."]
     if out.get("reference_after"):
         lines += ["", "The dense reference again after the load, the server stopped (the host's own speed moves on a "
                   "shared machine; a large change means the rates above were multiples of a different machine):",
@@ -815,8 +851,12 @@ def main(argv: list[str] | None = None) -> int:
     sparsities = [0.0] + sorted(b.sparsity for b in manifest.budgets)
     metric, quality = quality_per_budget(d, sparsities)
     refs = measure_references(d, encoder, corpus, args.traces, sparsities, args.seed, args.ref_rounds)
-    with Server(d, args.slo_ms, args.server_log) as server:
-        traces = asyncio.run(run_load(server, corpus, refs, args, quality))
+    step_ref = StepReference(d, encoder, corpus, args.seed)
+    try:
+        with Server(d, args.slo_ms, args.server_log) as server:
+            traces = asyncio.run(run_load(server, corpus, refs, args, quality, step_ref))
+    finally:
+        step_ref.close()
     after = measure_references(d, encoder, corpus, [t for t in args.traces if t != "index"] or ["short"], [0.0],
                                args.seed, args.ref_rounds)
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),

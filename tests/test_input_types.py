@@ -90,8 +90,9 @@ def test_documents_of_a_client_that_has_gone_are_not_run():
 
 
 def test_a_few_short_documents_go_beside_the_queries_the_rest_to_the_lane():
-    """At most 4 documents and 1,024 padded tokens (someone waits for them) go through the router at sparsity
-    0; more, or longer, go to the indexing lane; so do a few the router answers sparser (dense model down)."""
+    """At most 4 documents and 1,024 padded tokens (someone waits for them) go to the router at sparsity 0, as
+    their own request (not merged with the queries, whose one request in flight they would wait for); more,
+    or longer, go to the indexing lane; so do a few the router answers sparser (dense model down)."""
     import asyncio
 
     import numpy as np
@@ -101,10 +102,13 @@ def test_a_few_short_documents_go_beside_the_queries_the_rest_to_the_lane():
 
     class Recorded(RouterClient):  # the two ways out, recorded instead of sent
         async def embed(self, rows, sparsity):
-            self.calls.append(("router", len(rows), sparsity))
-            return Served(np.zeros((len(rows), 2)), self.router_serves, "fp32")
+            raise AssertionError("documents never go through the query batcher")
 
         async def _infer(self, rows, sparsity, model=None, queued_ms=0.0):
+            if model is None:  # the router
+                assert sparsity == 0.0
+                self.calls.append(("router", len(rows), sparsity))
+                return Served(np.zeros((len(rows), 2)), self.router_serves, "fp32")
             self.calls.append(("lane", len(rows), model))
             return Served(np.ones((len(rows), 2)), 0.0, "fp32")
 

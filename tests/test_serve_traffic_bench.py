@@ -141,6 +141,9 @@ def test_refusals_are_told_apart_by_where_they_happened(bench):
     step = {**_step(1.5), "rate_rps": 900.0, "offered": 100, "answered": 30, "refused": 70, "lost": 0, "p50_ms": 50.0,
             "mean_sparsity": 0.6, "refused_where": bench.refused_where(70, metrics)}
     assert "| 70 (30 / 20 / 20) |" in bench.table_lines("short", [step])[-1]
+    assert "| 1.5x | 900.0 | n/a |" in bench.table_lines("short", [step])[-1]  # no reference before it
+    line = bench.table_lines("short", [{**step, "reference_now": 720.0}])[-1]
+    assert "| 1.5x | 900.0 | 1.25x of 720.0 |" in line and line.count("|") == 18
 
 
 def test_the_reference_measured_again_after_the_load_shows_the_hosts_drift(bench):
