@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -266,10 +267,11 @@ def measure_references(directory: Path, encoder, corpus: Corpus, traces: list[st
         rt.close()
 
 
-def reference_drift(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Per trace measured again: its dense reference before and after the load and the relative change."""
-    return {t: {"before": before[t][0.0], "after": a[0.0], "change": a[0.0] / before[t][0.0] - 1.0}
-            for t, a in after.items() if isinstance(a, dict) and t in before}
+def reference_drift(before: dict, after: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per trace measured again (``after``: its dense requests/s): its dense reference before and after the
+    load and the relative change."""
+    return {t: {"before": before[t][0.0], "after": a, "change": a / before[t][0.0] - 1.0}
+            for t, a in after.items() if t in before}
 
 
 class StepReference:
@@ -282,11 +284,12 @@ class StepReference:
 
         self.rt, self.encoder, self.corpus, self.seed = ElasticRuntime.from_dir(directory), encoder, corpus, seed
 
-    def dense(self, trace: str) -> float:
-        """``trace``'s dense requests/s now (``index`` is measured on the short queries it sends)."""
+    def dense(self, trace: str, rounds: int = 1) -> float:
+        """``trace``'s dense requests/s now, the median of ``rounds`` rounds (``index`` is measured on the short
+        queries it sends)."""
         trace = "short" if trace == "index" else trace
         req = trace_requests(self.corpus, trace, REF_SAMPLE[trace], self.seed + 7)
-        return reference_rates(self.rt, self.encoder, req, [0.0], 1)[0.0]
+        return reference_rates(self.rt, self.encoder, req, [0.0], rounds)[0.0]
 
     def close(self) -> None:
         self.rt.close()
@@ -584,21 +587,30 @@ async def ladder(client, server: Server, corpus: Corpus, trace: str, ref: dict, 
         rows = np.flatnonzero(idx == i)
         await asyncio.sleep(DRAIN_S)
         now = step_ref.dense(trace) if step_ref is not None else None
-        before = await padding_metrics(client, _metrics_urls(server))
-        cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
-        recs = await open_loop(client, url, times[rows] - i * args.step_s, [requests[j] for j in rows])
-        cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, len(rows))
-        after = await padding_metrics(client, _metrics_urls(server))
+        recs, cpu, metrics = await measured_step(client, server, len(rows), lambda: open_loop(
+            client, url, times[rows] - i * args.step_s, [requests[j] for j in rows]))
         oracle = oracle_budget(m * dense, ref, args.cores)
         s = {"multiple": m, "rate_rps": m * dense, **summarise(recs, args.slo_ms, quality, oracle), "cpu": cpu,
              "reference_now": now}
-        if after:
-            s["padding_metrics"] = {k: (v, before.get(k)) for k, v in after.items()}
-            s["padding_waste"] = padding_waste(s["padding_metrics"])
-            s["refused_where"] = refused_where(s["refused"], s["padding_metrics"])
+        if metrics:
+            s["padding_metrics"] = metrics
+            s["padding_waste"] = padding_waste(metrics)
+            s["refused_where"] = refused_where(s["refused"], metrics)
         steps.append(s)
         print(_progress(trace, s), flush=True)
     return steps
+
+
+async def measured_step(client, server: Server, requests: int, load: Callable[[], Awaitable]) -> tuple[Any, dict, dict]:
+    """Start ``load()`` (a step's requests, once the counters are read) and measure it: its result, the
+    server's CPU by part over it (:func:`cpu_use`, per request of ``requests``), and the API's and Triton's
+    counters as ``{name: (after, before)}`` (:func:`padding_metrics`; empty when neither answered)."""
+    before = await padding_metrics(client, _metrics_urls(server))
+    cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
+    result = await load()
+    cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, requests)
+    after = await padding_metrics(client, _metrics_urls(server))
+    return result, cpu, {k: (v, before.get(k)) for k, v in after.items()}
 
 
 def refused_where(refused: int, metrics: dict) -> dict[str, int]:
@@ -639,18 +651,15 @@ async def index_trace(client, server: Server, corpus: Corpus, refs: dict, args, 
     await asyncio.sleep(DRAIN_S)
     now = step_ref.dense("index") if step_ref is not None else None
     batches = index_requests(corpus, 64, args.seed)
-    before = await padding_metrics(client, _metrics_urls(server))
-    cpu0, t0 = cpu_by_part(server.proc.pid), time.perf_counter()
-    recs, idx = await asyncio.gather(open_loop(client, url, times, requests),
-                                     indexing_client(client, url, batches, seconds))
-    cpu = cpu_use(cpu0, cpu_by_part(server.proc.pid), time.perf_counter() - t0, len(times))
-    after = await padding_metrics(client, _metrics_urls(server))
+    (recs, idx), cpu, metrics = await measured_step(client, server, len(times), lambda: asyncio.gather(
+        open_loop(client, url, times, requests), indexing_client(client, url, batches, seconds)))
     idx["reference_docs_per_s"] = refs["index_docs_per_s"]
     idx["fraction_of_reference"] = idx["documents_per_s"] / refs["index_docs_per_s"]
     oracle = oracle_budget(rate, refs["short"], args.cores)
     s = {"multiple": INDEX_QUERY_RATE, "rate_rps": rate, **summarise(recs, args.slo_ms, quality, oracle), "index": idx,
          "cpu": cpu, "reference_now": now}
-    s["refused_where"] = refused_where(s["refused"], {k: (v, before.get(k)) for k, v in after.items()})
+    if metrics:
+        s["refused_where"] = refused_where(s["refused"], metrics)
     print(_progress("index", s) + f"; indexing {idx['documents_per_s']:.1f} documents/s "
           f"({100 * idx['fraction_of_reference']:.0f} % of the reference), {idx['requests']} requests, "
           f"{idx['refused']} refused, all dense: {idx['all_dense']}", flush=True)
@@ -855,10 +864,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Server(d, args.slo_ms, args.server_log) as server:
             traces = asyncio.run(run_load(server, corpus, refs, args, quality, step_ref))
+        after = {t: step_ref.dense(t, args.ref_rounds) for t in refs if t in TRACES}  # the server stopped
     finally:
         step_ref.close()
-    after = measure_references(d, encoder, corpus, [t for t in args.traces if t != "index"] or ["short"], [0.0],
-                               args.seed, args.ref_rounds)
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
            "command": "python benchmarks/serve_traffic.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "slo_ms": args.slo_ms, "step_s": args.step_s, "ref_rounds": args.ref_rounds, "seed": args.seed, "cores": args.cores,
