@@ -589,8 +589,8 @@ class SloPolicy:
         rows, which scales each row's service time in :meth:`predict` (the queue is of the rows that arrive,
         each as costly as they are, not of fewer nominal rows). Rows of the nominal length leave it at 1.
         Until ``memory_rows`` rows are seen the weight is the plain mean of those seen: the starting 1 is a
-        guess, not a measurement (as a moving average it held a fresh server's first short queries at about
-        the nominal cost for 200 rows, and the router served a load step's first second sparse)."""
+        guess, not a measurement, and a moving average from it would charge a fresh server's first short
+        rows about the nominal cost, predicting dense too slow for them."""
         if rows > 0:
             self.rows_seen = min(memory_rows, self.rows_seen + rows)
             self.row_weight += (work / rows - self.row_weight) * min(1.0, rows / self.rows_seen)
